@@ -1,0 +1,108 @@
+"""Where an op runs: the one dispatch decision of culmen.
+
+* CUDA / ROCm tensors run the Triton kernel.
+* CPU tensors run the pure-PyTorch reference, unless ``CULMEN_BACKEND=triton``, which runs the
+  Triton kernel on CPU (this needs ``TRITON_INTERPRET=1`` set before triton is imported).
+* ``CULMEN_BACKEND=reference`` forces the reference everywhere.
+
+The environment variable is read at every call, so tests and users can flip it at run time.
+Nothing here compiles, autotunes or touches the GPU at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+_VALID = ("auto", "triton", "reference")
+
+
+def triton_available() -> bool:
+    """True when ``import triton`` works in this process."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the platform
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def backend_mode() -> str:
+    """The value of ``CULMEN_BACKEND`` (``auto`` when unset), validated."""
+    mode = os.environ.get("CULMEN_BACKEND", "auto").strip().lower() or "auto"
+    if mode not in _VALID:
+        raise ValueError(f"CULMEN_BACKEND must be one of {_VALID}, got {mode!r}")
+    return mode
+
+
+def choose_backend(device: torch.device | str) -> str:
+    """Return ``"triton"`` or ``"reference"`` for an op whose tensors live on ``device``."""
+    device = torch.device(device)
+    mode = backend_mode()
+    if mode == "reference":
+        return "reference"
+    if device.type == "cuda":
+        if not triton_available():
+            raise RuntimeError("culmen needs triton to run on CUDA/ROCm tensors; pip install triton")
+        return "triton"
+    if mode == "triton":
+        if device.type != "cpu":
+            raise RuntimeError(f"CULMEN_BACKEND=triton cannot run on device type {device.type!r}")
+        if not interpreter_enabled():
+            raise RuntimeError(
+                "CULMEN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
+            )
+        return "triton"
+    return "reference"
+
+
+def device_guard(device: torch.device):
+    """Make ``device`` current while a Triton kernel launches (Triton launches on the current device)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def num_programs_hint(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device; a small number under the CPU interpreter."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+_SM_CACHE: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_CACHE:
+        _SM_CACHE[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_CACHE[index]
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """An entry of the op registry that ``culmen info`` prints."""
+
+    name: str
+    family: str
+    description: str
+
+
+_REGISTRY: dict[str, OpInfo] = {}
+
+
+def register_op(name: str, family: str, description: str) -> None:
+    """Record an op (a ``culmen::`` custom op) so ``culmen info`` can list it and its backend."""
+    _REGISTRY[name] = OpInfo(name, family, description)
+
+
+def registered_ops() -> list[OpInfo]:
+    """All registered ops, sorted by family then name. Importing ``culmen.ops`` fills the registry."""
+    return sorted(_REGISTRY.values(), key=lambda o: (o.family, o.name))
