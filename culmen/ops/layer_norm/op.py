@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,14 +27,14 @@ def _empty(like: Tensor, dtype=None) -> Tensor:
 @torch.library.custom_op("culmen::layer_norm_fwd", mutates_args=())
 def layer_norm_fwd_op(
     x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    residual: Optional[Tensor],
-    x1: Optional[Tensor],
-    weight1: Optional[Tensor],
-    bias1: Optional[Tensor],
-    rowscale: Optional[Tensor],
-    seed: Optional[Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    x1: Tensor | None,
+    weight1: Tensor | None,
+    bias1: Tensor | None,
+    rowscale: Tensor | None,
+    seed: Tensor | None,
     eps: float,
     dropout_p: float,
     is_rms_norm: bool,
@@ -75,15 +75,15 @@ def _(x, weight, bias, residual, x1, weight1, bias1, rowscale, seed, eps, dropou
 @torch.library.custom_op("culmen::layer_norm_bwd", mutates_args=())
 def layer_norm_bwd_op(
     dy: Tensor,
-    dy1: Optional[Tensor],
-    dres_out: Optional[Tensor],
+    dy1: Tensor | None,
+    dres_out: Tensor | None,
     xs: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    weight1: Optional[Tensor],
-    bias1: Optional[Tensor],
-    rowscale: Optional[Tensor],
-    seed: Optional[Tensor],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    weight1: Tensor | None,
+    bias1: Tensor | None,
+    rowscale: Tensor | None,
+    seed: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
     eps: float,
@@ -183,18 +183,18 @@ class LayerNormOutput(NamedTuple):
     """Outputs of ``layer_norm``; fields that were not asked for are ``None``."""
 
     y: Tensor
-    y1: Optional[Tensor]
-    residual_out: Optional[Tensor]
-    dropout_mask: Optional[Tensor]
-    dropout_mask1: Optional[Tensor]
+    y1: Tensor | None
+    residual_out: Tensor | None
+    dropout_mask: Tensor | None
+    dropout_mask1: Tensor | None
 
 
-def _check_float(name: str, t: Optional[Tensor]) -> None:
+def _check_float(name: str, t: Tensor | None) -> None:
     if t is not None and t.dtype not in _FLOATS:
         raise TypeError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {t.dtype}")
 
 
-def _as_rows(name: str, t: Optional[Tensor], shape: torch.Size, N: int) -> Optional[Tensor]:
+def _as_rows(name: str, t: Tensor | None, shape: torch.Size, N: int) -> Tensor | None:
     if t is None:
         return None
     if t.shape != shape:
@@ -203,7 +203,7 @@ def _as_rows(name: str, t: Optional[Tensor], shape: torch.Size, N: int) -> Optio
     return t2 if (t2.stride(-1) == 1 or N <= 1) else t2.contiguous()
 
 
-def _as_vec(name: str, t: Optional[Tensor], N: int) -> Optional[Tensor]:
+def _as_vec(name: str, t: Tensor | None, N: int) -> Tensor | None:
     if t is None:
         return None
     if t.numel() != N:
@@ -213,20 +213,20 @@ def _as_vec(name: str, t: Optional[Tensor], N: int) -> Optional[Tensor]:
 
 def layer_norm(
     x: Tensor,
-    weight: Optional[Tensor] = None,
-    bias: Optional[Tensor] = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
     *,
-    residual: Optional[Tensor] = None,
-    x1: Optional[Tensor] = None,
-    weight1: Optional[Tensor] = None,
-    bias1: Optional[Tensor] = None,
+    residual: Tensor | None = None,
+    x1: Tensor | None = None,
+    weight1: Tensor | None = None,
+    bias1: Tensor | None = None,
     eps: float = 1e-5,
     dropout_p: float = 0.0,
-    rowscale: Optional[Tensor] = None,
+    rowscale: Tensor | None = None,
     is_rms_norm: bool = False,
     zero_centered_weight: bool = False,
     residual_in_fp32: bool = False,
-    out_dtype: Optional[torch.dtype] = None,
+    out_dtype: torch.dtype | None = None,
     return_residual: bool = False,
     return_dropout_mask: bool = False,
     memory_efficient: bool = False,

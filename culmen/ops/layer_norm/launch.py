@@ -1,0 +1,162 @@
+"""Launchers of the fused add + LayerNorm / RMSNorm kernels: allocate, pick blocks, launch.
+
+The block-size rules below were set by sweeps on an H100 (``bench/notes/layer_norm.md``);
+``TUNING`` holds them so a sweep can change them at run time without editing code.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from culmen.ops.backend import device_guard, num_programs_hint
+from culmen.ops.common.outputs import nothing
+from culmen.ops.layer_norm.kernels import (
+    _layer_norm_bwd_chunked_kernel,
+    _layer_norm_bwd_dw_kernel,
+    _layer_norm_bwd_kernel,
+    _layer_norm_fwd_chunked_kernel,
+    _layer_norm_fwd_kernel,
+)
+
+TUNING = {
+    # Largest row (elements) a forward program keeps in registers; longer rows are chunked.
+    "fwd_max_resident": 16384,
+    # Same for the backward, whose dW/dB accumulators also live in registers.
+    "bwd_max_resident": 8192,
+    # Elements per program the row-resident kernels aim for (several short rows per program).
+    "fwd_elems": 4096,
+    "bwd_elems": 4096,
+    # Chunk width of the chunked kernels.
+    "chunk": 4096,
+    # Elements per thread before another warp is added.
+    "elems_per_thread": 16,
+    "max_warps": 16,
+    # Persistent backward programs per multiprocessor.
+    "bwd_programs_per_sm": 2,
+}
+
+
+def _warps(elems: int) -> int:
+    w = triton.next_power_of_2(max(1, elems // (32 * TUNING["elems_per_thread"])))
+    return max(1, min(TUNING["max_warps"], w))
+
+
+def _row_blocks(N: int, M: int, target: int) -> tuple[int, int]:
+    block_n = triton.next_power_of_2(max(N, 1))
+    block_m = max(1, min(target // block_n, 64, triton.next_power_of_2(max(M, 1))))
+    return block_m, block_n
+
+
+def _stride0(t: Tensor | None) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+def layer_norm_fwd(x, weight, bias, residual, x1, weight1, bias1, rowscale, seed, eps, dropout_p, is_rms_norm,
+                   zero_centered_weight, residual_dtype, out_dtype, store_residual_out, store_mask):
+    """Forward of ``culmen::layer_norm_fwd`` on 2-D ``(M, N)`` inputs whose last dim is contiguous.
+
+    Returns ``(y, y1, mean, rstd, residual_out, mask, mask1)``: ``y``/``y1`` ``(M, N)`` in ``out_dtype``;
+    ``mean``/``rstd`` ``(M,)`` fp32 (``mean`` empty for RMSNorm); ``residual_out`` ``(M, N)`` in
+    ``residual_dtype`` when ``store_residual_out``; bool keep-masks when ``store_mask``. Absent outputs
+    are empty tensors.
+    """
+    M, N = x.shape
+    dev = x.device
+    y = torch.empty((M, N), device=dev, dtype=out_dtype)
+    y1 = torch.empty((M, N), device=dev, dtype=out_dtype) if weight1 is not None else None
+    mean = torch.empty((M,), device=dev, dtype=torch.float32) if not is_rms_norm else None
+    rstd = torch.empty((M,), device=dev, dtype=torch.float32)
+    res_out = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_residual_out else None
+    has_dropout = dropout_p > 0.0
+    mask = torch.empty((M, N), device=dev, dtype=torch.bool) if store_mask else None
+    mask1 = torch.empty((M, N), device=dev, dtype=torch.bool) if (store_mask and x1 is not None) else None
+    chunked = N > TUNING["fwd_max_resident"]
+    if chunked:
+        block_m, block_n = 1, min(TUNING["chunk"], triton.next_power_of_2(N))
+        kernel = _layer_norm_fwd_chunked_kernel
+    else:
+        block_m, block_n = _row_blocks(N, M, TUNING["fwd_elems"])
+        kernel = _layer_norm_fwd_kernel
+    grid = (triton.cdiv(M, block_m),)
+    with device_guard(dev):
+        kernel[grid](
+            x, weight, bias, residual, x1, weight1, bias1, rowscale, seed,
+            y, y1, res_out, mask, mask1, mean, rstd,
+            x.stride(0), _stride0(residual), _stride0(x1), y.stride(0), _stride0(y1), _stride0(res_out),
+            M, N, eps, dropout_p,
+            IS_RMS=is_rms_norm, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None,
+            HAS_X1=x1 is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
+            HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=has_dropout, STORE_MASK=store_mask,
+            STORE_RES_OUT=store_residual_out, ZERO_CENTERED=zero_centered_weight,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n),
+        )
+    return (y, y1 if y1 is not None else nothing(dev), mean if mean is not None else nothing(dev), rstd,
+            res_out if res_out is not None else nothing(dev), mask if mask is not None else nothing(dev, torch.bool),
+            mask1 if mask1 is not None else nothing(dev, torch.bool))
+
+
+def layer_norm_bwd(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale, seed, mean, rstd, eps, dropout_p,
+                   is_rms_norm, zero_centered_weight, recompute_from_y, has_residual, has_x1, x_dtype, x1_dtype,
+                   residual_dtype, store_dres):
+    """Backward of ``culmen::layer_norm_fwd`` on 2-D inputs.
+
+    ``xs`` is the saved pre-norm sum ``(M, N)`` (or ``y`` when ``recompute_from_y``); ``dy1`` is
+    given when ``weight1`` is; ``dres_out`` is the gradient of the returned pre-norm sum, if any.
+    Returns ``(dx, dw, db, dw1, db1, dresidual, dx1)``; absent outputs are empty tensors.
+    """
+    M, N = dy.shape
+    dev = dy.device
+    dx = torch.empty((M, N), device=dev, dtype=x_dtype)
+    dx1 = torch.empty((M, N), device=dev, dtype=x1_dtype) if has_x1 else None
+    dres = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_dres else None
+    if mean is not None and mean.numel() == 0:
+        mean = None
+    flags = dict(IS_RMS=is_rms_norm, HAS_W=weight is not None, HAS_B=bias is not None, HAS_W1=weight1 is not None,
+                 ZERO_CENTERED=zero_centered_weight, RECOMPUTE_FROM_Y=recompute_from_y)
+    dx_flags = dict(HAS_DRES_OUT=dres_out is not None, STORE_DRES=store_dres, HAS_X1=has_x1,
+                    HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0)
+    strides = (xs.stride(0), dy.stride(0), _stride0(dy1), _stride0(dres_out), dx.stride(0), _stride0(dx1),
+               _stride0(dres))
+    params = [p for p in (weight, bias, weight1, bias1)]
+    with device_guard(dev):
+        if N <= TUNING["bwd_max_resident"]:
+            block_m, block_n = _row_blocks(N, M, TUNING["bwd_elems"])
+            num_warps = _warps(block_m * block_n)
+            n_prog = num_programs_hint(dev) * TUNING["bwd_programs_per_sm"]
+            n_prog = max(1, min(n_prog, triton.cdiv(M, block_m)))
+            rows_per_program = triton.cdiv(M, n_prog)
+            n_prog = triton.cdiv(M, rows_per_program)
+            partials = [torch.empty((n_prog, N), device=dev, dtype=torch.float32) if p is not None else None
+                        for p in params]
+            _layer_norm_bwd_kernel[(n_prog,)](
+                xs, weight, bias, weight1, dy, dy1, dres_out, rowscale, seed, mean, rstd,
+                dx, dx1, dres, *partials,
+                *strides, M, N, dropout_p, rows_per_program,
+                HAS_B1=bias1 is not None, **flags, **dx_flags,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            )
+        else:
+            block_n = min(TUNING["chunk"], triton.next_power_of_2(N))
+            _layer_norm_bwd_chunked_kernel[(M,)](
+                xs, weight, bias, weight1, dy, dy1, dres_out, rowscale, seed, mean, rstd,
+                dx, dx1, dres, *strides, M, N, dropout_p,
+                **flags, **dx_flags, BLOCK_M=1, BLOCK_N=block_n, num_warps=_warps(block_n),
+            )
+            partials = [None] * 4
+            if any(p is not None for p in params):
+                col_block = 256
+                splits = max(1, min(triton.cdiv(M, 32), 4 * num_programs_hint(dev) // triton.cdiv(N, col_block)))
+                rows_per_split = triton.cdiv(M, splits)
+                splits = triton.cdiv(M, rows_per_split)
+                partials = [torch.empty((splits, N), device=dev, dtype=torch.float32) if p is not None else None
+                            for p in params]
+                _layer_norm_bwd_dw_kernel[(triton.cdiv(N, col_block), splits)](
+                    xs, weight, bias, dy, dy1, mean, rstd, *partials,
+                    xs.stride(0), dy.stride(0), _stride0(dy1), M, N, rows_per_split,
+                    HAS_B1=bias1 is not None, **flags, BLOCK_M=32, BLOCK_N=col_block, num_warps=4,
+                )
+    grads = [part.sum(0).to(p.dtype) if p is not None else nothing(dev) for part, p in zip(partials, params)]
+    dw, db, dw1, db1 = grads
+    return (dx, dw, db, dw1, db1, dres if dres is not None else nothing(dev), dx1 if dx1 is not None else nothing(dev))
