@@ -20,13 +20,20 @@ import torch
 _VALID = ("auto", "triton", "reference")
 
 
+_TRITON_STATE: bool | None = None
+
+
 def triton_available() -> bool:
-    """True when ``import triton`` works in this process."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the platform
-        return False
-    return True
+    """True when ``import triton`` works in this process (checked once)."""
+    global _TRITON_STATE
+    if _TRITON_STATE is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON_STATE = True
+        except Exception:  # pragma: no cover - depends on the platform
+            _TRITON_STATE = False
+    return _TRITON_STATE
 
 
 def interpreter_enabled() -> bool:
@@ -44,7 +51,15 @@ def backend_mode() -> str:
 
 def choose_backend(device: torch.device | str) -> str:
     """Return ``"triton"`` or ``"reference"`` for an op whose tensors live on ``device``."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    raw = os.environ.get("CULMEN_BACKEND")
+    if raw is None or raw == "auto":
+        # The common case, kept cheap: this runs on every op call.
+        if device.type == "cuda" and triton_available():
+            return "triton"
+        if device.type != "cuda":
+            return "reference"
     mode = backend_mode()
     if mode == "reference":
         return "reference"

@@ -239,7 +239,7 @@ def _store_dx(DX, DX1, DRES, DRES_OUT, ROWSCALE, seed, dh, rows, cols, tile, M, 
 def _layer_norm_bwd_kernel(
     XS, W, B, W1, DY, DY1, DRES_OUT, ROWSCALE, SEED, MEAN, RSTD,
     DX, DX1, DRES, DW, DB, DW1, DB1,
-    stride_xs, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres,
+    stride_xs, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres, stride_part,
     M, N, dropout_p, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_W1: tl.constexpr,
     HAS_B1: tl.constexpr, HAS_DRES_OUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_X1: tl.constexpr,
@@ -298,7 +298,7 @@ def _layer_norm_bwd_kernel(
                   stride_dx, stride_dx1, stride_dres, stride_dres_out,
                   HAS_DRES_OUT, STORE_DRES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BLOCK_M, BLOCK_N)
     cols1 = tl.arange(0, BLOCK_N)
-    out = pid.to(tl.int64) * N + cols1
+    out = pid.to(tl.int64) * stride_part + cols1
     if HAS_W:
         tl.store(DW + out, tl.sum(dw_acc, axis=0), mask=cols1 < N)
     if HAS_B:
@@ -381,7 +381,7 @@ def _layer_norm_bwd_chunked_kernel(
 @triton.jit
 def _layer_norm_bwd_dw_kernel(
     XS, W, B, DY, DY1, MEAN, RSTD, DW, DB, DW1, DB1,
-    stride_xs, stride_dy, stride_dy1,
+    stride_xs, stride_dy, stride_dy1, stride_part,
     M, N, rows_per_split,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_W1: tl.constexpr,
     HAS_B1: tl.constexpr, ZERO_CENTERED: tl.constexpr, RECOMPUTE_FROM_Y: tl.constexpr,
@@ -419,7 +419,7 @@ def _layer_norm_bwd_dw_kernel(
             dy1 = tl.load(DY1 + rows * stride_dy1 + cols, mask=tile, other=0.0).to(tl.float32)
             dw1_acc += dy1 * xhat
             db1_acc += dy1
-    out = pid_s.to(tl.int64) * N + cols1
+    out = pid_s.to(tl.int64) * stride_part + cols1
     if HAS_W:
         tl.store(DW + out, tl.sum(dw_acc, axis=0), mask=cols1 < N)
     if HAS_B:

@@ -11,7 +11,7 @@ import triton
 from torch import Tensor
 
 from culmen.ops.backend import device_guard, num_programs_hint
-from culmen.ops.common.outputs import nothing
+from culmen.ops.common.launch import FastLauncher
 from culmen.ops.layer_norm.kernels import (
     _layer_norm_bwd_chunked_kernel,
     _layer_norm_bwd_dw_kernel,
@@ -19,6 +19,12 @@ from culmen.ops.layer_norm.kernels import (
     _layer_norm_fwd_chunked_kernel,
     _layer_norm_fwd_kernel,
 )
+
+_fwd = FastLauncher(_layer_norm_fwd_kernel)
+_fwd_chunked = FastLauncher(_layer_norm_fwd_chunked_kernel)
+_bwd = FastLauncher(_layer_norm_bwd_kernel)
+_bwd_chunked = FastLauncher(_layer_norm_bwd_chunked_kernel)
+_bwd_dw = FastLauncher(_layer_norm_bwd_dw_kernel)
 
 TUNING = {
     # Largest row (elements) a forward program keeps in registers; longer rows are chunked.
@@ -58,9 +64,9 @@ def layer_norm_fwd(x, weight, bias, residual, x1, weight1, bias1, rowscale, seed
     """Forward of ``culmen::layer_norm_fwd`` on 2-D ``(M, N)`` inputs whose last dim is contiguous.
 
     Returns ``(y, y1, mean, rstd, residual_out, mask, mask1)``: ``y``/``y1`` ``(M, N)`` in ``out_dtype``;
-    ``mean``/``rstd`` ``(M,)`` fp32 (``mean`` empty for RMSNorm); ``residual_out`` ``(M, N)`` in
+    ``mean``/``rstd`` ``(M,)`` fp32 (no ``mean`` for RMSNorm); ``residual_out`` ``(M, N)`` in
     ``residual_dtype`` when ``store_residual_out``; bool keep-masks when ``store_mask``. Absent outputs
-    are empty tensors.
+    are ``None``.
     """
     M, N = x.shape
     dev = x.device
@@ -75,26 +81,22 @@ def layer_norm_fwd(x, weight, bias, residual, x1, weight1, bias1, rowscale, seed
     chunked = N > TUNING["fwd_max_resident"]
     if chunked:
         block_m, block_n = 1, min(TUNING["chunk"], triton.next_power_of_2(N))
-        kernel = _layer_norm_fwd_chunked_kernel
+        launcher = _fwd_chunked
     else:
         block_m, block_n = _row_blocks(N, M, TUNING["fwd_elems"])
-        kernel = _layer_norm_fwd_kernel
-    grid = (triton.cdiv(M, block_m),)
-    with device_guard(dev):
-        kernel[grid](
-            x, weight, bias, residual, x1, weight1, bias1, rowscale, seed,
+        launcher = _fwd
+    args = (x, weight, bias, residual, x1, weight1, bias1, rowscale, seed,
             y, y1, res_out, mask, mask1, mean, rstd,
             x.stride(0), _stride0(residual), _stride0(x1), y.stride(0), _stride0(y1), _stride0(res_out),
-            M, N, eps, dropout_p,
-            IS_RMS=is_rms_norm, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None,
-            HAS_X1=x1 is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
-            HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=has_dropout, STORE_MASK=store_mask,
-            STORE_RES_OUT=store_residual_out, ZERO_CENTERED=zero_centered_weight,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_warps(block_m * block_n),
-        )
-    return (y, y1 if y1 is not None else nothing(dev), mean if mean is not None else nothing(dev), rstd,
-            res_out if res_out is not None else nothing(dev), mask if mask is not None else nothing(dev, torch.bool),
-            mask1 if mask1 is not None else nothing(dev, torch.bool))
+            M, N, eps, dropout_p)
+    meta = dict(IS_RMS=is_rms_norm, HAS_W=weight is not None, HAS_B=bias is not None, HAS_RES=residual is not None,
+                HAS_X1=x1 is not None, HAS_W1=weight1 is not None, HAS_B1=bias1 is not None,
+                HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=has_dropout, STORE_MASK=store_mask,
+                STORE_RES_OUT=store_residual_out, ZERO_CENTERED=zero_centered_weight,
+                BLOCK_M=block_m, BLOCK_N=block_n)
+    with device_guard(dev):
+        launcher((triton.cdiv(M, block_m),), args, meta, _warps(block_m * block_n))
+    return y, y1, mean, rstd, res_out, mask, mask1
 
 
 def layer_norm_bwd(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale, seed, mean, rstd, eps, dropout_p,
@@ -104,7 +106,7 @@ def layer_norm_bwd(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale
 
     ``xs`` is the saved pre-norm sum ``(M, N)`` (or ``y`` when ``recompute_from_y``); ``dy1`` is
     given when ``weight1`` is; ``dres_out`` is the gradient of the returned pre-norm sum, if any.
-    Returns ``(dx, dw, db, dw1, db1, dresidual, dx1)``; absent outputs are empty tensors.
+    Returns ``(dx, dw, db, dw1, db1, dresidual, dx1)``; absent outputs are ``None``.
     """
     M, N = dy.shape
     dev = dy.device
@@ -128,35 +130,52 @@ def layer_norm_bwd(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale
             n_prog = max(1, min(n_prog, triton.cdiv(M, block_m)))
             rows_per_program = triton.cdiv(M, n_prog)
             n_prog = triton.cdiv(M, rows_per_program)
-            partials = [torch.empty((n_prog, N), device=dev, dtype=torch.float32) if p is not None else None
-                        for p in params]
-            _layer_norm_bwd_kernel[(n_prog,)](
-                xs, weight, bias, weight1, dy, dy1, dres_out, rowscale, seed, mean, rstd,
-                dx, dx1, dres, *partials,
-                *strides, M, N, dropout_p, rows_per_program,
-                HAS_B1=bias1 is not None, **flags, **dx_flags,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-            )
+            partial, partials = _partials(params, n_prog, N, dev)
+            _bwd((n_prog,), (xs, weight, bias, weight1, dy, dy1, dres_out, rowscale, seed, mean, rstd,
+                             dx, dx1, dres, *partials, *strides, _stride0(partial), M, N, dropout_p,
+                         rows_per_program),
+                 dict(**flags, HAS_B1=bias1 is not None, **dx_flags, BLOCK_M=block_m, BLOCK_N=block_n), num_warps)
         else:
             block_n = min(TUNING["chunk"], triton.next_power_of_2(N))
-            _layer_norm_bwd_chunked_kernel[(M,)](
-                xs, weight, bias, weight1, dy, dy1, dres_out, rowscale, seed, mean, rstd,
-                dx, dx1, dres, *strides, M, N, dropout_p,
-                **flags, **dx_flags, BLOCK_M=1, BLOCK_N=block_n, num_warps=_warps(block_n),
-            )
-            partials = [None] * 4
+            _bwd_chunked((M,), (xs, weight, bias, weight1, dy, dy1, dres_out, rowscale, seed, mean, rstd,
+                                dx, dx1, dres, *strides, M, N, dropout_p),
+                         dict(**flags, **dx_flags, BLOCK_M=1, BLOCK_N=block_n), _warps(block_n))
+            partial = None
             if any(p is not None for p in params):
                 col_block = 256
                 splits = max(1, min(triton.cdiv(M, 32), 4 * num_programs_hint(dev) // triton.cdiv(N, col_block)))
                 rows_per_split = triton.cdiv(M, splits)
                 splits = triton.cdiv(M, rows_per_split)
-                partials = [torch.empty((splits, N), device=dev, dtype=torch.float32) if p is not None else None
-                            for p in params]
-                _layer_norm_bwd_dw_kernel[(triton.cdiv(N, col_block), splits)](
-                    xs, weight, bias, dy, dy1, mean, rstd, *partials,
-                    xs.stride(0), dy.stride(0), _stride0(dy1), M, N, rows_per_split,
-                    HAS_B1=bias1 is not None, **flags, BLOCK_M=32, BLOCK_N=col_block, num_warps=4,
-                )
-    grads = [part.sum(0).to(p.dtype) if p is not None else nothing(dev) for part, p in zip(partials, params)]
-    dw, db, dw1, db1 = grads
-    return (dx, dw, db, dw1, db1, dres if dres is not None else nothing(dev), dx1 if dx1 is not None else nothing(dev))
+                partial, partials = _partials(params, splits, N, dev)
+                _bwd_dw((triton.cdiv(N, col_block), splits),
+                        (xs, weight, bias, dy, dy1, mean, rstd, *partials,
+                         xs.stride(0), dy.stride(0), _stride0(dy1), _stride0(partial), M, N, rows_per_split),
+                        dict(**flags, HAS_B1=bias1 is not None, BLOCK_M=32, BLOCK_N=col_block), 4)
+    dw, db, dw1, db1 = _reduce_partials(partial, params)
+    return dx, dw, db, dw1, db1, dres, dx1
+
+
+def _partials(params, rows: int, N: int, dev):
+    """One fp32 buffer ``(rows, P, N)`` for the partial sums of the P parameter grads, and a view per
+    parameter (``None`` where absent): one allocation and one final reduction for all of them."""
+    present = [p is not None for p in params]
+    partial = torch.empty((rows, sum(present), N), device=dev, dtype=torch.float32)
+    views, k = [], 0
+    for ok in present:
+        views.append(partial[:, k] if ok else None)
+        k += ok
+    return partial, views
+
+
+def _reduce_partials(partial, params):
+    if partial is None:
+        return [None] * len(params)
+    total = partial.sum(0)
+    dtypes = {p.dtype for p in params if p is not None}
+    if len(dtypes) == 1:
+        total = total.to(dtypes.pop())
+    out, k = [], 0
+    for p in params:
+        out.append(total[k].to(p.dtype) if p is not None else None)
+        k += p is not None
+    return out

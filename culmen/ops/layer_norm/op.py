@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.backend import choose_backend, register_op
+from culmen.ops.common.outputs import nothing
 from culmen.ops.layer_norm.reference import layer_norm_bwd_ref, layer_norm_fwd_ref
 
 register_op("layer_norm_fwd", "normalization", "dropout + rowscale + x1 + residual, then LayerNorm/RMSNorm")
@@ -22,6 +23,32 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _empty(like: Tensor, dtype=None) -> Tensor:
     return torch.empty(0, device=like.device, dtype=dtype or like.dtype)
+
+
+def _fwd_impl(*args):
+    """Forward on the chosen backend; absent outputs are ``None``."""
+    x = args[0]
+    if choose_backend(x.device) == "triton" and x.numel() > 0:
+        from culmen.ops.layer_norm.launch import layer_norm_fwd
+
+        return layer_norm_fwd(*args)
+    return layer_norm_fwd_ref(*args)
+
+
+def _bwd_impl(*args):
+    """Backward on the chosen backend; absent outputs are ``None``."""
+    dy = args[0]
+    if choose_backend(dy.device) == "triton" and dy.numel() > 0:
+        from culmen.ops.layer_norm.launch import layer_norm_bwd
+
+        return layer_norm_bwd(*args)
+    return layer_norm_bwd_ref(*args)
+
+
+def _filled(out, like: Tensor, dtypes=None):
+    """Custom ops cannot return ``None``: absent outputs become fresh empty tensors (as the fake impls)."""
+    dtypes = dtypes or (like.dtype,) * len(out)
+    return tuple(t if t is not None else nothing(like.device, d) for t, d in zip(out, dtypes))
 
 
 @torch.library.custom_op("culmen::layer_norm_fwd", mutates_args=())
@@ -48,13 +75,10 @@ def layer_norm_fwd_op(
     """Forward on 2-D ``(M, N)`` inputs (last dim contiguous). Returns ``(y, y1, mean, rstd,
     residual_out, mask, mask1)``; absent outputs are empty tensors. ``save_output`` only changes what
     autograd saves (Apex's ``memory_efficient``)."""
-    args = (x, weight, bias, residual, x1, weight1, bias1, rowscale, seed, eps, dropout_p, is_rms_norm,
-            zero_centered_weight, residual_dtype, out_dtype, store_residual_out, store_mask)
-    if choose_backend(x.device) == "triton" and x.numel() > 0:
-        from culmen.ops.layer_norm.launch import layer_norm_fwd
-
-        return layer_norm_fwd(*args)
-    return layer_norm_fwd_ref(*args)
+    return _filled(_fwd_impl(x, weight, bias, residual, x1, weight1, bias1, rowscale, seed, eps, dropout_p,
+                             is_rms_norm, zero_centered_weight, residual_dtype, out_dtype, store_residual_out,
+                             store_mask), x,
+                   (x.dtype, x.dtype, torch.float32, torch.float32, x.dtype, torch.bool, torch.bool))
 
 
 @layer_norm_fwd_op.register_fake
@@ -100,14 +124,12 @@ def layer_norm_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward on 2-D inputs. ``xs`` is the saved pre-norm sum (or ``y`` when ``recompute_from_y``).
     Returns ``(dx, dw, db, dw1, db1, dresidual, dx1)``; absent outputs are empty tensors."""
-    args = (dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale, seed, mean, rstd, eps, dropout_p,
-            is_rms_norm, zero_centered_weight, recompute_from_y, has_residual, has_x1, x_dtype, x1_dtype,
-            residual_dtype, store_dres)
-    if choose_backend(dy.device) == "triton" and dy.numel() > 0:
-        from culmen.ops.layer_norm.launch import layer_norm_bwd
-
-        return layer_norm_bwd(*args)
-    return layer_norm_bwd_ref(*args)
+    out = _bwd_impl(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale, seed, mean, rstd, eps, dropout_p,
+                    is_rms_norm, zero_centered_weight, recompute_from_y, has_residual, has_x1, x_dtype, x1_dtype,
+                    residual_dtype, store_dres)
+    # The parameter grads are rows of one reduced buffer; custom-op outputs may not alias each other.
+    out = tuple(t.clone() if t is not None and t._base is not None else t for t in out)
+    return _filled(out, dy)
 
 
 @layer_norm_bwd_op.register_fake
@@ -158,15 +180,16 @@ def _setup_context(ctx, inputs, output):
     )
     ctx.has_weight1 = a["weight1"] is not None
     ctx.store_residual_out = a["store_residual_out"]
+    ctx.out_dtype = a["out_dtype"]
 
 
-def _backward(ctx, dy, dy1, dmean, drstd, dres_out, dmask, dmask1):
+def _backward(ctx, dy, dy1, dmean, drstd, dres_out, dmask, dmask1, bwd=None):
     xs, weight, bias, weight1, bias1, rowscale, seed, mean, rstd = ctx.saved_tensors
-    dy = dy.contiguous()
+    dy = dy.contiguous() if dy is not None else torch.zeros_like(xs, dtype=ctx.out_dtype)
     dy1 = dy1.contiguous() if (ctx.has_weight1 and dy1 is not None) else (
         torch.zeros_like(dy) if ctx.has_weight1 else None)
     dres_out = dres_out.contiguous() if (ctx.store_residual_out and dres_out is not None) else None
-    dx, dw, db, dw1, db1, dres, dx1 = layer_norm_bwd_op(
+    dx, dw, db, dw1, db1, dres, dx1 = (bwd or layer_norm_bwd_op)(
         dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale, seed, mean, rstd, ctx.eps, ctx.dropout_p,
         ctx.is_rms_norm, ctx.zero_centered_weight, ctx.recompute_from_y, ctx.has_residual, ctx.has_x1, ctx.x_dtype,
         ctx.x1_dtype, ctx.residual_dtype, ctx.store_dres)
@@ -177,6 +200,24 @@ def _backward(ctx, dy, dy1, dmean, drstd, dres_out, dmask, dmask1):
 
 
 torch.library.register_autograd("culmen::layer_norm_fwd", _backward, setup_context=_setup_context)
+
+
+class _LayerNormFn(torch.autograd.Function):
+    """Eager path: the same implementation and backward as the custom ops, without the Python cost of
+    ``torch.library`` dispatch (several hundred microseconds per call on a slow host, more than the
+    kernels themselves). ``torch.compile`` traces the custom ops instead (see ``layer_norm``)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        out = _fwd_impl(*inputs[:-1])
+        _setup_context(ctx, inputs, out)
+        ctx.mark_non_differentiable(*(t for t in (out[2], out[3], out[5], out[6]) if t is not None))
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads, bwd=_bwd_impl)
 
 
 class LayerNormOutput(NamedTuple):
@@ -286,7 +327,8 @@ def layer_norm(
     if dropout_p > 0.0:
         seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64)
     store_mask = bool(return_dropout_mask and dropout_p > 0.0)
-    y, y1, _, _, res_out, mask, mask1 = layer_norm_fwd_op(
+    fn = layer_norm_fwd_op if torch.compiler.is_compiling() else _LayerNormFn.apply
+    y, y1, _, _, res_out, mask, mask1 = fn(
         x2, w, b, res2, x12, w1, b1, rs, seed, float(eps), float(dropout_p), bool(is_rms_norm),
         bool(zero_centered_weight), residual_dtype, out_dtype, store_residual_out, store_mask,
         bool(memory_efficient))

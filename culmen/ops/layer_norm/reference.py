@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.ops.common.outputs import nothing
-
 
 def _dropout(x: Tensor, p: float, mask: Tensor | None) -> Tensor:
     if p == 0.0:
@@ -144,13 +142,12 @@ def layer_norm_fwd_ref(x, weight, bias, residual, x1, weight1, bias1, rowscale, 
                        store_mask):
     """Reference forward on 2-D ``(M, N)`` inputs; see ``launch.layer_norm_fwd`` for the contract."""
     M, N = x.shape
-    dev = x.device
     h, keep, keep1 = _prenorm_sum(x, residual, x1, rowscale, seed, dropout_p)
-    res_out = h.to(residual_dtype) if store_residual_out else nothing(dev)
+    res_out = h.to(residual_dtype) if store_residual_out else None
     if store_residual_out:
         h = res_out.float()
     if is_rms_norm:
-        mean = nothing(dev)
+        mean = None
         var = (h * h).mean(-1) if N else h.new_zeros(M)
         hc = h
     else:
@@ -166,9 +163,9 @@ def layer_norm_fwd_ref(x, weight, bias, residual, x1, weight1, bias1, rowscale, 
         y1 = xhat * w1
         y1 = (y1 + bias1.float() if bias1 is not None else y1).to(out_dtype)
     else:
-        y1 = nothing(dev)
-    mask = keep if store_mask else nothing(dev, torch.bool)
-    mask1 = keep1 if (store_mask and x1 is not None) else nothing(dev, torch.bool)
+        y1 = None
+    mask = keep if store_mask else None
+    mask1 = keep1 if (store_mask and x1 is not None) else None
     return y, y1, mean, rstd, res_out, mask, mask1
 
 
@@ -201,10 +198,10 @@ def layer_norm_bwd_ref(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rows
         dh = (wdy - (xhat * c1 + c2)) * rstd[:, None]
     if dres_out is not None:
         dh = dh + dres_out.float()
-    dw = (g * xhat).sum(0).to(weight.dtype) if weight is not None else nothing(dev)
-    db = g.sum(0).to(bias.dtype) if bias is not None else nothing(dev)
-    dw1 = (g1 * xhat).sum(0).to(weight1.dtype) if weight1 is not None else nothing(dev)
-    db1 = g1.sum(0).to(bias1.dtype) if bias1 is not None else nothing(dev)
+    dw = (g * xhat).sum(0).to(weight.dtype) if weight is not None else None
+    db = g.sum(0).to(bias.dtype) if bias is not None else None
+    dw1 = (g1 * xhat).sum(0).to(weight1.dtype) if weight1 is not None else None
+    db1 = g1.sum(0).to(bias1.dtype) if bias1 is not None else None
     keep = keep1 = None
     if dropout_p > 0.0:
         keep, keep1 = keep_masks_ref(seed, (M, N), dropout_p, has_x1)
@@ -215,10 +212,10 @@ def layer_norm_bwd_ref(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rows
     if rowscale is not None:
         dx = dx * rowscale.float()[:, None]
     dx = dx.to(x_dtype)
-    dres = dh.to(residual_dtype) if store_dres else nothing(dev)
+    dres = dh.to(residual_dtype) if store_dres else None
     if has_x1:
         dx1 = torch.where(keep1, dh / (1.0 - dropout_p), 0.0) if dropout_p > 0.0 else dh
         dx1 = dx1.to(x1_dtype)
     else:
-        dx1 = nothing(dev)
+        dx1 = None
     return dx, dw, db, dw1, db1, dres, dx1

@@ -1,0 +1,435 @@
+"""Runs registered benchmarks: roofline, sanity check, timing, table, JSON and plot.
+
+On CUDA every provider is timed with ``triton.testing.do_bench`` (median, after warm-up, L2 flushed
+between runs); on CPU a plain median wall-clock timer stands in so the harness is testable there.
+Before the cases, a large device-to-device copy measures the memory roofline that GB/s is set
+against. Each provider runs once first as a sanity check against the reference provider (torch
+eager): the max abs difference is printed, not asserted, so a broken kernel shows in the log
+without stopping the run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from culmen.bench.registry import CULMEN, BenchConfig, Benchmark, Case, load_benchmarks, select_benchmarks
+
+# do_bench settings (milliseconds of warm-up and of measurement).
+WARMUP_MS = 25
+REP_MS = 100
+
+
+@dataclass
+class Record:
+    """One (benchmark, case, provider) measurement; ``error`` is set when the provider failed."""
+
+    benchmark: str
+    family: str
+    case: str
+    provider: str
+    ms: float | None = None
+    gbps: float | None = None
+    tflops: float | None = None
+    pct_roofline: float | None = None
+    speedup: float | None = None
+    """culmen row: best peer time / culmen time; peer row: this peer's time / culmen time (>1: culmen wins)."""
+    best_peer: str | None = None
+    max_abs_diff: float | None = None
+    diffs: dict[str, float] = field(default_factory=dict)
+    bytes: int | None = None
+    flops: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class BenchReport:
+    """Everything one ``culmen bench`` run measured."""
+
+    metadata: dict[str, Any]
+    records: list[Record]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serializable dict: ``{"metadata": ..., "records": [...]}``."""
+        return {"metadata": self.metadata, "records": [asdict(r) for r in self.records]}
+
+
+# ----------------------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wall_median_ms(fn: Callable[[], Any], device: torch.device, budget_s: float, min_reps: int = 3,
+                    max_reps: int = 200) -> float:
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, quick: bool = False) -> float:
+    """Median time of ``fn()`` in ms: ``do_bench`` on CUDA, a wall-clock median elsewhere."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            with torch.cuda.device(device):
+                return float(do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
+    fn()  # warm-up: first-call allocations and lazy initialisation
+    _sync(device)
+    return _wall_median_ms(fn, device, budget_s=0.02 if quick else 0.5)
+
+
+def _copy_ms(nbytes: int, device: torch.device, quick: bool) -> float:
+    # Own scope so the buffers are freed before any benchmark allocates.
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return time_ms(lambda: dst.copy_(src), device, quick)
+
+
+def measure_roofline(device: torch.device, quick: bool = False) -> dict[str, Any]:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), the practical roofline."""
+    nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    if quick:
+        nbytes = (256 << 20) if device.type == "cuda" else (8 << 20)
+    ms = _copy_ms(nbytes, device, quick)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"gbps": 2 * nbytes / (ms * 1e6), "copy_bytes": nbytes, "copy_ms": ms, "method": "dst.copy_(src)"}
+
+
+# ---------------------------------------------------------------------------------- correctness
+
+
+def _flatten(out: Any) -> dict[str, torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return {"out": out}
+    if isinstance(out, dict):
+        return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    if isinstance(out, (tuple, list)):
+        return {f"out{i}": v for i, v in enumerate(out) if isinstance(v, torch.Tensor)}
+    return {}
+
+
+def default_check(out: Any, ref: Any) -> dict[str, float]:
+    """Max abs difference per output tensor present in both ``out`` and ``ref`` (NaN shows as nan)."""
+    a, r = _flatten(out), _flatten(ref)
+    diffs: dict[str, float] = {}
+    for key, t in a.items():
+        if key in r and r[key].shape == t.shape:
+            diffs[key] = float((t.detach().float() - r[key].detach().float()).abs().max()) if t.numel() else 0.0
+    return diffs
+
+
+# ------------------------------------------------------------------------------------- metadata
+
+
+def _git_commit() -> tuple[str | None, bool | None]:
+    # A copy of the tree without .git (e.g. shipped to a GPU machine) can be told its commit.
+    if os.environ.get("CULMEN_GIT_COMMIT"):
+        return os.environ["CULMEN_GIT_COMMIT"], None
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():  # an installed culmen: don't report an unrelated enclosing repo
+        return None, None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+        return commit or None, dirty
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or ``cpu: <processor>`` for CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu: {platform.processor() or platform.machine()}"
+
+
+def _metadata(device: torch.device, quick: bool, roofline: dict[str, Any]) -> dict[str, Any]:
+    from culmen.ops.backend import backend_mode, choose_backend
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    commit, dirty = _git_commit()
+    try:
+        backend = choose_backend(device)
+    except Exception as exc:  # reported, the run goes on with whatever the ops decide per call
+        backend = f"error: {exc}"
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "gpu": device_name(device),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "culmen_backend_mode": backend_mode(),
+        "culmen_backend": backend,
+        "quick": quick,
+        "timer": "triton.testing.do_bench median" if device.type == "cuda" else "wall-clock median",
+        "roofline": roofline,
+    }
+
+
+# ----------------------------------------------------------------------------------------- table
+
+
+def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
+
+
+_HEADER = f"{'case':<30} {'provider':<9} {'time(ms)':>10} {'GB/s':>9} {'TFLOP/s':>8} {'%roof':>7} " \
+          f"{'speedup':>16}  max|diff| vs ref"
+
+
+def _row(rec: Record, first: bool, reference: str) -> str:
+    case = rec.case if first else ""
+    if rec.error is not None:
+        return f"{case:<30} {rec.provider:<9} {'failed':>10}  {rec.error}"
+    if rec.speedup is None:
+        speed = "-"
+    elif rec.provider == CULMEN:
+        speed = f"{rec.speedup:.2f}x vs {rec.best_peer}"
+    else:
+        speed = f"{rec.speedup:.2f}x"
+    if rec.diffs:
+        worst = max(rec.diffs, key=lambda k: (math.isnan(rec.diffs[k]), rec.diffs[k]))
+        diff = f"{worst}={rec.diffs[worst]:.3g}" + (" (NaN!)" if math.isnan(rec.diffs[worst]) else "")
+    else:
+        diff = "(reference)" if rec.provider == reference else "-"
+    return (f"{case:<30} {rec.provider:<9} {_fmt(rec.ms, '10.4f')} {_fmt(rec.gbps, '9.1f')} "
+            f"{_fmt(rec.tflops, '8.1f')} {_fmt(rec.pct_roofline, '6.1f', '%')} {speed:>16}  {diff}")
+
+
+# ------------------------------------------------------------------------------------------- run
+
+
+def _short_error(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0][:160] if msg else ''}"
+
+
+def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, roof_gbps: float,
+              out: TextIO, seen_notes: set[str]) -> list[Record]:
+    records: dict[str, Record] = {}
+    outputs_ref: Any = None
+    order = sorted(case.providers, key=lambda p: (p != case.reference, p != CULMEN, p))
+    # Sanity pass: run each provider once (this also compiles / warms it up) and compare outputs.
+    for name in order:
+        rec = Record(bench.name, bench.family, case.label, name, bytes=case.bytes, flops=case.flops)
+        records[name] = rec
+        try:
+            result = case.providers[name]()
+            _sync(device)
+        except Exception as exc:  # e.g. torch.compile or a kernel failing: reported, others go on
+            rec.error = _short_error(exc)
+            if os.environ.get("CULMEN_BENCH_TRACEBACK"):
+                traceback.print_exc(file=out)
+            continue
+        if name == case.reference:
+            outputs_ref = result
+            if case.check is not None:  # self-consistency checks apply to the reference too
+                rec.diffs = case.check(result, result)
+        elif outputs_ref is not None or case.check is not None:
+            check = case.check or default_check
+            rec.diffs = check(result, outputs_ref)
+        if rec.diffs:
+            rec.max_abs_diff = max(rec.diffs.values())
+        del result
+    del outputs_ref
+    for name in order:
+        rec = records[name]
+        if rec.error is not None:
+            continue
+        try:
+            rec.ms = time_ms(case.providers[name], device, quick)
+        except Exception as exc:
+            rec.error = _short_error(exc)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        if case.bytes:
+            rec.gbps = case.bytes / (rec.ms * 1e6)
+            rec.pct_roofline = 100.0 * rec.gbps / roof_gbps if roof_gbps else None
+        if case.flops:
+            rec.tflops = case.flops / (rec.ms * 1e9)
+    ours = records.get(CULMEN)
+    peers = {n: r for n, r in records.items() if n != CULMEN and r.ms is not None}
+    if ours is not None and ours.ms is not None:
+        for r in peers.values():
+            r.speedup = r.ms / ours.ms
+        if peers:
+            best = min(peers.values(), key=lambda r: r.ms)
+            ours.speedup = best.ms / ours.ms
+            ours.best_peer = best.provider
+    recs = [records[n] for n in sorted(records, key=lambda p: (p != CULMEN, p))]
+    for i, rec in enumerate(recs):
+        print(_row(rec, i == 0, case.reference), file=out)
+    for note in case.notes:
+        if note not in seen_notes:  # a peer skipped for the whole benchmark is said once
+            seen_notes.add(note)
+            print(f"{'':<30} note: {note}", file=out)
+    out.flush()
+    return recs
+
+
+def summarize(records: list[Record]) -> list[str]:
+    """Summary lines: per benchmark, culmen's geometric-mean speedup vs the best peer, wins, failures."""
+    lines = ["== summary (speedup = best peer time / culmen time; >1 means culmen wins) =="]
+    benches: dict[str, list[Record]] = {}
+    for r in records:
+        benches.setdefault(r.benchmark, []).append(r)
+    for name, recs in benches.items():
+        ours = [r for r in recs if r.provider == CULMEN]
+        sp = [r.speedup for r in ours if r.speedup]
+        failed = [r for r in recs if r.error is not None]
+        geo = math.exp(sum(math.log(s) for s in sp) / len(sp)) if sp else None
+        wins = sum(s > 1.0 for s in sp)
+        worst = min(ours, key=lambda r: r.speedup or float("inf"), default=None)
+        line = f"{name:<18} cases={len(ours):<3} culmen geomean={_fmt(geo, '.2f', 'x')} wins={wins}/{len(sp)}"
+        if worst is not None and worst.speedup is not None:
+            line += f" worst={worst.speedup:.2f}x ({worst.case} vs {worst.best_peer})"
+        if failed:
+            line += f" failed={len(failed)} [" + ", ".join(sorted({f'{r.provider}' for r in failed})) + "]"
+        lines.append(line)
+        for r in ours:
+            if r.error is None and r.diffs and any(math.isnan(v) for v in r.diffs.values()):
+                lines.append(f"  NaN in culmen output: {r.case}")
+    return lines
+
+
+def write_plot(report: BenchReport, path: str | os.PathLike, out: TextIO | None = None) -> bool:
+    """Bar chart (GB/s per case, one bar per provider, one panel per benchmark) as PNG at ``path``.
+
+    Returns False, with a message, when matplotlib is missing.
+    """
+    out = out or sys.stdout
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"plot: matplotlib is not installed; not writing {path} (pip install matplotlib)", file=out)
+        return False
+    benches: dict[str, list[Record]] = {}
+    for r in report.records:
+        benches.setdefault(r.benchmark, []).append(r)
+    n = max(1, len(benches))
+    fig, axes = plt.subplots(n, 1, figsize=(14, 4.2 * n), squeeze=False)
+    roof = report.metadata.get("roofline", {}).get("gbps")
+    for ax, (name, recs) in zip(axes[:, 0], benches.items()):
+        cases = list(dict.fromkeys(r.case for r in recs))
+        providers = sorted({r.provider for r in recs}, key=lambda p: (p != CULMEN, p))
+        width = 0.8 / max(1, len(providers))
+        for j, prov in enumerate(providers):
+            vals = []
+            for c in cases:
+                rec = next((r for r in recs if r.case == c and r.provider == prov), None)
+                vals.append(rec.gbps if rec is not None and rec.gbps is not None else 0.0)
+            ax.bar([i + (j - (len(providers) - 1) / 2) * width for i in range(len(cases))], vals, width,
+                   label=prov)
+        if roof:
+            ax.axhline(roof, color="k", linestyle="--", linewidth=1, label=f"copy roofline {roof:.0f} GB/s")
+        ax.set_xticks(range(len(cases)))
+        ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("GB/s (higher is better)")
+        ax.set_title(f"{name} on {report.metadata.get('gpu')}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"culmen bench  {report.metadata.get('date')}  torch {report.metadata.get('torch')}  "
+                 f"triton {report.metadata.get('triton')}  commit {str(report.metadata.get('git_commit'))[:10]}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {path}", file=out)
+    return True
+
+
+def default_device() -> torch.device:
+    """CUDA device 0 when available, else CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def run_benchmarks(
+    names: list[str] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    quick: bool = False,
+    json_path: str | os.PathLike | None = None,
+    plot_path: str | os.PathLike | None = None,
+    out: TextIO | None = None,
+) -> BenchReport:
+    """Run the benchmarks named in ``names`` (names or families; all when empty) and report.
+
+    Prints the roofline, one table block per case and a summary to ``out``; writes JSON to
+    ``json_path`` and a PNG to ``plot_path`` when given. Raises ``KeyError`` for unknown names.
+    """
+    out = out or sys.stdout
+    failed = load_benchmarks()
+    for mod, err in failed.items():
+        print(f"warning: benchmark module {mod} failed to import: {err}", file=out)
+    benches = select_benchmarks(names)
+    dev = torch.device(device) if device is not None else default_device()
+    roofline = measure_roofline(dev, quick)
+    meta = _metadata(dev, quick, roofline)
+    print(f"culmen bench on {meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | "
+          f"backend {meta['culmen_backend']} (CULMEN_BACKEND={meta['culmen_backend_mode']}) | "
+          f"commit {str(meta['git_commit'])[:12]}{' (dirty)' if meta['git_dirty'] else ''}", file=out)
+    print(f"roofline: {roofline['gbps']:.1f} GB/s ({roofline['method']}, {roofline['copy_bytes'] >> 20} MiB, "
+          f"read+write counted); timer: {meta['timer']}", file=out)
+    records: list[Record] = []
+    cfg = BenchConfig(device=dev, quick=quick)
+    for bench in benches:
+        print(f"\n== {bench.name} ({bench.family}) {bench.description}", file=out)
+        print(_HEADER, file=out)
+        seen_notes: set[str] = set()
+        for case in bench.cases(cfg):
+            records.extend(_run_case(bench, case, dev, quick, roofline["gbps"], out, seen_notes))
+            del case
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    report = BenchReport(meta, records)
+    print("", file=out)
+    for line in summarize(records):
+        print(line, file=out)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+        print(f"json written to {json_path}", file=out)
+    if plot_path:
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        write_plot(report, plot_path, out)
+    return report
