@@ -96,7 +96,7 @@ def cmd_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
             print(f"{b.name:<20} {b.family:<16} {b.description}", file=out)
         return 0
     try:
-        run_benchmarks(args.names, device=args.device, quick=args.quick, json_path=args.json,
+        run_benchmarks(args.names, device=args.device, quick=args.quick, json_path=args.json, timer=args.timer,
                        plot_path=args.plot, out=out)
     except KeyError as exc:
         print(f"culmen bench: {exc.args[0]}", file=sys.stderr)
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds on CPU): checks the harness")
     p.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--timer", choices=("wall", "graph"), default="wall",
+                   help="wall: do_bench, host launch cost included; graph: CUDA-graph replays, device time only")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="train a tiny model with culmen's fused norms; the loss must fall")

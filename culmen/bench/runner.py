@@ -32,6 +32,10 @@ from culmen.bench.registry import CULMEN, BenchConfig, Benchmark, Case, load_ben
 # do_bench settings (milliseconds of warm-up and of measurement).
 WARMUP_MS = 25
 REP_MS = 100
+# "wall": do_bench, host launch cost included (what a script sees); "graph": replays of a CUDA graph
+# of the call (do_bench_cudagraph), device time only. Set by run_benchmarks(timer=...).
+TIMERS = ("wall", "graph")
+_timer = "wall"
 
 
 @dataclass
@@ -97,6 +101,10 @@ def time_ms(fn: Callable[[], Any], device: torch.device, quick: bool = False) ->
             do_bench = None
         if do_bench is not None:
             with torch.cuda.device(device):
+                if _timer == "graph":
+                    from triton.testing import do_bench_cudagraph
+
+                    return float(do_bench_cudagraph(fn, rep=REP_MS, return_mode="median"))
                 return float(do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
     fn()  # warm-up: first-call allocations and lazy initialisation
     _sync(device)
@@ -197,7 +205,9 @@ def _metadata(device: torch.device, quick: bool, roofline: dict[str, Any]) -> di
         "culmen_backend_mode": backend_mode(),
         "culmen_backend": backend,
         "quick": quick,
-        "timer": "triton.testing.do_bench median" if device.type == "cuda" else "wall-clock median",
+        "timer": ({"wall": "triton.testing.do_bench median (host launch cost included)",
+                   "graph": "triton.testing.do_bench_cudagraph median (CUDA-graph replay, device time)"}[_timer]
+                  if device.type == "cuda" else "wall-clock median"),
         "roofline": roofline,
     }
 
@@ -390,12 +400,17 @@ def run_benchmarks(
     json_path: str | os.PathLike | None = None,
     plot_path: str | os.PathLike | None = None,
     out: TextIO | None = None,
+    timer: str = "wall",
 ) -> BenchReport:
     """Run the benchmarks named in ``names`` (names or families; all when empty) and report.
 
     Prints the roofline, one table block per case and a summary to ``out``; writes JSON to
     ``json_path`` and a PNG to ``plot_path`` when given. Raises ``KeyError`` for unknown names.
     """
+    global _timer
+    if timer not in TIMERS:
+        raise ValueError(f"timer must be one of {TIMERS}, got {timer!r}")
+    _timer = timer
     out = out or sys.stdout
     failed = load_benchmarks()
     for mod, err in failed.items():

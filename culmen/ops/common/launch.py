@@ -8,8 +8,8 @@ of each specialization and calls it directly.
 The cache key is a superset of what Triton specializes on (argument dtypes, 16-byte alignment of
 pointers, integers equal to 1 / divisible by 16 / fitting in 32 bits, which pointers are ``None``,
 constexpr values, warps, stages), so a cached kernel is only reused for arguments it was compiled
-for. The first call of each key, the interpreter, launch hooks (profilers) and any error take
-Triton's normal path; ``CULMEN_FAST_LAUNCH=0`` turns the fast path off.
+for. Launch hooks (profilers) are passed on as Triton passes them. The first call of each key, the
+interpreter and any error take Triton's normal path; ``CULMEN_FAST_LAUNCH=0`` turns the fast path off.
 """
 
 from __future__ import annotations
@@ -31,6 +31,17 @@ def _spec(a):
     return type(a)
 
 
+def _launch_hooks():
+    """Triton's current launch hooks (profilers such as proton install them), passed on like Triton does."""
+    try:
+        from triton import knobs
+
+        rt = knobs.runtime
+    except ImportError:  # older Triton keeps the hooks on CompiledKernel
+        from triton.compiler.compiler import CompiledKernel as rt
+    return getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None)
+
+
 class FastLauncher:
     """Launch ``kernel`` with its non-constexpr ``args`` (signature order) and constexpr ``meta``."""
 
@@ -43,14 +54,7 @@ class FastLauncher:
     def _fast_ok(self) -> bool:
         if self.disabled or os.environ.get("CULMEN_FAST_LAUNCH", "1") == "0":
             return False
-        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-            return False
-        try:
-            from triton import knobs
-
-            return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
-        except Exception:
-            return False
+        return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
     def __call__(self, grid, args: tuple, meta: dict, num_warps: int, num_stages: int = 3) -> None:
         if not self._fast_ok():
@@ -71,7 +75,9 @@ class FastLauncher:
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch.cuda.current_stream().cuda_stream
         try:
-            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
+            enter, leave = _launch_hooks()
+            metadata = compiled.launch_metadata(grid, stream, *args, *const_vals) if enter is not None else None
+            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
                          *args, *const_vals)
         except Exception as e:
             # An API change in Triton: fall back for good rather than guess.
