@@ -1,0 +1,233 @@
+"""``culmen.ops.layer_norm`` on a real GPU at real sizes (run by ``scripts/gpu-check``).
+
+Same tolerance rule as ``test_layer_norm.py``: the op's error against ``layer_norm_ref`` on float64
+copies (computed on the GPU) must be at most 2x the error of ``layer_norm_ref`` run by PyTorch in the
+inputs' own dtype, plus a small atol. Dropout cases replay the op's own keep-masks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from culmen.ops.layer_norm import launch as ln_launch
+from culmen.ops.layer_norm import layer_norm, layer_norm_ref
+from culmen.testing import assert_close_tolerance, randn
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-5
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
+GRAD_NAMES = ("x", "weight", "bias", "residual", "x1", "weight1", "bias1")
+
+
+def _make_inputs(shape, dtype, *, residual=None, x1=False, weight1=False, rowscale=False, requires_grad=False):
+    dev = torch.device("cuda")
+    N = shape[-1]
+
+    def act(dt):
+        return randn(shape, dt, dev, requires_grad=requires_grad)
+
+    def vec(scale, offset=0.0):
+        return ((torch.randn(N, device=dev) * scale + offset).to(dtype)).requires_grad_(requires_grad)
+
+    return {
+        "x": act(dtype),
+        "weight": vec(0.5, 1.0),
+        "bias": vec(0.5),
+        "residual": act(residual) if residual is not None else None,
+        "x1": act(dtype) if x1 else None,
+        "weight1": vec(0.5, 1.0) if weight1 else None,
+        "bias1": vec(0.5) if weight1 else None,
+        "rowscale": (torch.rand(shape[:-1], device=dev) + 0.5).to(dtype) if rowscale else None,
+    }
+
+
+def _ref(inp, masks, *, hi, rms, dropout_p, residual_in_fp32=False):
+    cp = {k: (None if v is None else (v.detach().to(F64) if hi else v.detach())) for k, v in inp.items()}
+    for k in GRAD_NAMES:
+        if cp[k] is not None and inp[k].requires_grad:
+            cp[k].requires_grad_()
+    out = layer_norm_ref(cp["x"], cp["weight"], cp["bias"], cp["residual"], cp["x1"], cp["weight1"], cp["bias1"],
+                         eps=EPS, dropout_p=dropout_p, rowscale=cp["rowscale"], prenorm=True,
+                         dropout_mask=masks[0], dropout_mask1=masks[1], is_rms_norm=rms,
+                         residual_in_fp32=residual_in_fp32 and not hi)
+    if cp["weight1"] is not None:
+        y, y1, pre = out
+    else:
+        (y, pre), y1 = out, None
+    return cp, {"y": y, "y1": y1, "residual_out": pre}
+
+
+def _run(inp, *, rms, dropout_p, residual_in_fp32=False):
+    return layer_norm(inp["x"], inp["weight"], inp["bias"], residual=inp["residual"], x1=inp["x1"],
+                      weight1=inp["weight1"], bias1=inp["bias1"], eps=EPS, dropout_p=dropout_p,
+                      rowscale=inp["rowscale"], is_rms_norm=rms, residual_in_fp32=residual_in_fp32,
+                      return_residual=True, return_dropout_mask=True)
+
+
+def _loss(vals, cot, hi):
+    loss = 0.0
+    for k, v in vals.items():
+        if v is not None:
+            loss = loss + (v * (cot[k].to(F64) if hi else cot[k])).sum()
+    return loss
+
+
+def _grads(loss, inp):
+    names = [k for k in GRAD_NAMES if inp[k] is not None]
+    return {f"d{k}": g for k, g in zip(names, torch.autograd.grad(loss, [inp[k] for k in names]))}
+
+
+def _check(got, refs, label):
+    for name, actual in got.items():
+        if actual is None:
+            continue
+        assert torch.isfinite(actual).all(), f"{name} [{label}] has non-finite values"
+        assert_close_tolerance(actual, refs[True][name], refs[False][name], name=f"{name} [{label}]")
+
+
+def _id(v) -> str:
+    if isinstance(v, tuple):
+        return "x".join(map(str, v))
+    if isinstance(v, dict):
+        return "-".join(f"{k}={_id(x)}" for k, x in v.items()) or "plain"
+    if isinstance(v, torch.dtype):
+        return str(v).removeprefix("torch.")
+    return str(v)
+
+
+def _check_case(shape, dtype, *, rms, grads, dropout_p=0.0, residual=None, x1=False, weight1=False,
+                rowscale=False, residual_in_fp32=False):
+    label = f"{'RMS' if rms else 'LN'} {shape} {dtype}"
+    inp = _make_inputs(shape, dtype, residual=residual, x1=x1, weight1=weight1, rowscale=rowscale,
+                       requires_grad=grads)
+    out = _run(inp, rms=rms, dropout_p=dropout_p, residual_in_fp32=residual_in_fp32)
+    masks = (out.dropout_mask, out.dropout_mask1)
+    if dropout_p > 0:
+        dropped = 1.0 - out.dropout_mask.float().mean().item()
+        assert abs(dropped - dropout_p) < 0.02, dropped
+    got = {"y": out.y, "y1": out.y1, "residual_out": out.residual_out}
+    if not grads:
+        refs = {hi: _ref(inp, masks, hi=hi, rms=rms, dropout_p=dropout_p, residual_in_fp32=residual_in_fp32)[1]
+                for hi in (True, False)}
+        _check(got, refs, label)
+        return
+    cot = {k: randn(v.shape, v.dtype, v.device) for k, v in got.items() if v is not None}
+    got.update(_grads(_loss(got, cot, False), inp))
+    refs = {}
+    for hi in (True, False):
+        cp, vals = _ref(inp, masks, hi=hi, rms=rms, dropout_p=dropout_p, residual_in_fp32=residual_in_fp32)
+        vals.update(_grads(_loss(vals, cot, hi), cp))
+        refs[hi] = vals
+    _check(got, refs, label)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, rms, kw",  # rms: False = LayerNorm, True = RMSNorm
+    [
+        ((16384, 4096), BF16, False, dict(residual=BF16, x1=True, weight1=True, dropout_p=0.1)),
+        ((16384, 4096), F32, True, dict(residual=F32)),
+        ((4096, 65536), BF16, True, dict(residual=F32)),
+        ((4096, 65536), F32, False, dict(rowscale=True)),
+        ((7, 100000), BF16, False, dict(residual=BF16, x1=True, weight1=True, dropout_p=0.2)),  # chunked
+        ((7, 100000), F32, True, dict(dropout_p=0.1, residual_in_fp32=True)),
+        ((2, 131072), BF16, True, dict(residual=BF16, x1=True, weight1=True)),
+        ((2, 131072), F32, False, dict(residual=F32, dropout_p=0.3)),
+    ],
+    ids=_id,
+)
+def test_forward_large(shape, dtype, rms, kw):
+    _check_case(shape, dtype, rms=rms, grads=False, **kw)
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("shape", [(1000, 8192), (37, 70000)], ids=_id)
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=_id)
+@pytest.mark.parametrize("rms", [False, True], ids=["LN", "RMS"])
+def test_gradients(shape, dtype, rms):
+    _check_case(shape, dtype, rms=rms, grads=True, residual=F32 if dtype == BF16 else dtype, x1=True,
+                weight1=True, rowscale=True, dropout_p=0.15)
+
+
+def test_gradients_plain_row_resident_and_chunked():
+    """No fusion at all: the pre-norm sum is x itself (no residual_out stored)."""
+    for shape in ((1000, 8192), (37, 70000)):
+        _check_case(shape, BF16, rms=False, grads=True)
+
+
+def test_more_than_2_31_elements():
+    N = 4096
+    M = 2**31 // N + 3
+    dev = torch.device("cuda")
+    free, _ = torch.cuda.mem_get_info()
+    need = 4 * M * N * 2 + (1 << 30)  # x, residual, y, residual_out in bf16
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB free GPU memory, {free / 2**30:.1f} GiB free")
+    x = torch.randn((M, N), device=dev, dtype=BF16)
+    res = torch.randn((M, N), device=dev, dtype=BF16)
+    w = (torch.randn(N, device=dev) * 0.5 + 1.0).to(BF16)
+    b = (torch.randn(N, device=dev) * 0.5).to(BF16)
+    assert x.numel() > 2**31
+    with torch.no_grad():
+        out = layer_norm(x, w, b, residual=res, return_residual=True, eps=EPS)
+    torch.cuda.synchronize()
+    first_past = 2**31 // N  # the first row whose elements lie past 2^31
+    rows = torch.tensor([0, 1, M // 2, first_past - 1, first_past, first_past + 1, M - 1], device=dev)
+    xs, rs = x[rows], res[rows]
+    hi, hi_pre = layer_norm_ref(xs.double(), w.double(), b.double(), rs.double(), eps=EPS, prenorm=True)
+    lo, lo_pre = layer_norm_ref(xs, w, b, rs, eps=EPS, prenorm=True)
+    assert_close_tolerance(out.y[rows], hi, lo, name="y rows")
+    assert_close_tolerance(out.residual_out[rows], hi_pre, lo_pre, name="residual_out rows")
+    del x, res, out
+    torch.cuda.empty_cache()
+
+
+def test_non_current_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert torch.cuda.current_device() == 0
+    shape = (300, 5000)
+    inp0 = _make_inputs(shape, BF16, residual=F32, x1=True, weight1=True, requires_grad=True)
+    inp1 = {k: (v.detach().to("cuda:1").requires_grad_(v.requires_grad) if v is not None else None)
+            for k, v in inp0.items()}
+    results = []
+    for inp in (inp0, inp1):
+        torch.manual_seed(5)  # seeds every GPU's generator: the same dropout seed on both devices
+        out = _run(inp, rms=False, dropout_p=0.1)
+        names = [k for k in GRAD_NAMES if inp[k] is not None]
+        loss = out.y.float().sum() + 2 * out.y1.float().sum() + out.residual_out.sum()
+        grads = torch.autograd.grad(loss, [inp[k] for k in names])
+        results.append((out.y, out.y1, out.residual_out, out.dropout_mask, *grads))
+    assert torch.cuda.current_device() == 0
+    for a, c in zip(*results):
+        assert c.device == torch.device("cuda", 1)
+        assert torch.equal(a, c.to("cuda:0"))
+
+
+def test_fast_launch_bitwise(monkeypatch):
+    """The fast launch path (second call of a specialization) gives what Triton's normal launch gives."""
+    launchers = [ln_launch._fwd, ln_launch._fwd_chunked, ln_launch._bwd, ln_launch._bwd_chunked, ln_launch._bwd_dw]
+    results = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("CULMEN_FAST_LAUNCH", mode)
+        for launcher in launchers:
+            launcher.cache.clear()
+        for shape in ((513, 3000), (9, 70000)):  # row-resident and chunked kernels
+            inp = _make_inputs(shape, BF16, residual=F32, x1=True, weight1=True, rowscale=True,
+                               requires_grad=True) if mode == "0" else results[shape, "inp"]
+            results[shape, "inp"] = inp
+            for _ in range(2):
+                torch.manual_seed(11)
+                out = _run(inp, rms=False, dropout_p=0.1)
+                names = [k for k in GRAD_NAMES if inp[k] is not None]
+                loss = out.y.float().sum() + 2 * out.y1.float().sum() + out.residual_out.sum()
+                grads = torch.autograd.grad(loss, [inp[k] for k in names])
+            results[shape, mode] = (out.y, out.y1, out.residual_out, out.dropout_mask, *grads)
+        if mode == "1":
+            for launcher in launchers:
+                assert not launcher.disabled, launcher.error
+                assert launcher.cache, f"{launcher.kernel.fn.__name__} never took the fast path"
+    for shape in ((513, 3000), (9, 70000)):
+        for a, c in zip(results[shape, "0"], results[shape, "1"]):
+            assert torch.equal(a, c)
