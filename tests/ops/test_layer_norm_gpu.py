@@ -183,51 +183,72 @@ def test_more_than_2_31_elements():
     torch.cuda.empty_cache()
 
 
-def test_non_current_device():
+LAUNCHERS = ("_fwd", "_fwd_chunked", "_bwd", "_bwd_chunked", "_bwd_dw")
+
+
+@pytest.fixture
+def fresh_launchers(monkeypatch):
+    """The op's launchers with an empty fast-path cache and the fast path enabled (restored afterwards),
+    so what an earlier test did to them cannot leak into this one."""
+    launchers = [getattr(ln_launch, name) for name in LAUNCHERS]
+    for launcher in launchers:
+        monkeypatch.setattr(launcher, "cache", {})
+        monkeypatch.setattr(launcher, "disabled", False)
+        monkeypatch.setattr(launcher, "error", None)
+    return launchers
+
+
+def _fwd_bwd(inp, dropout_p, seed):
+    torch.manual_seed(seed)  # seeds every GPU's generator: the same dropout seed on each device
+    out = _run(inp, rms=False, dropout_p=dropout_p)
+    names = [k for k in GRAD_NAMES if inp[k] is not None]
+    loss = out.y.float().sum() + 2 * out.y1.float().sum() + out.residual_out.sum()
+    grads = torch.autograd.grad(loss, [inp[k] for k in names])
+    return (out.y, out.y1, out.residual_out, out.dropout_mask, *grads)
+
+
+SHAPES = ((513, 3000), (9, 70000))  # row-resident and chunked kernels
+
+
+def test_non_current_device(fresh_launchers):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     assert torch.cuda.current_device() == 0
-    shape = (300, 5000)
-    inp0 = _make_inputs(shape, BF16, residual=F32, x1=True, weight1=True, requires_grad=True)
-    inp1 = {k: (v.detach().to("cuda:1").requires_grad_(v.requires_grad) if v is not None else None)
-            for k, v in inp0.items()}
-    results = []
-    for inp in (inp0, inp1):
-        torch.manual_seed(5)  # seeds every GPU's generator: the same dropout seed on both devices
-        out = _run(inp, rms=False, dropout_p=0.1)
-        names = [k for k in GRAD_NAMES if inp[k] is not None]
-        loss = out.y.float().sum() + 2 * out.y1.float().sum() + out.residual_out.sum()
-        grads = torch.autograd.grad(loss, [inp[k] for k in names])
-        results.append((out.y, out.y1, out.residual_out, out.dropout_mask, *grads))
-    assert torch.cuda.current_device() == 0
-    for a, c in zip(*results):
-        assert c.device == torch.device("cuda", 1)
-        assert torch.equal(a, c.to("cuda:0"))
+    for shape in SHAPES:
+        inp0 = _make_inputs(shape, BF16, residual=F32, x1=True, weight1=True, rowscale=True, requires_grad=True)
+        inp1 = {k: (v.detach().to("cuda:1").requires_grad_(v.requires_grad) if v is not None else None)
+                for k, v in inp0.items()}
+        # Twice per device: the second call of a specialization takes the fast launch path.
+        r0 = [_fwd_bwd(inp0, 0.1, seed=5) for _ in range(2)][-1]
+        r1 = [_fwd_bwd(inp1, 0.1, seed=5) for _ in range(2)][-1]
+        assert torch.cuda.current_device() == 0
+        for a, c in zip(r0, r1):
+            assert c.device == torch.device("cuda", 1)
+            assert torch.equal(a, c.to("cuda:0"))
+    # Both devices keep the fast launch path: a kernel handle loaded for one device must not be launched
+    # on the other (that fails, and turns the fast path off for the rest of the process).
+    for launcher in fresh_launchers:
+        assert not launcher.disabled, f"{launcher.kernel.fn.__name__}: fast path turned off: {launcher.error}"
 
 
-def test_fast_launch_bitwise(monkeypatch):
+def test_fast_launch_bitwise(monkeypatch, fresh_launchers):
     """The fast launch path (second call of a specialization) gives what Triton's normal launch gives."""
-    launchers = [ln_launch._fwd, ln_launch._fwd_chunked, ln_launch._bwd, ln_launch._bwd_chunked, ln_launch._bwd_dw]
     results = {}
     for mode in ("0", "1"):
         monkeypatch.setenv("CULMEN_FAST_LAUNCH", mode)
-        for launcher in launchers:
+        for launcher in fresh_launchers:
             launcher.cache.clear()
-        for shape in ((513, 3000), (9, 70000)):  # row-resident and chunked kernels
-            inp = _make_inputs(shape, BF16, residual=F32, x1=True, weight1=True, rowscale=True,
-                               requires_grad=True) if mode == "0" else results[shape, "inp"]
-            results[shape, "inp"] = inp
-            for _ in range(2):
-                torch.manual_seed(11)
-                out = _run(inp, rms=False, dropout_p=0.1)
-                names = [k for k in GRAD_NAMES if inp[k] is not None]
-                loss = out.y.float().sum() + 2 * out.y1.float().sum() + out.residual_out.sum()
-                grads = torch.autograd.grad(loss, [inp[k] for k in names])
-            results[shape, mode] = (out.y, out.y1, out.residual_out, out.dropout_mask, *grads)
-        if mode == "1":
-            for launcher in launchers:
+        for shape in SHAPES:
+            if mode == "0":
+                results[shape, "inp"] = _make_inputs(shape, BF16, residual=F32, x1=True, weight1=True,
+                                                     rowscale=True, requires_grad=True)
+            results[shape, mode] = [_fwd_bwd(results[shape, "inp"], 0.1, seed=11) for _ in range(2)][-1]
+        if mode == "0":  # the normal launch path only
+            assert all(not launcher.cache for launcher in fresh_launchers)
+        else:
+            for launcher in fresh_launchers:
                 assert not launcher.disabled, launcher.error
                 assert launcher.cache, f"{launcher.kernel.fn.__name__} never took the fast path"
-    for shape in ((513, 3000), (9, 70000)):
+    for shape in SHAPES:
         for a, c in zip(results[shape, "0"], results[shape, "1"]):
             assert torch.equal(a, c)
