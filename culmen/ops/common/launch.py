@@ -7,9 +7,10 @@ of each specialization and calls it directly.
 
 The cache key is a superset of what Triton specializes on (argument dtypes, 16-byte alignment of
 pointers, integers equal to 1 / divisible by 16 / fitting in 32 bits, which pointers are ``None``,
-constexpr values, warps, stages), so a cached kernel is only reused for arguments it was compiled
-for. Launch hooks (profilers) are passed on as Triton passes them. The first call of each key, the
-interpreter and any error take Triton's normal path; ``CULMEN_FAST_LAUNCH=0`` turns the fast path off.
+constexpr values, warps, stages) plus the current device, so a cached kernel is only reused for
+arguments it was compiled for. Launch hooks (profilers) are passed on as Triton passes them. The
+first call of each key, the interpreter and any error take Triton's normal path;
+``CULMEN_FAST_LAUNCH=0`` turns the fast path off.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class FastLauncher:
         if not self._fast_ok():
             self.kernel[grid](*args, **meta, num_warps=num_warps, num_stages=num_stages)
             return
-        key = (tuple(meta.values()), num_warps, num_stages, *map(_spec, args))
+        # A compiled kernel's function handle belongs to one device's context.
+        key = (torch.cuda.current_device(), tuple(meta.values()), num_warps, num_stages, *map(_spec, args))
         entry = self.cache.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **meta, num_warps=num_warps, num_stages=num_stages)
