@@ -15,6 +15,7 @@ first call of each key, the interpreter and any error take Triton's normal path;
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,14 +33,21 @@ def _spec(a):
     return type(a)
 
 
-def _launch_hooks():
-    """Triton's current launch hooks (profilers such as proton install them), passed on like Triton does."""
+@functools.cache
+def _hook_holder():
     try:
         from triton import knobs
 
-        rt = knobs.runtime
+        return knobs.runtime
     except ImportError:  # older Triton keeps the hooks on CompiledKernel
-        from triton.compiler.compiler import CompiledKernel as rt
+        from triton.compiler.compiler import CompiledKernel
+
+        return CompiledKernel
+
+
+def _launch_hooks():
+    """Triton's current launch hooks (profilers such as proton install them), passed on like Triton does."""
+    rt = _hook_holder()
     return getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None)
 
 

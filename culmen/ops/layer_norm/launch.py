@@ -113,15 +113,13 @@ def layer_norm_bwd(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale
     dx = torch.empty((M, N), device=dev, dtype=x_dtype)
     dx1 = torch.empty((M, N), device=dev, dtype=x1_dtype) if has_x1 else None
     dres = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_dres else None
-    if mean is not None and mean.numel() == 0:
-        mean = None
     flags = dict(IS_RMS=is_rms_norm, HAS_W=weight is not None, HAS_B=bias is not None, HAS_W1=weight1 is not None,
                  ZERO_CENTERED=zero_centered_weight, RECOMPUTE_FROM_Y=recompute_from_y)
     dx_flags = dict(HAS_DRES_OUT=dres_out is not None, STORE_DRES=store_dres, HAS_X1=has_x1,
                     HAS_ROWSCALE=rowscale is not None, HAS_DROPOUT=dropout_p > 0.0)
     strides = (xs.stride(0), dy.stride(0), _stride0(dy1), _stride0(dres_out), dx.stride(0), _stride0(dx1),
                _stride0(dres))
-    params = [p for p in (weight, bias, weight1, bias1)]
+    params = [weight, bias, weight1, bias1]
     with device_guard(dev):
         if N <= TUNING["bwd_max_resident"]:
             block_m, block_n = _row_blocks(N, M, TUNING["bwd_elems"])
@@ -172,10 +170,10 @@ def _reduce_partials(partial, params):
         return [None] * len(params)
     total = partial.sum(0)
     dtypes = {p.dtype for p in params if p is not None}
-    if len(dtypes) == 1:
+    if len(dtypes) == 1:  # the usual case: one cast for all rows
         total = total.to(dtypes.pop())
     out, k = [], 0
     for p in params:
-        out.append(total[k].to(p.dtype) if p is not None else None)
+        out.append(None if p is None else total[k] if total.dtype == p.dtype else total[k].to(p.dtype))
         k += p is not None
     return out

@@ -21,10 +21,6 @@ register_op("layer_norm_bwd", "normalization", "backward of layer_norm_fwd (dx, 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _empty(like: Tensor, dtype=None) -> Tensor:
-    return torch.empty(0, device=like.device, dtype=dtype or like.dtype)
-
-
 def _fwd_impl(*args):
     """Forward on the chosen backend; absent outputs are ``None``."""
     x = args[0]
@@ -87,12 +83,12 @@ def _(x, weight, bias, residual, x1, weight1, bias1, rowscale, seed, eps, dropou
     M, N = x.shape
     f32 = torch.float32
     y = x.new_empty((M, N), dtype=out_dtype)
-    y1 = x.new_empty((M, N), dtype=out_dtype) if weight1 is not None else _empty(x)
-    mean = x.new_empty((M,), dtype=f32) if not is_rms_norm else _empty(x, f32)
+    y1 = x.new_empty((M, N), dtype=out_dtype) if weight1 is not None else nothing(x.device, x.dtype)
+    mean = x.new_empty((M,), dtype=f32) if not is_rms_norm else nothing(x.device, f32)
     rstd = x.new_empty((M,), dtype=f32)
-    res = x.new_empty((M, N), dtype=residual_dtype) if store_residual_out else _empty(x)
-    mask = x.new_empty((M, N), dtype=torch.bool) if store_mask else _empty(x, torch.bool)
-    mask1 = x.new_empty((M, N), dtype=torch.bool) if (store_mask and x1 is not None) else _empty(x, torch.bool)
+    res = x.new_empty((M, N), dtype=residual_dtype) if store_residual_out else nothing(x.device, x.dtype)
+    mask = x.new_empty((M, N), dtype=torch.bool) if store_mask else nothing(x.device, torch.bool)
+    mask1 = x.new_empty((M, N), dtype=torch.bool) if (store_mask and x1 is not None) else nothing(x.device, torch.bool)
     return y, y1, mean, rstd, res, mask, mask1
 
 
@@ -124,6 +120,8 @@ def layer_norm_bwd_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward on 2-D inputs. ``xs`` is the saved pre-norm sum (or ``y`` when ``recompute_from_y``).
     Returns ``(dx, dw, db, dw1, db1, dresidual, dx1)``; absent outputs are empty tensors."""
+    # The forward op returns an empty placeholder for RMSNorm's mean; the implementations take None.
+    mean = None if is_rms_norm else mean
     out = _bwd_impl(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale, seed, mean, rstd, eps, dropout_p,
                     is_rms_norm, zero_centered_weight, recompute_from_y, has_residual, has_x1, x_dtype, x1_dtype,
                     residual_dtype, store_dres)
@@ -139,11 +137,11 @@ def _(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale, seed, mean,
     M, N = dy.shape
 
     def like(t):
-        return torch.empty_like(t) if t is not None else _empty(dy)
+        return torch.empty_like(t) if t is not None else nothing(dy.device, dy.dtype)
 
     dx = dy.new_empty((M, N), dtype=x_dtype)
-    dres = dy.new_empty((M, N), dtype=residual_dtype) if store_dres else _empty(dy)
-    dx1 = dy.new_empty((M, N), dtype=x1_dtype) if has_x1 else _empty(dy)
+    dres = dy.new_empty((M, N), dtype=residual_dtype) if store_dres else nothing(dy.device, dy.dtype)
+    dx1 = dy.new_empty((M, N), dtype=x1_dtype) if has_x1 else nothing(dy.device, dy.dtype)
     return dx, like(weight), like(bias), like(weight1), like(bias1), dres, dx1
 
 
