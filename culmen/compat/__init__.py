@@ -36,7 +36,9 @@ ALIASES: dict[str, str] = {
 
 # Apex / flash_attn compiled extension modules that culmen provides in Python, e.g.
 # "amp_C": "culmen.multi_tensor_apply.amp_C". Added as culmen implements them.
-EXTENSION_MODULES: dict[str, str] = {}
+EXTENSION_MODULES: dict[str, str] = {
+    "amp_C": "culmen.multi_tensor_apply.amp_C",
+}
 
 
 def _target(name: str, table: dict[str, str]) -> str | None:

@@ -1,0 +1,17 @@
+"""Multi-tensor kernels: one launch updates many tensors (Apex's ``amp_C`` op set).
+
+Modules: ``common`` (launch tables, shared Triton helpers), ``elementwise`` (scale, axpby),
+``l2norm`` (norm family), ``adam``, ``sgd``, and the layer-wise optimizers' ops. The Apex-named
+functions are collected in :mod:`culmen.multi_tensor_apply.amp_C`.
+"""
+
+from culmen.ops.backend import register_op
+
+for _name, _desc in (
+    ("multi_tensor_scale", "out = in * scale over tensor lists, inf/nan flag"),
+    ("multi_tensor_axpby", "out = a x + b y over tensor lists, inf/nan flag"),
+    ("multi_tensor_l2norm", "global and per-tensor L2 norms of tensor lists"),
+    ("multi_tensor_adam", "Adam/AdamW step over tensor lists (capturable, master weights)"),
+    ("multi_tensor_sgd", "SGD with momentum over tensor lists"),
+):
+    register_op(_name, "multi_tensor", _desc)
