@@ -13,5 +13,6 @@ for _name, _desc in (
     ("multi_tensor_l2norm", "global and per-tensor L2 norms of tensor lists"),
     ("multi_tensor_adam", "Adam/AdamW step over tensor lists (capturable, master weights)"),
     ("multi_tensor_sgd", "SGD with momentum over tensor lists"),
+    ("update_scale_hysteresis", "loss-scale update with hysteresis, on the device (no host sync)"),
 ):
     register_op(_name, "multi_tensor", _desc)

@@ -29,7 +29,7 @@ if triton is not None:
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 8192, "block": 1024, "num_warps": 4}
+TUNING = {"chunk": 8192, "block": 2048, "num_warps": 8}
 
 ADAM_MODE_L2, ADAM_MODE_ADAMW = 0, 1
 

@@ -185,13 +185,13 @@ def clear_cache() -> None:
 
 
 def noop_pointer(noop_flag: torch.Tensor, op: str) -> torch.Tensor:
-    """Check the noop flag argument (a one-element int32 tensor, Apex's convention)."""
+    """Check the noop flag argument: a one-element int32 tensor (Apex's convention) or a float ``found_inf``."""
     if not isinstance(noop_flag, torch.Tensor):
         raise TypeError(f"{op}: noop_flag must be a torch.Tensor, got {type(noop_flag).__name__}")
     if noop_flag.numel() < 1:
         raise ValueError(f"{op}: noop_flag must have at least one element")
-    if noop_flag.dtype not in (torch.int32, torch.int64, torch.uint8, torch.bool):
-        raise TypeError(f"{op}: noop_flag must be an integer tensor (int32), got {noop_flag.dtype}")
+    if noop_flag.dtype.is_complex:
+        raise TypeError(f"{op}: noop_flag must be an int32 (or a real found_inf) tensor, got {noop_flag.dtype}")
     return noop_flag
 
 

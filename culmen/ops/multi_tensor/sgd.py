@@ -30,7 +30,7 @@ if triton is not None:
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 8192, "block": 1024, "num_warps": 4}
+TUNING = {"chunk": 16384, "block": 4096, "num_warps": 8}
 
 if triton is not None:
 
