@@ -82,18 +82,23 @@ def check_lists(tensor_lists, num_lists: int | tuple[int, ...], op: str) -> int:
 
 
 def check_sizes(tensor_lists, op: str) -> None:
-    """Tensors at the same position of every list must have the same number of elements and device."""
+    """Tensors at the same position of every list must have the same number of elements and device.
+
+    Written with list comprehensions compared as whole lists: this runs on every optimizer step over
+    every parameter, and per-element Python loops cost milliseconds for a few hundred tensors.
+    """
     first = tensor_lists[0]
+    numels = [x.numel() for x in first]
+    devices = [x.device for x in first]
     for i, lst in enumerate(tensor_lists[1:], 1):
-        for t, (a, b) in enumerate(zip(first, lst)):
-            if a.numel() != b.numel():
-                raise ValueError(
-                    f"{op}: tensor_lists[{i}][{t}] has {b.numel()} elements but tensor_lists[0][{t}] has {a.numel()}"
-                )
-            if a.device != b.device:
-                raise ValueError(
-                    f"{op}: tensor_lists[{i}][{t}] is on {b.device} but tensor_lists[0][{t}] is on {a.device}"
-                )
+        if [x.numel() for x in lst] != numels:
+            t = next(t for t, (a, b) in enumerate(zip(first, lst)) if a.numel() != b.numel())
+            raise ValueError(f"{op}: tensor_lists[{i}][{t}] has {lst[t].numel()} elements but tensor_lists[0][{t}] "
+                             f"has {first[t].numel()}")
+        if [x.device for x in lst] != devices:
+            t = next(t for t, (a, b) in enumerate(zip(first, lst)) if a.device != b.device)
+            raise ValueError(f"{op}: tensor_lists[{i}][{t}] is on {lst[t].device} but tensor_lists[0][{t}] is on "
+                             f"{first[t].device}")
 
 
 def _contiguous(tensor_lists, written: tuple[int, ...]):
@@ -101,6 +106,9 @@ def _contiguous(tensor_lists, written: tuple[int, ...]):
     copy_back = []
     out = []
     for i, lst in enumerate(tensor_lists):
+        if all([x.is_contiguous() for x in lst]):
+            out.append(lst)
+            continue
         new = list(lst)
         for t, x in enumerate(lst):
             if not x.is_contiguous():
@@ -145,17 +153,20 @@ def plan(tensor_lists, written: tuple[int, ...], chunk: int, op: str) -> tuple[l
     the tables (they own no chunk) so per-tensor outputs keep their positions.
     """
     lists, copy_back = _contiguous(tensor_lists, written)
-    n = len(lists[0])
-    keys: dict = {}
-    for t in range(n):
-        k = (lists[0][t].device, tuple(lst[t].dtype for lst in lists))
-        keys.setdefault(k, []).append(t)
+    dtypes = [[x.dtype for x in lst] for lst in lists]
+    devices = [x.device for x in lists[0]]
+    if all(d.count(d[0]) == len(d) for d in dtypes) and devices.count(devices[0]) == len(devices):
+        parts = {(devices[0], tuple(d[0] for d in dtypes)): None}  # the common case: one group, no re-listing
+    else:
+        parts = {}
+        for t in range(len(devices)):
+            parts.setdefault((devices[t], tuple(d[t] for d in dtypes)), []).append(t)
     groups = []
-    for (device, dtypes), idx in keys.items():
-        glists = [[lst[t] for t in idx] for lst in lists] if len(keys) > 1 else lists
-        ptrs = tuple(x.data_ptr() for lst in glists for x in lst)
-        numels = tuple(x.numel() for x in glists[0])
-        key = (device, dtypes, chunk, ptrs, numels)
+    for (device, gdtypes), idx in parts.items():
+        glists = lists if idx is None else [[lst[t] for t in idx] for lst in lists]
+        ptrs = tuple([x.data_ptr() for lst in glists for x in lst])
+        numels = tuple([x.numel() for x in glists[0]])
+        key = (device, gdtypes, chunk, ptrs, numels)
         entry = _CACHE.get(key)
         if entry is None:
             p = np.asarray(ptrs, dtype=np.int64)
@@ -169,7 +180,8 @@ def plan(tensor_lists, written: tuple[int, ...], chunk: int, op: str) -> tuple[l
         else:
             _CACHE.move_to_end(key)
         dev_table, c, shift, _ = entry
-        groups.append(Group(device, dtypes, idx, dev_table, len(idx), c, shift, glists))
+        indices = list(range(len(devices))) if idx is None else idx
+        groups.append(Group(device, gdtypes, indices, dev_table, len(indices), c, shift, glists))
     return groups, copy_back
 
 
