@@ -330,3 +330,30 @@ def test_cuda_graph_capture_replays_adam():
     torch.cuda.synchronize()
     for a, b in zip(p, expect_p):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_fullgraph_traces_the_custom_ops(device):
+    """Under torch.compile the amp_C entry points become custom-op nodes: no graph break, same results."""
+    torch._dynamo.reset()
+    g, p, m, v = lists_of(*[torch.float32] * 4, device=device, sizes=[5, 33], positive=(3,))
+    src, dst = lists_of(torch.float32, torch.float32, device=device, sizes=[5, 33])
+    f = flag(device)
+
+    def step(g, p, m, v, src, dst, f):
+        amp_C.multi_tensor_scale(2048, f, [src, dst], 0.5)
+        amp_C.multi_tensor_axpby(2048, f, [src, dst, dst], 1.0, 2.0, -1)
+        norm, per = amp_C.multi_tensor_l2norm(2048, f, [dst], True)
+        adam.adam_update([g, p, m, v], lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, step=2, mode=1,
+                         bias_correction=True, weight_decay=0.0, noop_flag=f)
+        amp_C.multi_tensor_sgd(2048, f, [g, p, m], 0.0, 0.9, 0.0, 0.1, False, False, False, 1.0)
+        return norm, per
+
+    eager = [[t.clone() for t in lst] for lst in (g, p, m, v, src, dst)]
+    want = step(*eager, flag(device))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(g, p, m, v, src, dst, f)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    for lst, ref in zip((p, m, dst), (eager[1], eager[2], eager[5])):
+        for a, b in zip(lst, ref):
+            torch.testing.assert_close(a, b)

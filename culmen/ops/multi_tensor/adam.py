@@ -151,6 +151,12 @@ def adam_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, ste
     Math in fp32: ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``;
     ``p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + [AdamW] wd p)``.
     """
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import adam_via_op
+
+        return adam_via_op(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, mode=mode,
+                           bias_correction=bias_correction, weight_decay=weight_decay, noop_flag=noop_flag,
+                           inv_scale=inv_scale)
     n = check_lists(tensor_lists, (4, 5), op)
     noop_pointer(noop_flag, op)
     if mode not in (0, 1):

@@ -135,6 +135,10 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     culmen picks its own chunking (results do not depend on it).
     """
     op = "multi_tensor_scale"
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import scale_op
+
+        return scale_op(list(tensor_lists[0]), list(tensor_lists[1]), noop_flag, float(scale))
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)
     if check_lists(tensor_lists, 2, op) == 0:
@@ -160,6 +164,11 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a
     ``noop_flag`` to 1.
     """
     op = "multi_tensor_axpby"
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import axpby_op
+
+        return axpby_op(list(tensor_lists[0]), list(tensor_lists[1]), list(tensor_lists[2]), noop_flag, float(a),
+                        float(b), int(arg_to_check))
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)
     if arg_to_check not in (-1, 0, 1):

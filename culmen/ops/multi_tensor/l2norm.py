@@ -119,6 +119,12 @@ def _norm_ref(noop_flag, tensors, per_tensor: bool, mode: int, scale, outs=None)
 
 
 def _l2norm(op: str, chunk_size, noop_flag, tensor_lists, per_tensor, mode: int, scale=1.0, num_lists: int = 1):
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import l2norm_op
+
+        outs = list(tensor_lists[1]) if mode == _SCALE_OUT else []
+        return l2norm_op(list(tensor_lists[0]), outs, noop_flag, bool(per_tensor), mode,
+                         1.0 if mode == _UNSCALE else float(scale), scale if mode == _UNSCALE else None)
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)
     per_tensor = bool(per_tensor) if per_tensor is not None else False

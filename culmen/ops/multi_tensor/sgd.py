@@ -112,6 +112,13 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
                      scale: float) -> None:
     """Apex ``amp_C.multi_tensor_sgd`` (see the module docstring for the update rule)."""
     op = "multi_tensor_sgd"
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import sgd_op
+
+        copies = list(tensor_lists[3]) if len(tensor_lists) == 4 else []
+        return sgd_op(list(tensor_lists[0]), list(tensor_lists[1]), list(tensor_lists[2]), copies, noop_flag,
+                      float(wd), float(momentum), float(dampening), float(lr), bool(nesterov), bool(first_run),
+                      bool(wd_after_momentum), float(scale))
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)
     if check_lists(tensor_lists, (3, 4), op) == 0:
