@@ -1,0 +1,520 @@
+"""LAMB over tensor lists: Apex's ``multi_tensor_lamb``, ``_lamb_mp`` and ``_lamb_stage1_cuda`` / ``_stage2_cuda``.
+
+LAMB scales each tensor's Adam update by the trust ratio ``||p|| / ||update||``, so the per-tensor
+norms of the parameters and of the updates are needed between computing the update and applying it.
+``multi_tensor_lamb(_mp)`` does it in three launches per group, whatever the number of tensors, with
+no host sync:
+
+1. **stage 1**, one program per chunk: ``g' = g * inv_scale / clip`` where ``clip = ||g||_global /
+   max_grad_norm`` if the global norm exceeds ``max_grad_norm`` (else 1); the Adam moments
+   ``m = beta1 m + beta3 g'``, ``v = beta2 v + (1-beta2) g'^2`` (mode 0 first adds ``wd p`` to ``g'``);
+   ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` (mode 1 then adds ``wd p``). Like Apex, ``u`` is written
+   over the gradient (in the gradient's dtype). The program also writes its chunk's sums of ``p^2``
+   and ``u^2`` (``u`` as stored);
+2. **finalize**, one program per tensor: sums its chunks in a fixed order (deterministic) into
+   ``||p||`` and ``||u||``;
+3. **stage 2**, one program per chunk: ``p -= ratio u`` with ``ratio = lr ||p|| / ||u||`` when both
+   norms are non-zero and (``use_nvlamb`` or ``weight_decay != 0``), else ``lr``; with five lists the
+   fp32 masters are updated and copied into the 16-bit model params.
+
+``bc1 = 1 - beta1^step``, ``bc2 = 1 - beta2^step`` (1 without bias correction), ``beta3 = 1 - beta1``
+with grad averaging (else 1). The parameter norm is read only where the trust ratio needs it.
+
+Unlike Apex, whose non-``_mp`` LAMB kernels ignore the noop flag, every kernel here does nothing while
+it (or ``found_inf`` for ``_mp``) is set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from culmen.ops.backend import choose_backend, device_guard
+from culmen.ops.common.launch import FastLauncher
+from culmen.ops.multi_tensor.common import (
+    TL_DTYPE,
+    check_lists,
+    check_sizes,
+    finish,
+    launch_group,
+    noop_pointer,
+    plan,
+    triton,
+)
+from culmen.ops.multi_tensor.elementwise import _check_chunk
+from culmen.ops.multi_tensor.novograd import group_index
+
+if triton is not None:
+    import triton.language as tl
+
+    from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
+
+TUNING = {"chunk": 8192, "block": 1024, "num_warps": 4, "final_block": 1024}
+
+LAMB_MODE_L2, LAMB_MODE_DECOUPLED = 0, 1
+
+if triton is not None:
+
+    @triton.jit
+    def _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, eps, bc1, bc2, wd, clip, inv, accp, accu,
+                  MODE: tl.constexpr, HAS_WD: tl.constexpr, NEED_P: tl.constexpr, NORMS: tl.constexpr,
+                  INV: tl.constexpr, MASKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        for i in range(0, CHUNK, BLOCK):
+            offs = block_offsets(start, i, BLOCK)
+            g = load_f32(gp, offs, n, MASKED)
+            if INV:
+                g = g * inv
+            g = tl.div_rn(g, clip)
+            if NEED_P:
+                p = load_f32(pp, offs, n, MASKED)
+            m = load_f32(mp, offs, n, MASKED)
+            v = load_f32(vp, offs, n, MASKED)
+            if MODE == 0:
+                if HAS_WD:
+                    g = g + wd * p
+            m = m * b1 + b3 * g
+            v = v * b2 + (1.0 - b2) * g * g
+            u = tl.div_rn(tl.div_rn(m, bc1), tl.sqrt_rn(tl.div_rn(v, bc2)) + eps)
+            if MODE == 1:
+                if HAS_WD:
+                    u = u + wd * p
+            store(mp, offs, n, m, MASKED)
+            store(vp, offs, n, v, MASKED)
+            store(up, offs, n, u, MASKED)
+            if NORMS:
+                us = u.to(up.dtype.element_ty).to(tl.float32)  # the norm of the update as stored
+                accu += us * us
+                if NEED_P:
+                    accp += p * p
+        return accp, accu
+
+    @triton.jit
+    def _lamb_stage1_kernel(table, noop, found, partial, gnorm, maxn_ptr, step_ptr, inv_ptr, decay_ptr, idx, T, C,
+                            b1, b2, b3, eps, bc1, bc2, wd, maxn, inv,
+                            G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                            U_DT: tl.constexpr, L: tl.constexpr, U_IDX: tl.constexpr, MODE: tl.constexpr,
+                            HAS_WD: tl.constexpr, WD_T: tl.constexpr, NEED_P: tl.constexpr, NORMS: tl.constexpr,
+                            FOUND: tl.constexpr, MAXN_T: tl.constexpr, STEP_T: tl.constexpr, INV: tl.constexpr,
+                            IDX: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        c = tl.program_id(0)
+        accp = tl.zeros([BLOCK], dtype=tl.float32)
+        accu = tl.zeros([BLOCK], dtype=tl.float32)
+        go = tl.load(noop) == 0
+        if FOUND:
+            go = go & (tl.load(found).to(tl.float32) == 0.0)
+        if go:
+            t, j, n = chunk_coords(table, T, C, L)
+            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
+            pp = tensor_ptr(table, T, t, 1, P_DT, SHIFT)
+            mp = tensor_ptr(table, T, t, 2, M_DT, SHIFT)
+            vp = tensor_ptr(table, T, t, 3, V_DT, SHIFT)
+            up = tensor_ptr(table, T, t, U_IDX, U_DT, SHIFT)
+            if WD_T:
+                pos = t
+                if IDX:
+                    pos = tl.load(idx + t)
+                wd = tl.load(decay_ptr + pos).to(tl.float32)
+            if MAXN_T:
+                maxn = tl.load(maxn_ptr).to(tl.float32)
+            if STEP_T:
+                s = tl.load(step_ptr).to(tl.float32)
+                bc1 = 1.0 - tl.exp2(s * tl.log2(b1))
+                bc2 = 1.0 - tl.exp2(s * tl.log2(b2))
+            if INV:
+                inv = tl.load(inv_ptr).to(tl.float32)
+            gg = tl.load(gnorm).to(tl.float32)
+            clip = tl.where(gg > maxn, tl.div_rn(gg, maxn), 1.0)
+            start = j * CHUNK
+            if start + CHUNK <= n:
+                accp, accu = _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, eps, bc1, bc2, wd, clip, inv, accp,
+                                       accu, MODE, HAS_WD, NEED_P, NORMS, INV, False, CHUNK, BLOCK)
+            else:
+                accp, accu = _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, eps, bc1, bc2, wd, clip, inv, accp,
+                                       accu, MODE, HAS_WD, NEED_P, NORMS, INV, True, CHUNK, BLOCK)
+        if NORMS:
+            tl.store(partial + c, tl.sum(accp, axis=0))
+            tl.store(partial + C + c, tl.sum(accu, axis=0))
+
+    @triton.jit
+    def _lamb_finalize_kernel(partial, first, norms, T, C, BLOCK: tl.constexpr):
+        # Program t sums the chunks of tensor t in order: norms[t] = ||p_t||, norms[T + t] = ||u_t||.
+        t = tl.program_id(0)
+        lo = tl.load(first + t)
+        hi = tl.load(first + t + 1)
+        accp = tl.zeros([BLOCK], dtype=tl.float32)
+        accu = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(lo, hi, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            mask = offs < hi
+            accp += tl.load(partial + offs, mask=mask, other=0.0)
+            accu += tl.load(partial + C + offs, mask=mask, other=0.0)
+        tl.store(norms + t, tl.sqrt_rn(tl.sum(accp, axis=0)))
+        tl.store(norms + T + t, tl.sqrt_rn(tl.sum(accu, axis=0)))
+
+    @triton.jit
+    def _s2_range(up, pp, op, start, n, ratio, HAS_OUT: tl.constexpr, MASKED: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr):
+        for i in range(0, CHUNK, BLOCK):
+            offs = block_offsets(start, i, BLOCK)
+            u = load_f32(up, offs, n, MASKED)
+            p = load_f32(pp, offs, n, MASKED)
+            p = p - ratio * u
+            store(pp, offs, n, p, MASKED)
+            if HAS_OUT:
+                store(op, offs, n, p, MASKED)
+
+    @triton.jit
+    def _lamb_stage2_kernel(table, noop, found, pn_ptr, un_ptr, lr_ptr, idx, T, C, lr,
+                            U_DT: tl.constexpr, P_DT: tl.constexpr, O_DT: tl.constexpr, L: tl.constexpr,
+                            U_IDX: tl.constexpr, P_IDX: tl.constexpr, HAS_OUT: tl.constexpr, TRUST: tl.constexpr,
+                            LR_T: tl.constexpr, FOUND: tl.constexpr, IDX: tl.constexpr, SHIFT: tl.constexpr,
+                            CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        go = tl.load(noop) == 0
+        if FOUND:
+            go = go & (tl.load(found).to(tl.float32) == 0.0)
+        if go:
+            t, j, n = chunk_coords(table, T, C, L)
+            up = tensor_ptr(table, T, t, U_IDX, U_DT, SHIFT)
+            pp = tensor_ptr(table, T, t, P_IDX, P_DT, SHIFT)
+            op = pp
+            if HAS_OUT:
+                op = tensor_ptr(table, T, t, 4, O_DT, SHIFT)
+            if LR_T:
+                lr = tl.load(lr_ptr).to(tl.float32)
+            ratio = lr
+            if TRUST:
+                pos = t
+                if IDX:
+                    pos = tl.load(idx + t)
+                pn = tl.load(pn_ptr + pos)
+                un = tl.load(un_ptr + pos)
+                ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
+            start = j * CHUNK
+            if start + CHUNK <= n:
+                _s2_range(up, pp, op, start, n, ratio, HAS_OUT, False, CHUNK, BLOCK)
+            else:
+                _s2_range(up, pp, op, start, n, ratio, HAS_OUT, True, CHUNK, BLOCK)
+
+    _STAGE1 = FastLauncher(_lamb_stage1_kernel)
+    _FINAL = FastLauncher(_lamb_finalize_kernel)
+    _STAGE2 = FastLauncher(_lamb_stage2_kernel)
+
+
+# --------------------------------------------------------------------------------------------------
+# references
+
+
+def _f32(x, device) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1)[0].to(device=device, dtype=torch.float32)
+    return torch.tensor(float(x), dtype=torch.float32, device=device)
+
+
+def _skip(noop_flag, found_inf, device) -> torch.Tensor:
+    s = noop_flag.reshape(-1)[0].to(device) != 0
+    if found_inf is not None:
+        s = s | (found_inf.reshape(-1)[0].to(device).float() != 0)
+    return s
+
+
+def _bias_corrections(beta1, beta2, step, device):
+    if isinstance(step, torch.Tensor):
+        s = step.reshape(-1)[0].to(device=device, dtype=torch.float32)
+        b1 = torch.tensor(beta1, dtype=torch.float32, device=device)
+        b2 = torch.tensor(beta2, dtype=torch.float32, device=device)
+        return 1.0 - torch.pow(b1, s), 1.0 - torch.pow(b2, s)
+    return _f32(1.0 - beta1 ** step, device), _f32(1.0 - beta2 ** step, device)
+
+
+def _clip(global_grad_norm, max_grad_norm, device) -> torch.Tensor:
+    gg = _f32(global_grad_norm, device)
+    mx = _f32(max_grad_norm, device)
+    return torch.where(gg > mx, gg / mx, torch.ones_like(gg))
+
+
+def _put(dst: torch.Tensor, val: torch.Tensor, skip: torch.Tensor) -> None:
+    dst.copy_(torch.where(skip, dst, val.to(dst.dtype)))
+
+
+def lamb_ref(tensor_lists, *, lr, beta1, beta2, eps, step, bias_correction, weight_decay, grad_averaging, mode,
+             global_grad_norm, max_grad_norm, use_nvlamb, noop_flag, found_inf=None, inv_scale=None) -> None:
+    """Reference of :func:`lamb_update` (fp32 math, one tensor at a time, no host sync on device flags)."""
+    beta3 = 1.0 - beta1 if grad_averaging else 1.0
+    outs = tensor_lists[4] if len(tensor_lists) == 5 else [None] * len(tensor_lists[0])
+    trust = bool(use_nvlamb) or weight_decay != 0
+    for g, p, m, v, out in zip(*tensor_lists[:4], outs):
+        dev = p.device
+        skip = _skip(noop_flag, found_inf, dev)
+        if bias_correction:
+            bc1, bc2 = _bias_corrections(beta1, beta2, step, dev)
+        else:
+            bc1 = bc2 = _f32(1.0, dev)
+        gf = g.float()
+        if inv_scale is not None:
+            gf = gf * _f32(inv_scale, dev)
+        gf = gf / _clip(global_grad_norm, max_grad_norm, dev)
+        pf, mf, vf = p.float(), m.float(), v.float()
+        if mode == LAMB_MODE_L2 and weight_decay != 0:
+            gf = gf + weight_decay * pf
+        mf = mf * beta1 + beta3 * gf
+        vf = vf * beta2 + (1.0 - beta2) * gf * gf
+        u = (mf / bc1) / (torch.sqrt(vf / bc2) + eps)
+        if mode == LAMB_MODE_DECOUPLED and weight_decay != 0:
+            u = u + weight_decay * pf
+        u = u.to(g.dtype).float()  # stored over the gradient, then read back
+        lr_t = _f32(lr, dev)
+        ratio = lr_t
+        if trust:
+            pn, un = torch.linalg.vector_norm(pf), torch.linalg.vector_norm(u)
+            ratio = torch.where((pn != 0) & (un != 0), lr_t * (pn / un), lr_t)
+        pf = pf - ratio * u
+        for dst, val in ((m, mf), (v, vf), (g, u), (p, pf), (out, pf)):
+            if dst is not None:
+                _put(dst, val, skip)
+
+
+def multi_tensor_lamb_stage1_ref(chunk_size, noop_flag, tensor_lists, per_tensor_decay, step, beta1, beta2,
+                                 epsilon, global_grad_norm, max_global_grad_norm) -> None:
+    """Reference of :func:`multi_tensor_lamb_stage1_cuda`."""
+    for i, (g, p, m, v, u) in enumerate(zip(*tensor_lists)):
+        dev = p.device
+        skip = _skip(noop_flag, None, dev)
+        bc1, bc2 = _f32(1.0 - beta1 ** (step + 1), dev), _f32(1.0 - beta2 ** (step + 1), dev)
+        gf = g.float() / _clip(global_grad_norm, max_global_grad_norm, dev)
+        pf, mf, vf = p.float(), m.float(), v.float()
+        mf = mf * beta1 + (1.0 - beta1) * gf
+        vf = vf * beta2 + (1.0 - beta2) * gf * gf
+        uf = (mf / bc1) / (torch.sqrt(vf / bc2) + epsilon) + per_tensor_decay[i].to(dev).float() * pf
+        for dst, val in ((m, mf), (v, vf), (u, uf)):
+            _put(dst, val, skip)
+
+
+def multi_tensor_lamb_stage2_ref(chunk_size, noop_flag, tensor_lists, per_tensor_param_norm, per_tensor_update_norm,
+                                 lr, weight_decay, use_nvlamb=None) -> None:
+    """Reference of :func:`multi_tensor_lamb_stage2_cuda`."""
+    trust = bool(use_nvlamb) or weight_decay != 0
+    for i, (p, u) in enumerate(zip(*tensor_lists)):
+        dev = p.device
+        skip = _skip(noop_flag, None, dev)
+        lr_t = _f32(lr, dev)
+        ratio = lr_t
+        if trust:
+            pn, un = per_tensor_param_norm[i].to(dev).float(), per_tensor_update_norm[i].to(dev).float()
+            ratio = torch.where((pn != 0) & (un != 0), lr_t * (pn / un), lr_t)
+        _put(p, p.float() - ratio * u.float(), skip)
+
+
+# --------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _flag_on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x if x.device == device else x.to(device)
+
+
+def _tensor_arg(name: str, x, op: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.numel() < 1:
+        raise TypeError(f"{op}: {name} must be a tensor with at least one element, got {type(x).__name__}")
+
+
+def lamb_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, bias_correction: bool,
+                weight_decay: float, grad_averaging: bool, mode: int, global_grad_norm: torch.Tensor, max_grad_norm,
+                use_nvlamb: bool, noop_flag: torch.Tensor, found_inf=None, inv_scale=None,
+                op: str = "lamb_update") -> None:
+    """One LAMB step over ``[g, p, m, v(, p_model)]`` in three launches per group (module docstring).
+
+    ``lr``, ``step``, ``max_grad_norm`` and ``inv_scale`` are numbers or 1-element device tensors;
+    ``global_grad_norm`` a 1-element device tensor. The gradients are overwritten with the updates.
+    With five lists, ``p`` are fp32 masters and ``p_model`` receives their new values.
+    """
+    n = check_lists(tensor_lists, (4, 5), op)
+    noop_pointer(noop_flag, op)
+    if mode not in (0, 1):
+        raise ValueError(f"{op}: mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
+    _tensor_arg("global_grad_norm", global_grad_norm, op)
+    if n == 0:
+        return
+    check_sizes(tensor_lists, op)
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, bias_correction=bias_correction,
+              weight_decay=weight_decay, grad_averaging=grad_averaging, mode=mode, global_grad_norm=global_grad_norm,
+              max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, noop_flag=noop_flag, found_inf=found_inf,
+              inv_scale=inv_scale)
+    if choose_backend(tensor_lists[0][0].device) == "reference":
+        return lamb_ref(tensor_lists, **kw)
+    num_lists = len(tensor_lists)
+    groups, copy_back = plan(tensor_lists, tuple(range(num_lists)), TUNING["chunk"], op)
+    trust = bool(use_nvlamb) or weight_decay != 0
+    lr_t, step_t = isinstance(lr, torch.Tensor), isinstance(step, torch.Tensor)
+    maxn_t, inv_t = isinstance(max_grad_norm, torch.Tensor), isinstance(inv_scale, torch.Tensor)
+    if bias_correction and not step_t:
+        bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    else:
+        bc1 = bc2 = 1.0
+    beta3 = 1.0 - beta1 if grad_averaging else 1.0
+    for g in groups:
+        if g.num_chunks == 0:
+            continue
+        dev = g.device
+        flag = _flag_on(noop_flag, dev)
+        found = _flag_on(found_inf, dev) if found_inf is not None else flag
+        gnorm = _flag_on(global_grad_norm, dev)
+        maxn_p = _flag_on(max_grad_norm, dev) if maxn_t else flag
+        step_p = _flag_on(step, dev) if step_t and bias_correction else flag
+        inv_p = _flag_on(inv_scale, dev) if inv_t else flag
+        lr_p = _flag_on(lr, dev) if lr_t else flag
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        T, C = g.num_tensors, g.num_chunks
+        with device_guard(dev):
+            partial = torch.empty(2 * C if trust else 1, dtype=torch.float32, device=dev)
+            norms = torch.empty(2 * T if trust else 1, dtype=torch.float32, device=dev)
+            meta = dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], U_DT=dts[0], L=num_lists, U_IDX=0,
+                        MODE=int(mode), HAS_WD=weight_decay != 0, WD_T=False, NEED_P=trust, NORMS=trust,
+                        FOUND=found_inf is not None, MAXN_T=maxn_t, STEP_T=step_t and bool(bias_correction),
+                        INV=inv_scale is not None, IDX=False, SHIFT=g.shift, CHUNK=TUNING["chunk"],
+                        BLOCK=TUNING["block"])
+            args = (g.table, flag, found, partial, gnorm, maxn_p, step_p, inv_p, flag, flag, T, C, float(beta1),
+                    float(beta2), float(beta3), float(eps), float(bc1), float(bc2), float(weight_decay),
+                    0.0 if maxn_t else float(max_grad_norm),
+                    float(inv_scale) if inv_scale is not None and not inv_t else 1.0)
+            launch_group(_STAGE1, g, args, meta, TUNING["num_warps"])
+            if trust:
+                first = g.table[num_lists * T + T:]
+                _FINAL((T,), (partial, first, norms, T, C), dict(BLOCK=TUNING["final_block"]), num_warps=4)
+            meta = dict(U_DT=dts[0], P_DT=dts[1], O_DT=dts[4] if num_lists == 5 else dts[1], L=num_lists, U_IDX=0,
+                        P_IDX=1, HAS_OUT=num_lists == 5, TRUST=trust, LR_T=lr_t, FOUND=found_inf is not None,
+                        IDX=False, SHIFT=g.shift, CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
+            args = (g.table, flag, found, norms, norms[T:] if trust else norms, lr_p, flag, T, C,
+                    0.0 if lr_t else float(lr))
+            launch_group(_STAGE2, g, args, meta, TUNING["num_warps"])
+    finish(copy_back)
+
+
+def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float, beta2: float,
+                      epsilon: float, step: int, bias_correction: int, weight_decay: float, grad_averaging: int,
+                      mode: int, global_grad_norm: torch.Tensor, max_grad_norm: float,
+                      use_nvlamb: bool | None = None) -> None:
+    """Apex ``amp_C.multi_tensor_lamb``: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]``.
+
+    ``global_grad_norm``: 1-element device tensor (the norm of all gradients, for clipping to
+    ``max_grad_norm``). The gradients are overwritten with the LAMB updates, as in Apex.
+    """
+    op = "multi_tensor_lamb"
+    _check_chunk(chunk_size, op)
+    if len(tensor_lists) != 4:
+        raise ValueError(f"{op}: expected 4 tensor lists, got {len(tensor_lists)}")
+    lamb_update(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon, step=step,
+                bias_correction=bool(bias_correction), weight_decay=weight_decay, grad_averaging=bool(grad_averaging),
+                mode=mode, global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
+                use_nvlamb=bool(use_nvlamb), noop_flag=noop_flag, op=op)
+
+
+def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: torch.Tensor, beta1: float,
+                         beta2: float, epsilon: float, step: torch.Tensor, bias_correction: int, weight_decay: float,
+                         grad_averaging: int, mode: int, global_grad_norm: torch.Tensor, max_grad_norm: torch.Tensor,
+                         use_nvlamb: bool | None, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Apex ``amp_C.multi_tensor_lamb_mp`` (``FusedMixedPrecisionLamb``).
+
+    ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]`` or ``[grads, fp32 master params, exp_avgs,
+    exp_avg_sqs, 16-bit model params]``. ``lr``, ``step`` (int), ``global_grad_norm``, ``max_grad_norm``,
+    ``found_inf`` and ``inv_scale`` are 1-element device tensors (no host sync): gradients are
+    multiplied by ``inv_scale`` and the step is skipped where ``noop_flag`` or ``found_inf`` is set.
+    """
+    op = "multi_tensor_lamb_mp"
+    _check_chunk(chunk_size, op)
+    for name, x in (("lr", lr), ("step", step), ("max_grad_norm", max_grad_norm), ("found_inf", found_inf),
+                    ("inv_scale", inv_scale)):
+        _tensor_arg(name, x, op)
+    lamb_update(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon, step=step,
+                bias_correction=bool(bias_correction), weight_decay=weight_decay, grad_averaging=bool(grad_averaging),
+                mode=mode, global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
+                use_nvlamb=bool(use_nvlamb), noop_flag=noop_flag, found_inf=found_inf, inv_scale=inv_scale, op=op)
+
+
+def _per_tensor_arg(name: str, x, n: int, device, op: str) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating-point tensor")
+    if x.numel() != n:
+        raise ValueError(f"{op}: {name} has {x.numel()} elements for {n} tensors")
+    if x.device != device:
+        raise ValueError(f"{op}: {name} is on {x.device} but the tensors are on {device}")
+
+
+def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                                  per_tensor_decay: torch.Tensor, step: int, beta1: float, beta2: float,
+                                  epsilon: float, global_grad_norm: torch.Tensor, max_global_grad_norm: float) -> None:
+    """Apex ``amp_C.multi_tensor_lamb_stage1_cuda`` (first half of distributed LAMB), one launch per group.
+
+    ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs, updates]``; ``per_tensor_decay``: one weight
+    decay per tensor (device). Writes ``m``, ``v`` and ``update = (m / bc1) / (sqrt(v / bc2) + eps) +
+    decay p`` with ``m = beta1 m + (1-beta1) g'``, ``g' = g / clip`` and bias corrections for step
+    ``step + 1`` (as Apex: the caller passes the number of steps already taken).
+    """
+    op = "multi_tensor_lamb_stage1_cuda"
+    _check_chunk(chunk_size, op)
+    noop_pointer(noop_flag, op)
+    n = check_lists(tensor_lists, 5, op)
+    _tensor_arg("global_grad_norm", global_grad_norm, op)
+    if n == 0:
+        return
+    check_sizes(tensor_lists, op)
+    dev0 = tensor_lists[0][0].device
+    _per_tensor_arg("per_tensor_decay", per_tensor_decay, n, dev0, op)
+    args = (chunk_size, noop_flag, tensor_lists, per_tensor_decay, step, beta1, beta2, epsilon, global_grad_norm,
+            max_global_grad_norm)
+    if choose_backend(dev0) == "reference":
+        return multi_tensor_lamb_stage1_ref(*args)
+    bc1, bc2 = 1.0 - beta1 ** (step + 1), 1.0 - beta2 ** (step + 1)
+    groups, copy_back = plan(tensor_lists, (2, 3, 4), TUNING["chunk"], op)
+    decay = per_tensor_decay if per_tensor_decay.is_contiguous() else per_tensor_decay.contiguous()
+    for g in groups:
+        dev = g.device
+        flag = _flag_on(noop_flag, dev)
+        idx, has_idx = group_index(g.indices, n, dev)
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        meta = dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], U_DT=dts[4], L=5, U_IDX=4,
+                    MODE=LAMB_MODE_DECOUPLED, HAS_WD=True, WD_T=True, NEED_P=True, NORMS=False, FOUND=False,
+                    MAXN_T=False, STEP_T=False, INV=False, IDX=has_idx, SHIFT=g.shift, CHUNK=TUNING["chunk"],
+                    BLOCK=TUNING["block"])
+        args = (g.table, flag, flag, flag, _flag_on(global_grad_norm, dev), flag, flag, flag, decay,
+                idx if has_idx else flag, g.num_tensors, g.num_chunks, float(beta1), float(beta2), 1.0 - float(beta1),
+                float(epsilon), float(bc1), float(bc2), 0.0, float(max_global_grad_norm), 1.0)
+        launch_group(_STAGE1, g, args, meta, TUNING["num_warps"])
+    finish(copy_back)
+
+
+def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
+                                  per_tensor_param_norm: torch.Tensor, per_tensor_update_norm: torch.Tensor,
+                                  lr: float, weight_decay: float, use_nvlamb: bool | None = None) -> None:
+    """Apex ``amp_C.multi_tensor_lamb_stage2_cuda``: ``p -= ratio * update`` for ``[params, updates]``.
+
+    ``ratio = lr * ||p|| / ||update||`` (the given per-tensor norms, device tensors) when both are
+    non-zero and ``use_nvlamb`` or ``weight_decay != 0``, else ``lr``. One launch per group.
+    """
+    op = "multi_tensor_lamb_stage2_cuda"
+    _check_chunk(chunk_size, op)
+    noop_pointer(noop_flag, op)
+    n = check_lists(tensor_lists, 2, op)
+    if n == 0:
+        return
+    check_sizes(tensor_lists, op)
+    dev0 = tensor_lists[0][0].device
+    _per_tensor_arg("per_tensor_param_norm", per_tensor_param_norm, n, dev0, op)
+    _per_tensor_arg("per_tensor_update_norm", per_tensor_update_norm, n, dev0, op)
+    args = (chunk_size, noop_flag, tensor_lists, per_tensor_param_norm, per_tensor_update_norm, lr, weight_decay,
+            use_nvlamb)
+    if choose_backend(dev0) == "reference":
+        return multi_tensor_lamb_stage2_ref(*args)
+    trust = bool(use_nvlamb) or weight_decay != 0
+    pn = per_tensor_param_norm.contiguous().float()
+    un = per_tensor_update_norm.contiguous().float()
+    groups, copy_back = plan(tensor_lists, (0,), TUNING["chunk"], op)
+    for g in groups:
+        dev = g.device
+        flag = _flag_on(noop_flag, dev)
+        idx, has_idx = group_index(g.indices, n, dev)
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        meta = dict(U_DT=dts[1], P_DT=dts[0], O_DT=dts[0], L=2, U_IDX=1, P_IDX=0, HAS_OUT=False, TRUST=trust,
+                    LR_T=False, FOUND=False, IDX=has_idx, SHIFT=g.shift, CHUNK=TUNING["chunk"],
+                    BLOCK=TUNING["block"])
+        args = (g.table, flag, flag, pn, un, flag, idx if has_idx else flag, g.num_tensors, g.num_chunks, float(lr))
+        launch_group(_STAGE2, g, args, meta, TUNING["num_warps"])
+    finish(copy_back)

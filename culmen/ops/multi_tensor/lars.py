@@ -1,0 +1,189 @@
+"""LARS over tensor lists: ROCm Apex's ``amp_C.multi_tensor_lars`` (the kernel of ``FusedLARS``).
+
+``tensor_lists = [grads, params, momentum_buffers]`` or ``[..., model_param_copies]`` (e.g. 16-bit model
+weights of fp32 master params, written in the same pass). ``grad_norms`` / ``param_norms`` are the
+per-tensor L2 norms (fp32 device tensors, one per tensor, computed by the caller, e.g. with
+``multi_tensor_l2norm(..., per_tensor=True)``). One launch per group. Per tensor::
+
+    trust   = trust_coefficient * ||p|| / (||g|| + weight_decay * ||p|| + epsilon)  if ||g|| > 0 and ||p|| > 0 else 1
+    lr_t    = lr if is_skipped else lr * trust
+
+and per element, in fp32, the momentum buffer holding the step already multiplied by the rate (the
+LARS paper's form, as ROCm's kernel)::
+
+    g = scale * g (+ weight_decay * p unless wd_after_momentum)
+    buf = -lr_t g                                              (first_run)
+    buf = momentum buf - (1 - dampening) lr_t g                (otherwise)
+    d = momentum buf - lr_t g (nesterov) or buf;  d = -lr_t g without momentum
+    d -= lr_t weight_decay p                                   (wd_after_momentum)
+    p += d
+
+With ``momentum != 0``, ``dampening == 0``, ``nesterov`` off, ``wd_after_momentum`` off and zero-initialised
+buffers (``FusedLARS``'s defaults) this is exactly ROCm's kernel. That kernel ignores ``first_run``,
+``dampening`` and ``nesterov``, drops the weight decay when ``wd_after_momentum`` is set, and with
+``momentum == 0`` adds the (unchanged) buffer instead of the step, so the params never move; culmen
+implements the arguments as documented above instead (torch.optim.SGD's conventions, as in
+``multi_tensor_sgd``). Nothing happens while the noop flag is set (as ROCm's kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from culmen.ops.backend import choose_backend
+from culmen.ops.common.launch import FastLauncher
+from culmen.ops.multi_tensor.common import (
+    TL_DTYPE,
+    check_lists,
+    check_sizes,
+    finish,
+    launch_group,
+    noop_pointer,
+    plan,
+    triton,
+)
+from culmen.ops.multi_tensor.elementwise import _check_chunk
+from culmen.ops.multi_tensor.novograd import group_index
+
+if triton is not None:
+    import triton.language as tl
+
+    from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
+
+TUNING = {"chunk": 8192, "block": 1024, "num_warps": 4}
+
+if triton is not None:
+
+    @triton.jit
+    def _lars_range(gp, pp, bp, cp, start, n, lr, wd, momentum, dampening, scale, HAS_WD: tl.constexpr,
+                    HAS_MOM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr, WD_AFTER: tl.constexpr,
+                    COPY: tl.constexpr, MASKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        for i in range(0, CHUNK, BLOCK):
+            offs = block_offsets(start, i, BLOCK)
+            g = load_f32(gp, offs, n, MASKED) * scale
+            p = load_f32(pp, offs, n, MASKED)
+            if HAS_WD and not WD_AFTER:
+                g = g + wd * p
+            step = lr * g
+            if HAS_MOM:
+                if FIRST:
+                    buf = -step
+                else:
+                    buf = momentum * load_f32(bp, offs, n, MASKED) - (1.0 - dampening) * step
+                store(bp, offs, n, buf, MASKED)
+                if NESTEROV:
+                    d = momentum * buf - step
+                else:
+                    d = buf
+            else:
+                d = -step
+            if HAS_WD and WD_AFTER:
+                d = d - lr * (wd * p)
+            p = p + d
+            store(pp, offs, n, p, MASKED)
+            if COPY:
+                store(cp, offs, n, p, MASKED)
+
+    @triton.jit
+    def _lars_kernel(table, noop, gn_ptr, pn_ptr, idx, T, C, lr, tc, eps, wd, momentum, dampening, scale,
+                     G_DT: tl.constexpr, P_DT: tl.constexpr, B_DT: tl.constexpr, C_DT: tl.constexpr, L: tl.constexpr,
+                     HAS_WD: tl.constexpr, HAS_MOM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr,
+                     WD_AFTER: tl.constexpr, SKIPPED: tl.constexpr, IDX: tl.constexpr, SHIFT: tl.constexpr,
+                     CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        if tl.load(noop) == 0:
+            t, j, n = chunk_coords(table, T, C, L)
+            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
+            pp = tensor_ptr(table, T, t, 1, P_DT, SHIFT)
+            bp = tensor_ptr(table, T, t, 2, B_DT, SHIFT)
+            cp = pp
+            if L == 4:
+                cp = tensor_ptr(table, T, t, 3, C_DT, SHIFT)
+            if not SKIPPED:
+                pos = t
+                if IDX:
+                    pos = tl.load(idx + t)
+                gn = tl.load(gn_ptr + pos).to(tl.float32)
+                pn = tl.load(pn_ptr + pos).to(tl.float32)
+                trust = tl.div_rn(tc * pn, gn + pn * wd + eps)
+                lr = lr * tl.where((gn > 0.0) & (pn > 0.0), trust, 1.0)
+            start = j * CHUNK
+            if start + CHUNK <= n:
+                _lars_range(gp, pp, bp, cp, start, n, lr, wd, momentum, dampening, scale, HAS_WD, HAS_MOM, FIRST,
+                            NESTEROV, WD_AFTER, L == 4, False, CHUNK, BLOCK)
+            else:
+                _lars_range(gp, pp, bp, cp, start, n, lr, wd, momentum, dampening, scale, HAS_WD, HAS_MOM, FIRST,
+                            NESTEROV, WD_AFTER, L == 4, True, CHUNK, BLOCK)
+
+    _LARS = FastLauncher(_lars_kernel)
+
+
+def multi_tensor_lars_ref(chunk_size, noop_flag, tensor_lists, grad_norms, param_norms, lr, trust_coefficient,
+                          epsilon, weight_decay, momentum, dampening, nesterov, first_run, wd_after_momentum, scale,
+                          is_skipped) -> None:
+    """Reference of :func:`multi_tensor_lars` (fp32 math, no host sync on the flag)."""
+    copies = tensor_lists[3] if len(tensor_lists) == 4 else [None] * len(tensor_lists[0])
+    for i, (g, p, buf, cp) in enumerate(zip(*tensor_lists[:3], copies)):
+        dev = p.device
+        skip = noop_flag.reshape(-1)[0].to(dev) != 0
+        lr_t = torch.tensor(float(lr), dtype=torch.float32, device=dev)
+        if not is_skipped:
+            gn, pn = grad_norms[i].to(dev).float(), param_norms[i].to(dev).float()
+            trust = trust_coefficient * pn / (gn + pn * weight_decay + epsilon)
+            lr_t = lr_t * torch.where((gn > 0) & (pn > 0), trust, torch.ones_like(trust))
+        gf = g.float() * scale
+        pf = p.float()
+        if weight_decay != 0 and not wd_after_momentum:
+            gf = gf + weight_decay * pf
+        step = lr_t * gf
+        if momentum != 0:
+            bf = -step if first_run else momentum * buf.float() - (1.0 - dampening) * step
+            buf.copy_(torch.where(skip, buf, bf.to(buf.dtype)))
+            d = momentum * bf - step if nesterov else bf
+        else:
+            d = -step
+        if weight_decay != 0 and wd_after_momentum:
+            d = d - lr_t * (weight_decay * pf)
+        pf = pf + d
+        for dst in (p, cp):
+            if dst is not None:
+                dst.copy_(torch.where(skip, dst, pf.to(dst.dtype)))
+
+
+def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
+                      param_norms: torch.Tensor, lr: float, trust_coefficient: float, epsilon: float,
+                      weight_decay: float, momentum: float, dampening: float, nesterov: bool, first_run: bool,
+                      wd_after_momentum: bool, scale: float, is_skipped: bool) -> None:
+    """ROCm Apex ``amp_C.multi_tensor_lars`` (see the module docstring for the update rule)."""
+    op = "multi_tensor_lars"
+    _check_chunk(chunk_size, op)
+    noop_pointer(noop_flag, op)
+    n = check_lists(tensor_lists, (3, 4), op)
+    for name, x in (("grad_norms", grad_norms), ("param_norms", param_norms)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{op}: {name} must be a floating-point tensor")
+        if x.numel() != n:
+            raise ValueError(f"{op}: {name} has {x.numel()} elements for {n} tensors")
+    if n == 0:
+        return
+    check_sizes(tensor_lists, op)
+    args = (chunk_size, noop_flag, tensor_lists, grad_norms, param_norms, lr, trust_coefficient, epsilon,
+            weight_decay, momentum, dampening, nesterov, first_run, wd_after_momentum, scale, is_skipped)
+    if choose_backend(tensor_lists[0][0].device) == "reference":
+        return multi_tensor_lars_ref(*args)
+    groups, copy_back = plan(tensor_lists, tuple(range(1, len(tensor_lists))), TUNING["chunk"], op)
+    for g in groups:
+        dev = g.device
+        flag = noop_flag if noop_flag.device == dev else noop_flag.to(dev)
+        gn = grad_norms.to(dev).contiguous()
+        pn = param_norms.to(dev).contiguous()
+        idx, has_idx = group_index(g.indices, n, dev)
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        meta = dict(G_DT=dts[0], P_DT=dts[1], B_DT=dts[2], C_DT=dts[3] if len(dts) == 4 else dts[1], L=len(dts),
+                    HAS_WD=weight_decay != 0, HAS_MOM=momentum != 0, FIRST=bool(first_run), NESTEROV=bool(nesterov),
+                    WD_AFTER=bool(wd_after_momentum), SKIPPED=bool(is_skipped), IDX=has_idx, SHIFT=g.shift,
+                    CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
+        args = (g.table, flag, gn, pn, idx if has_idx else flag, g.num_tensors, g.num_chunks, float(lr),
+                float(trust_coefficient), float(epsilon), float(weight_decay), float(momentum), float(dampening),
+                float(scale))
+        launch_group(_LARS, g, args, meta, TUNING["num_warps"])
+    finish(copy_back)
