@@ -17,6 +17,8 @@ import torch
 # Modules whose import registers benchmarks; culmen bench imports them all (add new ones here).
 BENCH_MODULES: tuple[str, ...] = (
     "culmen.bench.norms",
+    "culmen.bench.optimizers",
+    "culmen.bench.amp",
 )
 
 CULMEN = "culmen"

@@ -38,6 +38,9 @@ except ImportError:  # pragma: no cover - the reference path still works
 
 _CACHE_SIZE = 64
 _CACHE: OrderedDict = OrderedDict()
+# Tables used while a CUDA graph is captured: the graph reads them at every replay, so they are
+# never evicted (the LRU above may drop an entry; this keeps the memory alive).
+_CAPTURED: dict = {}
 
 # torch dtype -> the Triton element type the kernels cast table addresses to.
 if tl is not None:
@@ -179,6 +182,8 @@ def plan(tensor_lists, written: tuple[int, ...], chunk: int, op: str) -> tuple[l
                 _CACHE.popitem(last=False)
         else:
             _CACHE.move_to_end(key)
+        if device.type == "cuda" and key not in _CAPTURED and torch.cuda.is_current_stream_capturing():
+            _CAPTURED[key] = entry
         dev_table, c, shift, _ = entry
         indices = list(range(len(devices))) if idx is None else idx
         groups.append(Group(device, gdtypes, indices, dev_table, len(indices), c, shift, glists))

@@ -1,0 +1,128 @@
+"""``FusedSGD``: Apex's fused SGD with momentum (``amp_C.multi_tensor_sgd``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
+from culmen.optimizers._base import FusedOptimizer, check_lr, check_momentum, check_weight_decay, required
+
+
+class FusedSGD(FusedOptimizer):
+    """SGD (momentum, dampening, Nesterov, weight decay) in one launch per (device, dtype) of a group.
+
+    A drop-in for ``apex.optimizers.FusedSGD`` and ``torch.optim.SGD``; the update is torch's:
+    ``g += wd*p`` (before momentum, or after it with ``wd_after_momentum``); ``buf = g`` on a param's
+    first step, else ``buf = momentum*buf + (1-dampening)*g``; ``g = g + momentum*buf`` (Nesterov) or
+    ``buf``; ``p -= lr*g``. Math in fp32, params fp32/fp16/bf16 (mixed, on several devices).
+
+    Args:
+        params: iterable of params or of param-group dicts.
+        lr: learning rate (required).
+        momentum, dampening, weight_decay, nesterov: as torch.optim.SGD (defaults 0, 0, 0, False).
+        wd_after_momentum: add the weight decay after the momentum update. Default False.
+        materialize_master_grads: Apex's amp-O2 switch; kept for signature compatibility (culmen's amp
+            keeps no separate fp16 model copies for this optimizer to write). Default True.
+        set_grad_none: ``zero_grad()`` sets grads to ``None``. Default False (as Apex).
+
+    State (per param): ``momentum_buffer`` (param dtype and shape; only when ``momentum != 0``), the
+    layout of torch.optim.SGD, so its state dicts load either way.
+
+    GradScaler: ``_step_supports_amp_scaling`` is True. The gradients are multiplied by ``1/grad_scale``
+    (one multi-tensor launch per device and dtype: ``amp_C.multi_tensor_sgd`` takes its scale as a host
+    number) and the kernel does nothing when ``found_inf`` is set; no host sync. Apex's amp-era
+    ``most_recent_scale`` (the gradients' loss scale, a host number) is honoured in the kernel.
+    """
+
+    def __init__(self, params: Iterable, lr: float = required, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, wd_after_momentum: bool = False,
+                 materialize_master_grads: bool = True, set_grad_none: bool = False) -> None:
+        check_lr(lr)
+        check_momentum(momentum)
+        check_weight_decay(weight_decay)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults)
+        self.wd_after_momentum = bool(wd_after_momentum)
+        self.materialize_master_grads = bool(materialize_master_grads)
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+        self.set_grad_none = bool(set_grad_none)
+        self._step_supports_amp_scaling = True
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """One SGD step over every param with a gradient; returns ``closure()``'s loss if given."""
+        grad_scaler = self._parse_step_kwargs(kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, found_inf = self._amp_scaling(grad_scaler)
+        inv_scale = self._inv_scale(grad_scale)
+        host_scale = 1.0 / self.most_recent_scale
+        self._skipped: bool | None = None
+        for group in self.param_groups:
+            live, grads = self._live(group)
+            if not live:
+                continue
+            momentum = group["momentum"]
+            sets = self._state_lists(group, momentum != 0, live, grads,
+                                     lambda ps, g=group: self._build(g, ps, found_inf))
+            self._unscale_grads_(grads, inv_scale)
+            noop = self._noop(live[0].device) if found_inf is None else \
+                self._found_inf_flag(found_inf, live[0].device)
+            for first, idx, (ps, bufs) in sets:
+                gs = grads if idx is None else [grads[i] for i in idx]
+                multi_tensor_applier(amp_C.multi_tensor_sgd, noop, [gs, ps, gs if bufs is None else bufs],
+                                     group["weight_decay"], momentum,
+                                     group["dampening"], float(group["lr"]), group["nesterov"], first,
+                                     self.wd_after_momentum, host_scale)
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+        return loss
+
+    def _build(self, group: dict, live: list[Tensor], found_inf: Tensor | None) -> tuple[list, bool]:
+        """``[(first_run, grad indices | None, [params, momentum buffers])]`` for ``live``.
+
+        Params on their first step (no buffer yet) form their own launch with ``first_run`` (the kernel
+        copies the gradient into the new buffer): Apex passes one flag per launch, which is wrong when a
+        param's gradient appears later than the others'. Cacheable once every buffer exists.
+        """
+        if group["momentum"] == 0:  # no buffers: the gradients stand in (the kernel never touches the list)
+            return [(False, None, [list(live), None])], True
+        sets: dict[bool, list[int]] = {}
+        for i, p in enumerate(live):
+            state = self.state[p]
+            first = state.get("momentum_buffer") is None
+            if first and found_inf is not None:
+                # A skipped step must leave the param "first" for the next one. Without dampening a zero
+                # buffer does that (momentum*0 + g == g exactly); with dampening the first step under a
+                # GradScaler reads found_inf once (one host sync per new param set).
+                if group["dampening"] == 0:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    first = False
+                else:
+                    if self._skipped is None:
+                        self._skipped = bool(found_inf.reshape(-1)[0].item() != 0)
+                    if self._skipped:
+                        continue
+            if first:
+                state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
+            sets.setdefault(first, []).append(i)
+        out = []
+        for first, idx in sets.items():
+            ps = [live[i] for i in idx]
+            out.append((first, None if len(idx) == len(live) else idx,
+                        [ps, [self.state[p]["momentum_buffer"] for p in ps]]))
+        return out, len(sets) == 1 and False in sets
