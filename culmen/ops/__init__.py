@@ -11,6 +11,7 @@ import importlib
 
 OP_MODULES: tuple[str, ...] = (
     "culmen.ops.layer_norm",
+    "culmen.ops.batch_norm",
     "culmen.ops.multi_tensor",
 )
 

@@ -1,0 +1,53 @@
+"""culmen.parallel on two GPUs with NCCL (GPU-marked; skipped with fewer than two GPUs).
+
+The same checks as the gloo tests, on CUDA tensors and the Triton kernels: DDP gradients against the
+float64 single-process gradients over option cases and dtypes, the exact race test, and SyncBatchNorm
+against BatchNorm on the concatenated batch (uneven batches, channels_last, fuse_relu).
+
+A rank leaving early is tested on gloo only (``test_parallel_faults.py``): with NCCL the survivors'
+pending collectives sit on the GPU, and ending them is PyTorch's NCCL watchdog's job (seen on torch
+2.11: it reports the timeout after the process-group timeout but left the stream blocked).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_harness import run_group
+from test_ddp import CASES_2, _check_group, _ddp_cases_worker, _race_worker
+from test_syncbn import _syncbn_worker
+
+BF16, F16 = torch.bfloat16, torch.float16
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+
+def test_nccl_ddp_option_cases():
+    cases = [dict(c, device="cuda") for c in CASES_2]
+    _check_group(run_group(_ddp_cases_worker, 2, cases, backend="nccl"), cases)
+
+
+def test_nccl_ddp_race_exact():
+    results = run_group(_race_worker, 2, 12, "cuda", backend="nccl")
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_nccl_syncbn():
+    T = "triton"
+    cases = [
+        dict(name="nchw-uneven-bf16", backend=T, sizes=(16, 7), rest=(64, 14, 14), dtype=BF16),
+        dict(name="fmt-uneven-relu-z", backend=T, sizes=(5, 12), rest=(96, 9, 11), layout="fmt", relu=True, z=True),
+        dict(name="flag-f16", backend=T, sizes=(8, 8), rest=(7, 7, 160), dtype=F16, layout="flag"),
+        dict(name="2d", backend=T, sizes=(33, 65), rest=(300,)),
+        dict(name="5d-fmt-bf16", backend=T, sizes=(2, 3), rest=(32, 4, 6, 6), layout="fmt", dtype=BF16),
+        dict(name="nchw-ref-path", backend="reference", sizes=(3, 4), rest=(8, 5, 5)),
+    ]
+    for c in cases:
+        c["device"] = "cuda"
+    results = run_group(_syncbn_worker, 2, cases, backend="nccl")
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not failures, "\n".join(failures[:30])
