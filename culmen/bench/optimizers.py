@@ -133,7 +133,7 @@ def count_kernels(fn: Callable[[], Any], device: torch.device) -> tuple[int, int
 
 
 def _finish(label: str, providers: dict[str, _Provider], nbytes: int, bytes_note: str, device: torch.device,
-            reference: str) -> Case:
+            reference: str, informational: tuple[str, ...] = ()) -> Case:
     notes = [bytes_note]
     for prov in providers.values():
         prov()  # first step: state allocation, compilation, launch tables (not what a step costs after)
@@ -147,7 +147,8 @@ def _finish(label: str, providers: dict[str, _Provider], nbytes: int, bytes_note
             except Exception as exc:  # the profiler is optional: the timing still runs
                 counts.append(f"{name}=? ({type(exc).__name__})")
         notes.append(f"{label}: kernel launches per step: " + ", ".join(counts))
-    return Case(label, dict(providers), bytes=nbytes, reference=reference, notes=notes)
+    return Case(label, dict(providers), bytes=nbytes, reference=reference, notes=notes,
+                informational=informational)
 
 
 # ------------------------------------------------------------------------------------------ Adam
@@ -210,7 +211,7 @@ def _bf16_master_case(name: str, shapes: list[tuple[int, ...]], dev: torch.devic
         providers["fused_bf"] = _Provider(mb, ob.step)
     return _finish(f"{name} bf16+master", providers, 28 * n,
                    "fused_bf: torch fused AdamW on the bf16 params (bf16 moments, no masters: 14 B/param, other "
-                   "numerics)", dev, "fused_m")
+                   "numerics; informational, not counted as the best peer)", dev, "fused_m", ("fused_bf",))
 
 
 # ------------------------------------------------------------------------------------------- SGD

@@ -40,6 +40,8 @@ class Case:
             compares the outputs tensor by tensor. ``None`` output from a provider means "nothing to
             compare".
         notes: remarks printed under the case (a skipped peer and why).
+        informational: providers timed and shown but never counted as the best peer (a different,
+            non-equivalent algorithm kept for context, e.g. a lower-precision variant).
     """
 
     label: str
@@ -49,6 +51,7 @@ class Case:
     reference: str = "torch"
     check: Callable[[Any, Any], dict[str, float]] | None = None
     notes: list[str] = field(default_factory=list)
+    informational: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
