@@ -630,3 +630,39 @@ def test_lamb_mp_and_scaler_cuda_graph_gpu():
     for k in (1, 2, 3):
         for a, b in zip(lists[k], expect[k]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_layerwise_ops_compile_fullgraph(device):
+    """Under torch.compile the layer-wise amp_C ops are custom-op nodes: no graph break, eager results."""
+    torch._dynamo.reset()
+    sizes = [5, 33]
+
+    def make():
+        torch.manual_seed(3)
+        g = [torch.randn(n, device=device) for n in sizes]
+        p = [torch.randn(n, device=device) for n in sizes]
+        m = [torch.randn(n, device=device) for n in sizes]
+        v = [torch.rand(n, device=device) for n in sizes]
+        h = [torch.rand(n, device=device) for n in sizes]
+        scale = torch.full((1,), 1024.0, device=device)
+        trackers = (torch.zeros(1, dtype=torch.int32, device=device), torch.full((1,), 2, dtype=torch.int32,
+                                                                                   device=device))
+        return g, p, m, v, h, scale, trackers
+
+    def step(g, p, m, v, h, scale, trackers):
+        f = torch.zeros(1, dtype=torch.int32, device=device)
+        amp_C.multi_tensor_adagrad(2048, f, [g, p, h], 0.1, 1e-10, 0, 0.01)
+        gnorm = torch.ones(1, device=device) * 3.0
+        amp_C.multi_tensor_lamb(2048, f, [g, p, m, v], 1e-2, 0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, gnorm, 1.0, False)
+        amp_C.update_scale_hysteresis(scale, trackers[0], trackers[1], torch.ones(1, device=device), 2.0, 0.5,
+                                      100, 2)
+        return p[0] * 1.0
+
+    eager = make()
+    want = step(*eager)
+    comp = make()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*comp)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(comp[1] + comp[2] + comp[4], eager[1] + eager[2] + eager[4]):
+        torch.testing.assert_close(a, b)
+    assert comp[5].item() == eager[5].item() and comp[6][1].item() == eager[6][1].item()

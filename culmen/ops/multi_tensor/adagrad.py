@@ -97,6 +97,10 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     ``mode`` 0 adds ``weight_decay * p`` to the gradient (L2), 1 decays the parameter directly
     (``adagrad_w_mode``). Dtypes may differ between lists; math in fp32.
     """
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import amp_c_update
+
+        return amp_c_update("multi_tensor_adagrad", noop_flag, tensor_lists, (lr, epsilon, mode, weight_decay,))
     op = "multi_tensor_adagrad"
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)

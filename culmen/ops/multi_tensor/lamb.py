@@ -397,6 +397,13 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
     ``global_grad_norm``: 1-element device tensor (the norm of all gradients, for clipping to
     ``max_grad_norm``). The gradients are overwritten with the LAMB updates, as in Apex.
     """
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import amp_c_update
+
+        return amp_c_update("multi_tensor_lamb", noop_flag, tensor_lists, (
+            lr, beta1, beta2, epsilon, step, bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
+            max_grad_norm, use_nvlamb,
+        ))
     op = "multi_tensor_lamb"
     _check_chunk(chunk_size, op)
     if len(tensor_lists) != 4:
@@ -418,6 +425,13 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
     ``found_inf`` and ``inv_scale`` are 1-element device tensors (no host sync): gradients are
     multiplied by ``inv_scale`` and the step is skipped where ``noop_flag`` or ``found_inf`` is set.
     """
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import amp_c_update
+
+        return amp_c_update("multi_tensor_lamb_mp", noop_flag, tensor_lists, (
+            lr, beta1, beta2, epsilon, step, bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
+            max_grad_norm, use_nvlamb, found_inf, inv_scale,
+        ))
     op = "multi_tensor_lamb_mp"
     _check_chunk(chunk_size, op)
     for name, x in (("lr", lr), ("step", step), ("max_grad_norm", max_grad_norm), ("found_inf", found_inf),
@@ -448,6 +462,12 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     decay p`` with ``m = beta1 m + (1-beta1) g'``, ``g' = g / clip`` and bias corrections for step
     ``step + 1`` (as Apex: the caller passes the number of steps already taken).
     """
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import amp_c_update
+
+        return amp_c_update("multi_tensor_lamb_stage1_cuda", noop_flag, tensor_lists, (
+            per_tensor_decay, step, beta1, beta2, epsilon, global_grad_norm, max_global_grad_norm,
+        ))
     op = "multi_tensor_lamb_stage1_cuda"
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)
@@ -489,6 +509,12 @@ def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
     ``ratio = lr * ||p|| / ||update||`` (the given per-tensor norms, device tensors) when both are
     non-zero and ``use_nvlamb`` or ``weight_decay != 0``, else ``lr``. One launch per group.
     """
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import amp_c_update
+
+        return amp_c_update("multi_tensor_lamb_stage2_cuda", noop_flag, tensor_lists, (
+            per_tensor_param_norm, per_tensor_update_norm, lr, weight_decay, use_nvlamb,
+        ))
     op = "multi_tensor_lamb_stage2_cuda"
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)

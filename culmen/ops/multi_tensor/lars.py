@@ -154,6 +154,13 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
                       weight_decay: float, momentum: float, dampening: float, nesterov: bool, first_run: bool,
                       wd_after_momentum: bool, scale: float, is_skipped: bool) -> None:
     """ROCm Apex ``amp_C.multi_tensor_lars`` (see the module docstring for the update rule)."""
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import amp_c_update
+
+        return amp_c_update("multi_tensor_lars", noop_flag, tensor_lists, (
+            grad_norms, param_norms, lr, trust_coefficient, epsilon, weight_decay, momentum, dampening, nesterov,
+            first_run, wd_after_momentum, scale, is_skipped,
+        ))
     op = "multi_tensor_lars"
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)

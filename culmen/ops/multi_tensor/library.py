@@ -95,3 +95,65 @@ def adam_via_op(tensor_lists, *, lr, beta1, beta2, eps, step, mode, bias_correct
             noop_flag, 0.0 if lr_t is not None else float(lr), lr_t, float(beta1), float(beta2), float(eps),
             0 if step_t is not None else int(step), step_t, int(mode), bool(bias_correction), float(weight_decay),
             float(inv_scale) if (inv_scale is not None and inv_t is None) else 1.0, inv_t, inv_scale is not None)
+
+
+# The layer-wise optimizer ops share one generic op: their scalar arguments are encoded as a kinds
+# string ("T" tensor, "f" float, "i" int, "b" bool, "n" None) over a float list and a tensor list.
+# Every tensor is declared mutated, which is always correct (functionalization copies back).
+@torch.library.custom_op(f"{_NS}::amp_c_update", mutates_args=("tensors", "noop_flag", "tensor_args"))
+def amp_c_update_op(name: str, tensors: list[Tensor], list_sizes: list[int], noop_flag: Tensor,
+                    tensor_args: list[Tensor], kinds: str, numbers: list[float]) -> None:
+    from culmen.multi_tensor_apply import amp_C
+
+    lists, start = [], 0
+    for n in list_sizes:
+        lists.append(tensors[start:start + n])
+        start += n
+    targs = iter(tensor_args)
+    decode = {"T": lambda x: next(targs), "f": float, "i": lambda x: int(x), "b": bool, "n": lambda x: None}
+    args = [decode[k](x) for k, x in zip(kinds, numbers)]
+    getattr(amp_C, name)(1, noop_flag, lists, *args)
+
+
+@amp_c_update_op.register_fake
+def _(*args):
+    return None
+
+
+def amp_c_update(name: str, noop_flag: Tensor, tensor_lists, args: tuple) -> None:
+    """Call the amp_C op ``name`` through ``culmen::amp_c_update`` (used while compiling)."""
+    kinds, numbers, tensor_args = [], [], []
+    for a in args:
+        if isinstance(a, Tensor):
+            kinds.append("T")
+            numbers.append(0.0)
+            tensor_args.append(a)
+        elif a is None:
+            kinds.append("n")
+            numbers.append(0.0)
+        elif isinstance(a, bool):
+            kinds.append("b")
+            numbers.append(float(a))
+        elif isinstance(a, int):
+            kinds.append("i")
+            numbers.append(float(a))
+        else:
+            kinds.append("f")
+            numbers.append(float(a))
+    flat = [t for lst in tensor_lists for t in lst]
+    amp_c_update_op(name, flat, [len(lst) for lst in tensor_lists], noop_flag, tensor_args, "".join(kinds), numbers)
+
+
+@torch.library.custom_op(f"{_NS}::update_scale_hysteresis",
+                         mutates_args=("current_scale", "growth_tracker", "hysteresis_tracker"))
+def hysteresis_op(current_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor, found_inf: Tensor,
+                  growth_factor: float, backoff_factor: float, growth_interval: int, hysteresis: int) -> None:
+    from culmen.ops.multi_tensor.scaler import update_scale_hysteresis
+
+    update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+                            backoff_factor, growth_interval, hysteresis)
+
+
+@hysteresis_op.register_fake
+def _(*args):
+    return None

@@ -217,6 +217,13 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     is updated in place before the parameters. ``norm_type`` 2 (L2) or 0 (max-abs). See the module
     docstring for the math.
     """
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import amp_c_update
+
+        return amp_c_update("multi_tensor_novograd", noop_flag, tensor_lists, (
+            grad_norms, lr, beta1, beta2, epsilon, step, bias_correction, weight_decay, grad_averaging, mode,
+            norm_type,
+        ))
     op = "multi_tensor_novograd"
     _check_chunk(chunk_size, op)
     noop_pointer(noop_flag, op)

@@ -112,6 +112,12 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
     int32 tensors; ``found_inf``: 1-element float tensor (non-zero after an overflow). All on one
     device; one single-program launch, no host sync. See the module docstring for the rule.
     """
+    if torch.compiler.is_compiling():
+        from culmen.ops.multi_tensor.library import hysteresis_op
+
+        hysteresis_op(current_scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
+                      float(backoff_factor), int(growth_interval), int(hysteresis))
+        return current_scale
     _check("current_scale", current_scale, (torch.float32,), None)
     dev = current_scale.device
     _check("growth_tracker", growth_tracker, (torch.int32,), dev)
