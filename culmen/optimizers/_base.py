@@ -224,6 +224,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         for dev, gs in by_dev.items():
             torch._foreach_mul_(gs, inv_scale.to(dev, non_blocking=True).reshape(()))
 
+    def _begin_step(self, closure: Any, kwargs: dict[str, Any], legacy: tuple[str, ...] = ()) -> tuple[Any, Any]:
+        """Start of every ``step()``: parse its keywords, run ``closure`` with grad on; ``(loss, grad_scaler)``."""
+        grad_scaler = self._parse_step_kwargs(kwargs, legacy)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        return loss, grad_scaler
+
     def _parse_step_kwargs(self, kwargs: dict[str, Any], legacy: tuple[str, ...] = ()) -> Any:
         """Pop ``grad_scaler`` (the older GradScaler contract) and reject anything unexpected."""
         grad_scaler = kwargs.pop("grad_scaler", None)

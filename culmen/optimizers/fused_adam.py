@@ -110,11 +110,7 @@ class FusedAdam(FusedOptimizer):
         Keyword ``grad_scaler`` (a ``torch.amp.GradScaler``) is accepted for the older GradScaler contract;
         Apex's removed ``grads`` / ``output_params`` / ``scale`` / ``grad_norms`` raise.
         """
-        grad_scaler = self._parse_step_kwargs(kwargs, legacy=("grads", "output_params", "scale", "grad_norms"))
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss, grad_scaler = self._begin_step(closure, kwargs, legacy=("grads", "output_params", "scale", "grad_norms"))
         grad_scale, found_inf = self._amp_scaling(grad_scaler)
         inv_scale = self._inv_scale(grad_scale)
         mode = ADAM_MODE_ADAMW if self.adam_w_mode else ADAM_MODE_L2

@@ -119,11 +119,7 @@ class FusedNovoGrad(FusedOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """One NovoGrad step over every param with a gradient; returns ``closure()``'s loss if given."""
-        grad_scaler = self._parse_step_kwargs(kwargs)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss, grad_scaler = self._begin_step(closure, kwargs)
         grad_scale, found_inf = self._amp_scaling(grad_scaler)
         if found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0):
             return loss  # only reached through step(grad_scaler=...): the host step count must not advance

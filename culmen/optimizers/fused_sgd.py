@@ -63,11 +63,7 @@ class FusedSGD(FusedOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """One SGD step over every param with a gradient; returns ``closure()``'s loss if given."""
-        grad_scaler = self._parse_step_kwargs(kwargs)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss, grad_scaler = self._begin_step(closure, kwargs)
         grad_scale, found_inf = self._amp_scaling(grad_scaler)
         inv_scale = self._inv_scale(grad_scale)
         host_scale = 1.0 / self.most_recent_scale
