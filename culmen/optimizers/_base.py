@@ -224,6 +224,34 @@ class FusedOptimizer(torch.optim.Optimizer):
         for dev, gs in by_dev.items():
             torch._foreach_mul_(gs, inv_scale.to(dev, non_blocking=True).reshape(()))
 
+    def _momentum_sets(self, group: dict, live: list, found_inf: Any, fresh: Any) -> dict[bool, list[int]]:
+        """Indices of ``live`` split by ``first_run`` (no momentum buffer yet), creating new buffers with ``fresh``.
+
+        Params on their first step form their own launch with ``first_run`` (the kernel copies the
+        gradient into the new buffer): Apex passes one flag per launch, which is wrong when a param's
+        gradient appears later than the others'. A skipped step (GradScaler overflow) must leave a param
+        "first" for the next one: without dampening a zero buffer does that (``momentum*0 + g == g``
+        exactly); with dampening the first step under a GradScaler reads ``found_inf`` once (one host
+        sync per new param set).
+        """
+        sets: dict[bool, list[int]] = {}
+        for i, p in enumerate(live):
+            state = self.state[p]
+            first = state.get("momentum_buffer") is None
+            if first and found_inf is not None:
+                if group["dampening"] == 0:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    first = False
+                else:
+                    if self._skipped is None:
+                        self._skipped = bool(found_inf.reshape(-1)[0].item() != 0)
+                    if self._skipped:
+                        continue
+            if first:
+                state["momentum_buffer"] = fresh(p, memory_format=torch.preserve_format)
+            sets.setdefault(first, []).append(i)
+        return sets
+
     def _begin_step(self, closure: Any, kwargs: dict[str, Any], legacy: tuple[str, ...] = ()) -> tuple[Any, Any]:
         """Start of every ``step()``: parse its keywords, run ``closure`` with grad on; ``(loss, grad_scaler)``."""
         grad_scaler = self._parse_step_kwargs(kwargs, legacy)

@@ -122,23 +122,7 @@ class FusedLARS(FusedOptimizer):
         FusedSGD's: params on their first step are a launch of their own)."""
         if group["momentum"] == 0:  # no buffers: the gradients stand in (the kernel never touches them)
             return [(False, None, None, [list(live), None])], True
-        sets: dict[bool, list[int]] = {}
-        for i, p in enumerate(live):
-            state = self.state[p]
-            first = state.get("momentum_buffer") is None
-            if first and found_inf is not None:
-                # as FusedSGD: a skipped first step must leave the param "first" for the next one
-                if group["dampening"] == 0:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    first = False
-                else:
-                    if self._skipped is None:
-                        self._skipped = bool(found_inf.reshape(-1)[0].item() != 0)
-                    if self._skipped:
-                        continue
-            if first:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            sets.setdefault(first, []).append(i)
+        sets = self._momentum_sets(group, live, found_inf, torch.zeros_like)
         out = []
         for first, idx in sets.items():
             ps = [live[i] for i in idx]

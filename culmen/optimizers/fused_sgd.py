@@ -97,25 +97,7 @@ class FusedSGD(FusedOptimizer):
         """
         if group["momentum"] == 0:  # no buffers: the gradients stand in (the kernel never touches the list)
             return [(False, None, [list(live), None])], True
-        sets: dict[bool, list[int]] = {}
-        for i, p in enumerate(live):
-            state = self.state[p]
-            first = state.get("momentum_buffer") is None
-            if first and found_inf is not None:
-                # A skipped step must leave the param "first" for the next one. Without dampening a zero
-                # buffer does that (momentum*0 + g == g exactly); with dampening the first step under a
-                # GradScaler reads found_inf once (one host sync per new param set).
-                if group["dampening"] == 0:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    first = False
-                else:
-                    if self._skipped is None:
-                        self._skipped = bool(found_inf.reshape(-1)[0].item() != 0)
-                    if self._skipped:
-                        continue
-            if first:
-                state["momentum_buffer"] = torch.empty_like(p, memory_format=torch.preserve_format)
-            sets.setdefault(first, []).append(i)
+        sets = self._momentum_sets(group, live, found_inf, torch.empty_like)
         out = []
         for first, idx in sets.items():
             ps = [live[i] for i in idx]
