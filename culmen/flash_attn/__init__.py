@@ -1,9 +1,29 @@
 """The ``flash_attn`` API on culmen (``import culmen.flash_attn as flash_attn``).
 
 Today it holds the normalization ops (``culmen.flash_attn.ops.triton.layer_norm`` and the legacy
-``culmen.flash_attn.ops.layer_norm`` / ``ops.rms_norm``); the attention interface
-(``flash_attn_func`` ...) arrives in a later issue. ``__version__`` is the flash_attn release whose
-API this package follows.
+``culmen.flash_attn.ops.layer_norm`` / ``ops.rms_norm``) and the attention interface of
+``flash_attn_interface`` (``flash_attn_func`` and its packed / varlen forms, exported here as
+flash_attn exports them) with the modules ``culmen.flash_attn.modules.mha``. ``__version__`` is
+the flash_attn release whose API this package follows.
 """
 
 __version__ = "2.8.3"
+
+from culmen.flash_attn.flash_attn_interface import (  # noqa: E402
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+
+__all__ = [
+    "__version__",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+]

@@ -13,6 +13,7 @@ OP_MODULES: tuple[str, ...] = (
     "culmen.ops.layer_norm",
     "culmen.ops.batch_norm",
     "culmen.ops.multi_tensor",
+    "culmen.ops.attention",
 )
 
 

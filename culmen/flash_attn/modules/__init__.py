@@ -1,0 +1,1 @@
+"""flash_attn's ``modules`` (``mha`` with ``FlashSelfAttention`` / ``FlashCrossAttention``)."""
