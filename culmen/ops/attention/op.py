@@ -1,8 +1,13 @@
 """Custom ops ``culmen::flash_attn_fwd`` / ``_bwd`` (+ ``_varlen_`` forms), their autograd, and the
 op-level entry points ``flash_attn`` / ``flash_attn_varlen`` that ``culmen.flash_attn`` calls.
 
-Until the Triton kernels land, every device runs the reference (``reference.py``); the kernels will
-plug into ``_fwd_impl`` / ``_bwd_impl`` and friends with the same conventions:
+Dispatch of the dense ops (``_fwd_impl`` / ``_bwd_impl``): when ``choose_backend(q.device)`` says
+``"triton"`` the Triton kernels of ``launch.py`` run (fp16/bf16/fp32, head dim <= 256, no
+``return_probs``; anything else runs the reference). On CPU that is ``CULMEN_BACKEND=triton`` under
+``TRITON_INTERPRET=1`` (the tests). **On CUDA the kernels are opt-in for now**: they run only when
+``CULMEN_FLASH_TRITON=1`` is set, until they have been checked on a real GPU; otherwise CUDA runs the
+reference with a one-time warning, as before. The varlen ops always run the reference. All paths
+share these conventions:
 
 * ``lse`` is fp32 (fp64 for fp64 inputs), ``(B, h, sq)`` dense / ``(h, total_q)`` varlen, ``+inf``
   on rows that see no key (their output is 0);
@@ -14,6 +19,7 @@ plug into ``_fwd_impl`` / ``_bwd_impl`` and friends with the same conventions:
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -26,7 +32,7 @@ from culmen.ops.attention.reference import (
     attention_varlen_fwd_ref,
     round_multiple,
 )
-from culmen.ops.backend import register_op
+from culmen.ops.backend import choose_backend, register_op
 from culmen.ops.common.outputs import nothing
 
 register_op("flash_attn_fwd", "attention", "FlashAttention forward (causal/window/softcap/ALiBi/GQA/dropout)")
@@ -69,13 +75,37 @@ def _warn_reference_on_gpu(q: Tensor) -> None:
     global _WARNED_NO_KERNEL
     if q.device.type != "cpu" and not _WARNED_NO_KERNEL:
         _WARNED_NO_KERNEL = True
-        warnings.warn("culmen.flash_attn: the Triton FlashAttention kernels are not in this version yet; "
-                      "attention runs the PyTorch reference (correct, but slow and O(seqlen^2) memory)",
+        warnings.warn("culmen.flash_attn: attention runs the PyTorch reference (correct, but slow and "
+                      "O(seqlen^2) memory); the dense Triton kernels are opt-in on GPUs until validated there: "
+                      "set CULMEN_FLASH_TRITON=1 to try them (varlen always runs the reference)",
                       RuntimeWarning, stacklevel=3)
+
+
+def _use_kernels(q: Tensor, return_probs: bool = False) -> bool:
+    """Whether the dense Triton kernels run this call (see the module docstring)."""
+    if choose_backend(q.device) != "triton":
+        return False
+    if q.device.type == "cuda" and os.environ.get("CULMEN_FLASH_TRITON", "0") != "1":
+        return False  # not yet checked on a GPU: opt-in until then
+    from culmen.ops.attention.launch import supported
+
+    return supported(q, return_probs)
+
+
+def _kernel_kw(softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
+    return dict(softmax_scale=softmax_scale, window_left=window_left, window_right=window_right, softcap=softcap,
+                alibi_slopes=_opt(alibi_slopes), dropout_p=dropout_p, rng_state=_opt(rng_state))
 
 
 def _fwd_impl(q, k, v, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left, window_right,
               softcap, return_probs, deterministic):
+    if _use_kernels(q, return_probs):
+        from culmen.ops.attention.launch import attention_fwd
+
+        wr = 0 if causal else window_right
+        out, lse = attention_fwd(q, k, v, **_kernel_kw(softmax_scale, window_left, wr, softcap, alibi_slopes,
+                                                       dropout_p, rng_state))
+        return out, lse, nothing(q.device, q.dtype)
     _warn_reference_on_gpu(q)
     out, lse, probs = attention_fwd_ref(q, k, v, return_probs=return_probs,
                                         **_kw(softmax_scale, causal, window_left, window_right, softcap,
@@ -85,6 +115,12 @@ def _fwd_impl(q, k, v, alibi_slopes, rng_state, dropout_p, softmax_scale, causal
 
 def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left,
               window_right, softcap, deterministic):
+    if _use_kernels(q):
+        from culmen.ops.attention.launch import attention_bwd
+
+        wr = 0 if causal else window_right
+        return attention_bwd(dout, q, k, v, out, lse, **_kernel_kw(softmax_scale, window_left, wr, softcap,
+                                                                    alibi_slopes, dropout_p, rng_state))
     return attention_bwd_ref(dout, q, k, v, out, lse, **_kw(softmax_scale, causal, window_left, window_right,
                                                             softcap, alibi_slopes, dropout_p, rng_state))
 

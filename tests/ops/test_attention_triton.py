@@ -1,0 +1,200 @@
+"""The dense Triton FlashAttention kernels (CPU interpreter) against a float64 reference.
+
+Every case runs ``flash_attn`` forward and backward through the kernels (``triton_backend``) and
+checks ``out``, ``lse`` and the gradients of q, k, v with the tolerance rule (2x the error of the
+same math done plainly in the input dtype). The launcher uses 16x16 blocks under the interpreter,
+so the odd seqlens below cross several blocks, partial blocks and skipped (fully masked) blocks.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from culmen.ops.attention import attention_ref, dropout_keep_mask, flash_attn
+from culmen.ops.attention import op as attn_op
+from culmen.ops.attention.launch import attention_fwd
+from culmen.testing import assert_close_tolerance
+
+
+def plain(q, k, v, dtype, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, keep=None, p=0.0):
+    """Attention written out in ``dtype`` (heads expanded, additive mask), the low-precision baseline
+    and, in float64, the oracle of the gradients."""
+    B, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    qq, kk, vv = (t.to(dtype) for t in (q, k, v))
+    kk, vv = kk.repeat_interleave(h // hk, 2), vv.repeat_interleave(h // hk, 2)
+    s = torch.einsum("bihd,bjhd->bhij", qq, kk) * d ** -0.5
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    rel = torch.arange(sk).view(1, sk) - (torch.arange(sq).view(sq, 1) + sk - sq)
+    if alibi is not None:
+        s = s - alibi.to(dtype).reshape(-1, h)[:, :, None, None] * rel.abs().to(dtype)
+    left, right = window[0], (0 if causal else window[1])
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        ok &= rel <= right
+    if left >= 0:
+        ok &= rel >= -left
+    seen = ok.any(-1).view(1, 1, sq, 1)
+    a = torch.softmax(s.masked_fill(~ok, float("-inf")).masked_fill(~seen, 0.0), -1) * seen
+    if keep is not None:
+        a = a * keep.to(dtype) / (1 - p)
+    return torch.einsum("bhij,bjhd->bihd", a, vv)
+
+
+def _inputs(B, sq, sk, h, hk, d, dtype, noncontig=False):
+    if noncontig:
+        q = torch.randn(B, sq, h, 2 * d, dtype=dtype)[..., ::2]  # head dim not unit-stride
+        k = torch.randn(B, hk, sk, d, dtype=dtype).transpose(1, 2)  # BHSD storage
+        v = torch.randn(sk, B, hk, d, dtype=dtype).transpose(0, 1)
+        assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    else:
+        q = torch.randn(B, sq, h, d, dtype=dtype)
+        k = torch.randn(B, sk, hk, d, dtype=dtype)
+        v = torch.randn(B, sk, hk, d, dtype=dtype)
+    return tuple(t.requires_grad_(True) for t in (q, k, v))
+
+
+def _grads(out, dout, ts):
+    for t in ts:
+        t.grad = None
+    out.backward(dout)
+    return [t.grad.clone() for t in ts]
+
+
+def check(*, B=2, sq=23, sk=29, h=2, hk=2, d=16, dtype=torch.float32, causal=False, window=(-1, -1), softcap=0.0,
+          alibi=None, p=0.0, noncontig=False, factor=2.0, monkeypatch=None):
+    q, k, v = _inputs(B, sq, sk, h, hk, d, dtype, noncontig)
+    slopes = None
+    if alibi == "h":
+        slopes = torch.rand(h) * 0.5
+    elif alibi == "bh":
+        slopes = torch.rand(B, h) * 0.5
+    keep = None
+    if p > 0:
+        rng = torch.tensor([0x1234_5678_9ABC, 4242], dtype=torch.int64)
+        monkeypatch.setattr(attn_op, "_rng_state", lambda dp, dev: rng.clone())
+        keep = dropout_keep_mask(rng, p, torch.arange(B), h, sq, sk)
+    out, lse, _ = flash_attn(q, k, v, p, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, h, sq)
+    dout = torch.randn_like(out)
+    grads = _grads(out, dout, (q, k, v))
+    assert grads[1].shape == k.shape and grads[2].shape == v.shape
+    f = dict(causal=causal, window=window, softcap=softcap, alibi=slopes, keep=keep, p=p)
+    hi = plain(q, k, v, torch.float64, **f)
+    hi_g = _grads(hi, dout.double(), (q, k, v))
+    lo = plain(q, k, v, dtype, **f)
+    lo_g = _grads(lo, dout, (q, k, v))
+    assert_close_tolerance(out, hi.detach(), lo.detach(), factor=factor, name="out")
+    _, lse_hi = attention_ref(q.detach().double(), k.detach().double(), v.detach().double(), causal=causal,
+                              window_size=window, softcap=softcap, alibi_slopes=slopes)
+    _, lse_lo = attention_ref(q.detach().float(), k.detach().float(), v.detach().float(), causal=causal,
+                              window_size=window, softcap=softcap, alibi_slopes=slopes)
+    assert_close_tolerance(lse, lse_hi, lse_lo, name="lse")
+    for name, g, gh, gl in zip("qkv", grads, hi_g, lo_g):
+        assert g.dtype == dtype
+        assert_close_tolerance(g, gh, gl, factor=factor, name=f"d{name}")
+    return out, lse, grads
+
+
+CASES = {
+    "plain": dict(sq=37, sk=29),
+    "seqlen1": dict(B=1, sq=1, sk=1),
+    "causal_sq<sk": dict(sq=19, sk=45, causal=True),
+    "causal_sq>sk": dict(sq=45, sk=19, causal=True),
+    "window": dict(sq=33, sk=41, window=(5, 3)),
+    "window_left_only": dict(sq=40, sk=21, window=(7, -1), d=24),
+    "window_causal": dict(sq=35, sk=35, window=(9, 4), causal=True),
+    "softcap": dict(sq=21, sk=27, softcap=2.0, d=24),
+    "alibi_h": dict(sq=18, sk=35, alibi="h", causal=True),
+    "alibi_bh": dict(sq=27, sk=17, alibi="bh"),
+    "gqa": dict(sq=21, sk=33, h=4, hk=2, causal=True),
+    "mqa_all": dict(B=1, sq=17, sk=70, h=4, hk=1, window=(20, 6), softcap=3.0, alibi="h"),
+    "noncontig": dict(sq=25, sk=31, h=4, hk=2, noncontig=True, causal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_match_float64(triton_backend, case):
+    check(**CASES[case])
+
+
+def test_dropout_replays_reference_mask(triton_backend, monkeypatch):
+    out, _, _ = check(B=2, sq=21, sk=26, h=4, hk=2, causal=True, p=0.3, monkeypatch=monkeypatch)
+    # Same rng_state -> same mask -> bitwise the same output from the kernels.
+    q, k, v = (torch.randn(2, 21, 4, 16), torch.randn(2, 26, 2, 16), torch.randn(2, 26, 2, 16))
+    a, _, _ = flash_attn(q, k, v, 0.3)
+    b, _, _ = flash_attn(q, k, v, 0.3)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, flash_attn(q, k, v, 0.0)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision(triton_backend, dtype):
+    check(B=1, sq=19, sk=37, h=4, hk=2, d=64, dtype=dtype, causal=True, softcap=5.0, factor=3.0)
+
+
+def test_fully_masked_rows(triton_backend):
+    # causal with sq > sk: the first sq - sk rows see no key; a (0, 0) window with sq > sk too.
+    out, lse, grads = check(B=1, sq=40, sk=9, causal=True)
+    assert torch.isinf(lse[:, :, :31]).all() and (lse[:, :, :31] > 0).all()
+    assert torch.equal(out[:, :31], torch.zeros_like(out[:, :31]))
+    assert torch.equal(grads[0][:, :31], torch.zeros_like(grads[0][:, :31]))
+    assert all(torch.isfinite(g).all() for g in grads)
+    check(B=1, sq=20, sk=5, window=(0, 0))
+
+
+def test_backward_deterministic(triton_backend):
+    q, k, v = _inputs(1, 30, 26, 4, 1, 16, torch.float32)
+    out, _, _ = flash_attn(q, k, v, causal=True, deterministic=True)
+    dout = torch.randn_like(out)
+    g1 = _grads(out, dout, (q, k, v))
+    g2 = _grads(flash_attn(q, k, v, causal=True, deterministic=True)[0], dout, (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_poisoned_outputs_fully_written(triton_backend, monkeypatch):
+    # Outputs allocated by the launcher are poisoned: every element must be overwritten.
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    q, k, v = _inputs(1, 21, 19, 2, 2, 24, torch.float32)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", nan_empty)
+        out, lse = attention_fwd(q.detach(), k.detach(), v.detach(), softmax_scale=24 ** -0.5, window_right=0)
+    assert not out.isnan().any() and not lse.isnan().any()
+    o2, _, _ = flash_attn(q, k, v, causal=True)
+    dout = torch.randn_like(o2)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", nan_empty)
+        grads = _grads(o2, dout, (q, k, v))
+    assert torch.equal(out, o2.detach())
+    assert all(not g.isnan().any() for g in grads)
+
+
+def test_return_probs_uses_reference(triton_backend):
+    q, k, v = _inputs(1, 9, 11, 2, 2, 16, torch.float32)
+    out, _, probs = flash_attn(q, k, v, causal=True, return_attn_probs=True)
+    assert probs.shape == (1, 2, 128, 128)
+    ref, _ = attention_ref(q.detach(), k.detach(), v.detach(), causal=True)
+    torch.testing.assert_close(out, ref)
+
+
+def test_cuda_kernels_are_opt_in(monkeypatch):
+    fake_q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16, shape=(1, 8, 2, 64))
+    monkeypatch.setattr(attn_op, "choose_backend", lambda dev: "triton")
+    monkeypatch.delenv("CULMEN_FLASH_TRITON", raising=False)
+    assert not attn_op._use_kernels(fake_q)
+    monkeypatch.setenv("CULMEN_FLASH_TRITON", "1")
+    assert attn_op._use_kernels(fake_q)
+    assert not attn_op._use_kernels(fake_q, return_probs=True)
+    fake_q.shape = (1, 8, 2, 320)  # head dim > 256 runs the reference
+    assert not attn_op._use_kernels(fake_q)
+    monkeypatch.setattr(attn_op, "choose_backend", lambda dev: "reference")
+    assert not attn_op._use_kernels(types.SimpleNamespace(device=torch.device("cpu")))
