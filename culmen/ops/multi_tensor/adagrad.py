@@ -18,9 +18,11 @@ from culmen.ops.multi_tensor.common import (
     check_lists,
     check_sizes,
     finish,
+    flag_on,
     launch_group,
     noop_pointer,
     plan,
+    ref_skip,
     triton,
 )
 from culmen.ops.multi_tensor.elementwise import _check_chunk
@@ -77,7 +79,7 @@ if triton is not None:
 def multi_tensor_adagrad_ref(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay) -> None:
     """Reference of :func:`multi_tensor_adagrad` (fp32 math, no host sync on the flag)."""
     for g, p, h in zip(*tensor_lists):
-        skip = noop_flag.reshape(-1)[0].to(p.device) != 0
+        skip = ref_skip(noop_flag, p.device)
         gf, pf, hf = g.float(), p.float(), h.float()
         if mode == ADAGRAD_MODE_L2 and weight_decay != 0:
             gf = gf + weight_decay * pf
@@ -113,7 +115,7 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
         return multi_tensor_adagrad_ref(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay)
     groups, copy_back = plan(tensor_lists, (1, 2), TUNING["chunk"], op)
     for g in groups:
-        flag = noop_flag if noop_flag.device == g.device else noop_flag.to(g.device)
+        flag = flag_on(noop_flag, g.device)
         dts = [TL_DTYPE[d] for d in g.dtypes]
         meta = dict(G_DT=dts[0], P_DT=dts[1], H_DT=dts[2], MODE=int(mode), HAS_WD=weight_decay != 0,
                     SHIFT=g.shift, CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])

@@ -14,12 +14,16 @@ from culmen.ops.backend import choose_backend
 from culmen.ops.common.launch import FastLauncher
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
+    bias_corrections,
     check_lists,
     check_sizes,
     finish,
+    flag_on,
     launch_group,
     noop_pointer,
     plan,
+    ref_skip,
+    scalar_f32,
     triton,
 )
 from culmen.ops.multi_tensor.elementwise import _check_chunk
@@ -100,31 +104,21 @@ if triton is not None:
     _ADAM = FastLauncher(_adam_kernel)
 
 
-def _as_f32(x, device) -> torch.Tensor:
-    return x.to(device=device, dtype=torch.float32) if isinstance(x, torch.Tensor) else torch.tensor(
-        float(x), dtype=torch.float32, device=device)
-
-
 def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, mode: int, bias_correction: bool,
              weight_decay: float, noop_flag: torch.Tensor, inv_scale=None) -> None:
     """Reference of :func:`adam_update` (fp32 math, one tensor at a time, no host sync on device flags)."""
     masters = tensor_lists[4] if len(tensor_lists) == 5 else [None] * len(tensor_lists[0])
     for g, p, m, v, q in zip(*tensor_lists[:4], masters):
         dev = p.device
-        skip = noop_flag.reshape(-1)[0].to(dev) != 0
-        lr_t = _as_f32(lr, dev)
+        skip = ref_skip(noop_flag, dev)
+        lr_t = scalar_f32(lr, dev)
         if bias_correction:
-            s = _as_f32(step, dev)
-            bc1 = 1.0 - torch.pow(torch.tensor(beta1, dtype=torch.float32, device=dev), s)
-            bc2 = 1.0 - torch.pow(torch.tensor(beta2, dtype=torch.float32, device=dev), s)
-            if not isinstance(step, torch.Tensor):  # host step: corrections computed in double, like the kernel
-                bc1 = _as_f32(1.0 - beta1 ** step, dev)
-                bc2 = _as_f32(1.0 - beta2 ** step, dev)
+            bc1, bc2 = bias_corrections(beta1, beta2, step, dev)
         else:
             bc1 = bc2 = torch.ones((), dtype=torch.float32, device=dev)
         gf = g.float()
         if inv_scale is not None:
-            gf = gf * _as_f32(inv_scale, dev)
+            gf = gf * scalar_f32(inv_scale, dev)
         pf = (q if q is not None else p).float()
         mf, vf = m.float(), v.float()
         if mode == ADAM_MODE_L2:
@@ -178,7 +172,7 @@ def adam_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, ste
         bc1 = bc2 = 1.0
     for g in groups:
         dev = g.device
-        flag = noop_flag if noop_flag.device == dev else noop_flag.to(dev)
+        flag = flag_on(noop_flag, dev)
         lr_p = lr.to(dev) if lr_t else flag
         step_p = step.to(dev) if step_t else flag
         inv_p = inv_scale.to(dev) if inv_mode == 2 else flag

@@ -196,6 +196,40 @@ def finish(copy_back) -> None:
         x.copy_(c)
 
 
+def flag_on(noop_flag: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The noop flag as a kernel on ``device`` reads it (a copy when it lives on another device)."""
+    return noop_flag if noop_flag.device == device else noop_flag.to(device)
+
+
+# ---- shared by the pure-PyTorch references (tensor ops only, so no host sync on device flags)
+
+
+def scalar_f32(x, device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 tensor on ``device`` from a number or the first element of a tensor."""
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1)[0].to(device=device, dtype=torch.float32)
+    return torch.tensor(float(x), dtype=torch.float32, device=device)
+
+
+def ref_skip(noop_flag: torch.Tensor, device: torch.device, found_inf: torch.Tensor | None = None) -> torch.Tensor:
+    """0-dim bool on ``device``: the update is skipped (noop flag, or ``found_inf``, non-zero)."""
+    s = noop_flag.reshape(-1)[0].to(device) != 0
+    if found_inf is not None:
+        s = s | (found_inf.reshape(-1)[0].to(device).float() != 0)
+    return s
+
+
+def bias_corrections(beta1: float, beta2: float, step, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(1 - beta1^step, 1 - beta2^step)``: in fp32 on the device for a tensor ``step`` (as the kernels
+    compute them), in double on the host for a number (as the launchers pass them)."""
+    if isinstance(step, torch.Tensor):
+        s = step.reshape(-1)[0].to(device=device, dtype=torch.float32)
+        b1 = torch.tensor(beta1, dtype=torch.float32, device=device)
+        b2 = torch.tensor(beta2, dtype=torch.float32, device=device)
+        return 1.0 - torch.pow(b1, s), 1.0 - torch.pow(b2, s)
+    return scalar_f32(1.0 - beta1 ** step, device), scalar_f32(1.0 - beta2 ** step, device)
+
+
 def clear_cache() -> None:
     """Drop every cached launch table (tests; or to free device memory)."""
     _CACHE.clear()

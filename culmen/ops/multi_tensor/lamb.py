@@ -32,12 +32,15 @@ from culmen.ops.backend import choose_backend, device_guard
 from culmen.ops.common.launch import FastLauncher
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
+    bias_corrections,
     check_lists,
     check_sizes,
     finish,
     launch_group,
     noop_pointer,
     plan,
+    ref_skip,
+    scalar_f32,
     triton,
 )
 from culmen.ops.multi_tensor.elementwise import _check_chunk
@@ -203,31 +206,9 @@ if triton is not None:
 # references
 
 
-def _f32(x, device) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.reshape(-1)[0].to(device=device, dtype=torch.float32)
-    return torch.tensor(float(x), dtype=torch.float32, device=device)
-
-
-def _skip(noop_flag, found_inf, device) -> torch.Tensor:
-    s = noop_flag.reshape(-1)[0].to(device) != 0
-    if found_inf is not None:
-        s = s | (found_inf.reshape(-1)[0].to(device).float() != 0)
-    return s
-
-
-def _bias_corrections(beta1, beta2, step, device):
-    if isinstance(step, torch.Tensor):
-        s = step.reshape(-1)[0].to(device=device, dtype=torch.float32)
-        b1 = torch.tensor(beta1, dtype=torch.float32, device=device)
-        b2 = torch.tensor(beta2, dtype=torch.float32, device=device)
-        return 1.0 - torch.pow(b1, s), 1.0 - torch.pow(b2, s)
-    return _f32(1.0 - beta1 ** step, device), _f32(1.0 - beta2 ** step, device)
-
-
 def _clip(global_grad_norm, max_grad_norm, device) -> torch.Tensor:
-    gg = _f32(global_grad_norm, device)
-    mx = _f32(max_grad_norm, device)
+    gg = scalar_f32(global_grad_norm, device)
+    mx = scalar_f32(max_grad_norm, device)
     return torch.where(gg > mx, gg / mx, torch.ones_like(gg))
 
 
@@ -243,14 +224,14 @@ def lamb_ref(tensor_lists, *, lr, beta1, beta2, eps, step, bias_correction, weig
     trust = bool(use_nvlamb) or weight_decay != 0
     for g, p, m, v, out in zip(*tensor_lists[:4], outs):
         dev = p.device
-        skip = _skip(noop_flag, found_inf, dev)
+        skip = ref_skip(noop_flag, dev, found_inf)
         if bias_correction:
-            bc1, bc2 = _bias_corrections(beta1, beta2, step, dev)
+            bc1, bc2 = bias_corrections(beta1, beta2, step, dev)
         else:
-            bc1 = bc2 = _f32(1.0, dev)
+            bc1 = bc2 = scalar_f32(1.0, dev)
         gf = g.float()
         if inv_scale is not None:
-            gf = gf * _f32(inv_scale, dev)
+            gf = gf * scalar_f32(inv_scale, dev)
         gf = gf / _clip(global_grad_norm, max_grad_norm, dev)
         pf, mf, vf = p.float(), m.float(), v.float()
         if mode == LAMB_MODE_L2 and weight_decay != 0:
@@ -261,7 +242,7 @@ def lamb_ref(tensor_lists, *, lr, beta1, beta2, eps, step, bias_correction, weig
         if mode == LAMB_MODE_DECOUPLED and weight_decay != 0:
             u = u + weight_decay * pf
         u = u.to(g.dtype).float()  # stored over the gradient, then read back
-        lr_t = _f32(lr, dev)
+        lr_t = scalar_f32(lr, dev)
         ratio = lr_t
         if trust:
             pn, un = torch.linalg.vector_norm(pf), torch.linalg.vector_norm(u)
@@ -277,8 +258,8 @@ def multi_tensor_lamb_stage1_ref(chunk_size, noop_flag, tensor_lists, per_tensor
     """Reference of :func:`multi_tensor_lamb_stage1_cuda`."""
     for i, (g, p, m, v, u) in enumerate(zip(*tensor_lists)):
         dev = p.device
-        skip = _skip(noop_flag, None, dev)
-        bc1, bc2 = _f32(1.0 - beta1 ** (step + 1), dev), _f32(1.0 - beta2 ** (step + 1), dev)
+        skip = ref_skip(noop_flag, dev)
+        bc1, bc2 = scalar_f32(1.0 - beta1 ** (step + 1), dev), scalar_f32(1.0 - beta2 ** (step + 1), dev)
         gf = g.float() / _clip(global_grad_norm, max_global_grad_norm, dev)
         pf, mf, vf = p.float(), m.float(), v.float()
         mf = mf * beta1 + (1.0 - beta1) * gf
@@ -294,8 +275,8 @@ def multi_tensor_lamb_stage2_ref(chunk_size, noop_flag, tensor_lists, per_tensor
     trust = bool(use_nvlamb) or weight_decay != 0
     for i, (p, u) in enumerate(zip(*tensor_lists)):
         dev = p.device
-        skip = _skip(noop_flag, None, dev)
-        lr_t = _f32(lr, dev)
+        skip = ref_skip(noop_flag, dev)
+        lr_t = scalar_f32(lr, dev)
         ratio = lr_t
         if trust:
             pn, un = per_tensor_param_norm[i].to(dev).float(), per_tensor_update_norm[i].to(dev).float()

@@ -37,9 +37,11 @@ from culmen.ops.multi_tensor.common import (
     check_lists,
     check_sizes,
     finish,
+    flag_on,
     launch_group,
     noop_pointer,
     plan,
+    ref_skip,
     triton,
 )
 from culmen.ops.multi_tensor.elementwise import _check_chunk
@@ -124,7 +126,7 @@ def multi_tensor_lars_ref(chunk_size, noop_flag, tensor_lists, grad_norms, param
     copies = tensor_lists[3] if len(tensor_lists) == 4 else [None] * len(tensor_lists[0])
     for i, (g, p, buf, cp) in enumerate(zip(*tensor_lists[:3], copies)):
         dev = p.device
-        skip = noop_flag.reshape(-1)[0].to(dev) != 0
+        skip = ref_skip(noop_flag, dev)
         lr_t = torch.tensor(float(lr), dtype=torch.float32, device=dev)
         if not is_skipped:
             gn, pn = grad_norms[i].to(dev).float(), param_norms[i].to(dev).float()
@@ -180,7 +182,7 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
     groups, copy_back = plan(tensor_lists, tuple(range(1, len(tensor_lists))), TUNING["chunk"], op)
     for g in groups:
         dev = g.device
-        flag = noop_flag if noop_flag.device == dev else noop_flag.to(dev)
+        flag = flag_on(noop_flag, dev)
         gn = grad_norms.to(dev).contiguous()
         pn = param_norms.to(dev).contiguous()
         idx, has_idx = group_index(g.indices, n, dev)

@@ -31,9 +31,11 @@ from culmen.ops.multi_tensor.common import (
     check_lists,
     check_sizes,
     finish,
+    flag_on,
     launch_group,
     noop_pointer,
     plan,
+    ref_skip,
     triton,
 )
 from culmen.ops.multi_tensor.elementwise import _check_chunk
@@ -169,7 +171,7 @@ def multi_tensor_novograd_ref(chunk_size, noop_flag, tensor_lists, grad_norms, l
     """Reference of :func:`multi_tensor_novograd` (fp32 math, no host sync on the flag)."""
     bc1, bc2, beta3 = _corrections(beta1, beta2, step, bias_correction, grad_averaging)
     dev = grad_norms.device
-    skip = noop_flag.reshape(-1)[0].to(dev) != 0
+    skip = ref_skip(noop_flag, dev)
     new_norms = []
     for i, g in enumerate(tensor_lists[0]):
         gf = g.float()
@@ -253,7 +255,7 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
     for g in groups:
         if g.device != grad_norms.device:
             raise ValueError(f"{op}: all tensors must be on grad_norms' device {grad_norms.device}")
-        flag = noop_flag if noop_flag.device == g.device else noop_flag.to(g.device)
+        flag = flag_on(noop_flag, g.device)
         dts = [TL_DTYPE[d] for d in g.dtypes]
         idx, has_idx = group_index(g.indices, n, g.device)
         idx_p = idx if has_idx else grad_norms

@@ -18,9 +18,11 @@ from culmen.ops.multi_tensor.common import (
     check_lists,
     check_sizes,
     finish,
+    flag_on,
     launch_group,
     noop_pointer,
     plan,
+    ref_skip,
     triton,
 )
 from culmen.ops.multi_tensor.elementwise import _check_chunk
@@ -90,7 +92,7 @@ def multi_tensor_sgd_ref(chunk_size, noop_flag, tensor_lists, wd, momentum, damp
     """Reference of :func:`multi_tensor_sgd`."""
     copies = tensor_lists[3] if len(tensor_lists) == 4 else [None] * len(tensor_lists[0])
     for g, p, buf, cp in zip(*tensor_lists[:3], copies):
-        skip = noop_flag.reshape(-1)[0].to(p.device) != 0
+        skip = ref_skip(noop_flag, p.device)
         gf = g.float() * scale
         pf = p.float()
         if wd != 0 and not wd_after_momentum:
@@ -130,7 +132,7 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
         return multi_tensor_sgd_ref(*args)
     groups, copy_back = plan(tensor_lists, tuple(range(1, len(tensor_lists))), TUNING["chunk"], op)
     for g in groups:
-        flag = noop_flag if noop_flag.device == g.device else noop_flag.to(g.device)
+        flag = flag_on(noop_flag, g.device)
         dts = [TL_DTYPE[d] for d in g.dtypes]
         meta = dict(G_DT=dts[0], P_DT=dts[1], B_DT=dts[2], C_DT=dts[3] if len(dts) == 4 else dts[1], L=len(dts),
                     HAS_WD=wd != 0, HAS_MOM=momentum != 0, FIRST=bool(first_run), NESTEROV=bool(nesterov),
