@@ -110,31 +110,3 @@ class FusedLAMB(FusedOptimizer):
                         max_grad_norm=max_norm_arg(group.get("max_grad_norm")), use_nvlamb=self.use_nvlamb,
                         noop_flag=noop, found_inf=None, inv_scale=inv_scale, op="FusedLAMB")
         return loss
-        dev0 = all_grads[0].device
-        noop0 = self._noop(dev0) if found_inf is None else self._found_inf_flag(found_inf, dev0)
-        gnorm = global_grad_norm(all_grads, noop0, inv_scale)
-
-        for group, params in groups:
-            if not params:
-                continue
-            dev = params[0].device
-            noop = self._noop(dev) if found_inf is None else self._found_inf_flag(found_inf, dev)
-            step = self._advance_step(group, dev, found_inf is not None, noop if found_inf is not None else None)
-            lists: list[list[Tensor]] = [[], [], [], []]
-            for p in params:
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
-                                                           memory_format=torch.preserve_format)
-                lists[0].append(p.grad)
-                lists[1].append(p)
-                lists[2].append(state["exp_avg"])
-                lists[3].append(state["exp_avg_sq"])
-            beta1, beta2 = group["betas"]
-            lamb_update(lists, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step,
-                        bias_correction=bool(group["bias_correction"]), weight_decay=group["weight_decay"],
-                        grad_averaging=bool(group["grad_averaging"]), mode=self.adam_w_mode, global_grad_norm=gnorm,
-                        max_grad_norm=max_norm_arg(group.get("max_grad_norm")), use_nvlamb=self.use_nvlamb,
-                        noop_flag=noop, found_inf=None, inv_scale=inv_scale, op="FusedLAMB")
-        return loss

@@ -123,49 +123,6 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
                 gs = grads if idx is None else [grads[i] for i in idx]
                 lamb_update([gs, *static], **kw)
         return loss
-        dev0 = all_grads[0].device
-        noop0 = self._noop(dev0) if found_inf is None else self._found_inf_flag(found_inf, dev0)
-        gnorm = global_grad_norm(all_grads, noop0, inv_scale)
-        low = self.reduced_precision_dtype
-
-        for group, params in groups:
-            if not params:
-                continue
-            dev = params[0].device
-            noop = self._noop(dev) if found_inf is None else self._found_inf_flag(found_inf, dev)
-            step = self._advance_step(group, dev, True, noop if found_inf is not None else None)
-            plain: list[list[Tensor]] = [[], [], [], []]
-            master: list[list[Tensor]] = [[], [], [], [], []]
-            for p in params:
-                state = self.state[p]
-                has_master = low is not None and p.dtype == low
-                if "exp_avg" not in state:
-                    dt = torch.float32 if has_master else p.dtype
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dt, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dt, memory_format=torch.preserve_format)
-                if has_master:
-                    if "master_param" not in state:
-                        state["master_param"] = p.detach().to(torch.float32, copy=True)
-                    master[0].append(p.grad)
-                    master[1].append(state["master_param"])
-                    master[2].append(state["exp_avg"])
-                    master[3].append(state["exp_avg_sq"])
-                    master[4].append(p)
-                else:
-                    plain[0].append(p.grad)
-                    plain[1].append(p)
-                    plain[2].append(state["exp_avg"])
-                    plain[3].append(state["exp_avg_sq"])
-            beta1, beta2 = group["betas"]
-            kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step,
-                      bias_correction=bool(group["bias_correction"]), weight_decay=group["weight_decay"],
-                      grad_averaging=bool(group["grad_averaging"]), mode=self.adam_w_mode, global_grad_norm=gnorm,
-                      max_grad_norm=max_norm_arg(group.get("max_grad_norm")), use_nvlamb=self.use_nvlamb,
-                      noop_flag=noop, found_inf=None, inv_scale=inv_scale, op="FusedMixedPrecisionLamb")
-            for lists in (plain, master):
-                if lists[0]:
-                    lamb_update(lists, **kw)
-        return loss
 
     def _build(self, live: list[Tensor]) -> tuple[list, bool]:
         """``[(grad indices | None, lists)]``: ``[params, m, v]`` for full-precision params and
