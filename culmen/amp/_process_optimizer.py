@@ -103,27 +103,33 @@ def _make_master(param: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------- lazy init
 
 
+def _add_master_group(stash: Any, params: list, state: dict) -> tuple[list, list, list]:
+    """Replace the trainable 16-bit ``params`` (in place) by fp32 masters, moving any optimizer state to
+    them; append the group's ``(fp16, masters, fp32)`` lists to the stash's per-group lists and return them."""
+    fp16_this, masters_this, fp32_this = [], [], []
+    for i, param in enumerate(params):
+        if not param.requires_grad:
+            continue
+        _check_dtype(param)
+        if param.dtype in LOW_DTYPES:
+            fp16_this.append(param)
+            master = params[i] = _make_master(param)
+            masters_this.append(master)
+            if param in state:
+                state[master] = state.pop(param)
+        else:
+            fp32_this.append(param)
+    stash.fp16_groups.append(fp16_this)
+    stash.fp32_from_fp16_groups.append(masters_this)
+    stash.fp32_from_fp32_groups.append(fp32_this)
+    return fp16_this, masters_this, fp32_this
+
+
 def lazy_init_with_master_weights(self: Any) -> None:
     stash = self._amp_stash
     stash.fp16_groups, stash.fp32_from_fp16_groups, stash.fp32_from_fp32_groups = [], [], []
     for group in self.param_groups:
-        fp16_this, fp32_this, masters_this = [], [], []
-        for i, param in enumerate(group["params"]):
-            if not param.requires_grad:
-                continue
-            _check_dtype(param)
-            if param.dtype in LOW_DTYPES:
-                fp16_this.append(param)
-                master = _make_master(param)
-                group["params"][i] = master
-                masters_this.append(master)
-                if param in self.state:
-                    self.state[master] = self.state.pop(param)
-            else:
-                fp32_this.append(param)
-        stash.fp16_groups.append(fp16_this)
-        stash.fp32_from_fp16_groups.append(masters_this)
-        stash.fp32_from_fp32_groups.append(fp32_this)
+        _add_master_group(stash, group["params"], self.state)
     stash.all_fp16_params = [p for g in stash.fp16_groups for p in g]
     stash.all_fp32_from_fp16_params = [p for g in stash.fp32_from_fp16_groups for p in g]
     stash.all_fp32_from_fp32_params = [p for g in stash.fp32_from_fp32_groups for p in g]
@@ -368,21 +374,7 @@ def _process_optimizer(optimizer: Any, properties: Any) -> Any:
         else:
             new_group["params"] = list(params)
         if st.master_weights:
-            fp16_this, fp32_this, masters_this = [], [], []
-            for i, param in enumerate(new_group["params"]):
-                if not param.requires_grad:
-                    continue
-                _check_dtype(param)
-                if param.dtype in LOW_DTYPES:
-                    fp16_this.append(param)
-                    master = _make_master(param)
-                    new_group["params"][i] = master
-                    masters_this.append(master)
-                else:
-                    fp32_this.append(param)
-            st.fp16_groups.append(fp16_this)
-            st.fp32_from_fp16_groups.append(masters_this)
-            st.fp32_from_fp32_groups.append(fp32_this)
+            fp16_this, masters_this, fp32_this = _add_master_group(st, new_group["params"], self.state)
             st.all_fp16_params += fp16_this
             st.all_fp32_from_fp16_params += masters_this
             st.all_fp32_from_fp32_params += fp32_this

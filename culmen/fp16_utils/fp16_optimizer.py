@@ -26,9 +26,10 @@ import torch
 from torch import Tensor
 
 from culmen.amp._amp_state import maybe_print, warn_deprecated_once
-from culmen.amp.scaler import LossScaler, _group_by_device
+from culmen.amp._process_optimizer import _copy, _zero_
+from culmen.amp.scaler import LossScaler
 from culmen.fp16_utils.fp16util import clip_grad_norm
-from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
+from culmen.multi_tensor_apply import amp_C
 
 __all__ = ["FP16_Optimizer"]
 
@@ -121,21 +122,10 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
                 if set_grads_to_None:
                     p.grad = None
                 elif p.grad is not None:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+                    _zero_(p.grad)
 
     def _master_params_to_model_params(self) -> None:
-        if not self.all_fp16_params:
-            return
-        with torch.no_grad():
-            for dev, (masters, models) in _group_by_device(self.all_fp32_from_fp16_params,
-                                                           self.all_fp16_params).items():
-                buf = self._dummy_overflow_buf if self._dummy_overflow_buf.device == dev else \
-                    torch.zeros(1, dtype=torch.int32, device=dev)
-                multi_tensor_applier(self.multi_tensor_scale, buf, [masters, models], 1.0)
+        _copy(self.all_fp32_from_fp16_params, self.all_fp16_params)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float | Tensor:
         """Clip the fp32 master grads with ``torch.nn.utils.clip_grad_norm_``; return the total norm.

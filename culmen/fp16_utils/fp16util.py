@@ -7,13 +7,14 @@ naming them (Apex printed a hint and re-raised torch's error).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from culmen.amp._amp_state import warn_deprecated_once
+from culmen.fp16_utils.loss_scaler import to_python_float
 
 __all__ = [
     "BN_convert_float",
@@ -147,13 +148,6 @@ def master_params_to_model_params(model_params: Sequence[Tensor], master_params:
         return
     for model, master in zip(model_params, master_params):
         model.data.copy_(master.data)
-
-
-def to_python_float(t: Tensor | float | Iterable) -> float:
-    """``t.item()`` for a tensor (``t[0]`` for other indexables, as in Apex)."""
-    if hasattr(t, "item"):
-        return t.item()
-    return t[0]  # type: ignore[index]
 
 
 clip_grad_norm = torch.nn.utils.clip_grad_norm_

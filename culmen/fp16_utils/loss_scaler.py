@@ -25,7 +25,26 @@ def to_python_float(t: Tensor | float) -> float:
     return t[0]  # type: ignore[index]
 
 
-class LossScaler:
+class _ScalerBase:
+    """What both scalers share: ``loss_scale`` (``cur_scale``), ``scale_gradient`` and ``backward``."""
+
+    cur_scale: float
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale."""
+        return self.cur_scale
+
+    def scale_gradient(self, module: torch.nn.Module, grad_in: tuple, grad_out: tuple) -> tuple:
+        """Backward-hook helper: multiply every incoming gradient by the scale."""
+        return tuple(self.loss_scale * g for g in grad_in)
+
+    def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
+        """``(loss * scale).backward()``."""
+        (loss * self.loss_scale).backward(retain_graph=retain_graph)
+
+
+class LossScaler(_ScalerBase):
     """A static loss scale (``scale``); never reports an overflow."""
 
     def __init__(self, scale: float = 1) -> None:
@@ -42,21 +61,8 @@ class LossScaler:
     def update_scale(self, overflow: bool) -> None:
         """Nothing to update."""
 
-    @property
-    def loss_scale(self) -> float:
-        """The scale."""
-        return self.cur_scale
 
-    def scale_gradient(self, module: torch.nn.Module, grad_in: tuple, grad_out: tuple) -> tuple:
-        """Backward-hook helper: multiply every incoming gradient by the scale."""
-        return tuple(self.loss_scale * g for g in grad_in)
-
-    def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
-        """``(loss * scale).backward()``."""
-        (loss * self.loss_scale).backward(retain_graph=retain_graph)
-
-
-class DynamicLossScaler:
+class DynamicLossScaler(_ScalerBase):
     """Dynamic loss scale: divide by ``scale_factor`` on overflow (not below 1), multiply by it after
     ``scale_window`` iterations without one.
 
@@ -89,16 +95,3 @@ class DynamicLossScaler:
         elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
             self.cur_scale *= self.scale_factor
         self.cur_iter += 1
-
-    @property
-    def loss_scale(self) -> float:
-        """The current scale."""
-        return self.cur_scale
-
-    def scale_gradient(self, module: torch.nn.Module, grad_in: tuple, grad_out: tuple) -> tuple:
-        """Backward-hook helper: multiply every incoming gradient by the scale."""
-        return tuple(self.loss_scale * g for g in grad_in)
-
-    def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
-        """``(loss * scale).backward()``."""
-        (loss * self.loss_scale).backward(retain_graph=retain_graph)
