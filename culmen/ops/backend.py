@@ -78,11 +78,18 @@ def choose_backend(device: torch.device | str) -> str:
     return "reference"
 
 
+_NULL_GUARD = contextlib.nullcontext()
+
+
 def device_guard(device: torch.device):
-    """Make ``device`` current while a Triton kernel launches (Triton launches on the current device)."""
-    if device.type == "cuda":
+    """Make ``device`` current while a Triton kernel launches (Triton launches on the current device).
+
+    Free when ``device`` already is current (the usual case): switching devices costs host time on
+    every launch.
+    """
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return _NULL_GUARD
 
 
 def num_programs_hint(device: torch.device) -> int:

@@ -7,12 +7,11 @@ can change them at run time.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 from torch import Tensor
 
+from culmen.ops.backend import device_guard
 from culmen.ops.batch_norm.kernels import (
     _bn_bwd_finalize_kernel,
     _bn_bwd_nchw_kernel,
@@ -55,14 +54,6 @@ TUNING = {
 }
 
 
-_NULL = contextlib.nullcontext()
-
-
-def device_guard(dev: torch.device):
-    """Make ``dev`` current for the launch; free when it already is (the usual case)."""
-    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
-        return torch.cuda.device(dev)
-    return _NULL
 
 
 def _block_l(L: int) -> int:
