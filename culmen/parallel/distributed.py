@@ -474,9 +474,9 @@ class DistributedDataParallel(Module):
             t = t.float()
         if self.gradient_predivide_factor != 1.0:
             t.mul_(1.0 / self.gradient_predivide_factor)
-        group = self._groups[b.index % len(self._groups)] if not self.delay_allreduce else self.process_group
         b.reduced = t
-        b.work = dist.all_reduce(t, group=group, async_op=True)
+        # delay_allreduce forbids extra streams, so ``self._groups`` is then ``[process_group]``.
+        b.work = dist.all_reduce(t, group=self._groups[b.index % len(self._groups)], async_op=True)
         self._launched.append(b)
 
     def _build_buckets(self) -> None:
@@ -547,15 +547,13 @@ class DistributedDataParallel(Module):
             self._missing += [i for i in b.params if not self._fired[i]]
             self._launch(b)
         self._next = len(self._buckets)
-        reduced = []
         for b in self._launched:
             b.work.wait()
-            reduced.append(b)
         if self.gradient_average:
             scale = self.gradient_predivide_factor / self.world_size
             if scale != 1.0:
-                torch._foreach_mul_([b.reduced for b in reduced], scale)
-        casts = [b for b in reduced if b.reduced is not b.buffer]
+                torch._foreach_mul_([b.reduced for b in self._launched], scale)
+        casts = [b for b in self._launched if b.reduced is not b.buffer]
         if casts:
             torch._foreach_copy_([b.buffer for b in casts], [b.reduced for b in casts])
         if self.retain_allreduce_buffers:
