@@ -1,25 +1,37 @@
-"""Triton FlashAttention kernels for the dense BSHD layout (forward and backward).
+"""Triton FlashAttention kernels, forward and backward, dense BSHD and varlen (packed THD).
 
 Conventions (the same as ``reference.py`` and ``dropout.py``):
 
 * scores ``s = softmax_scale * q . k``; softcap ``s = softcap * tanh(s / softcap)``; ALiBi
   ``s -= slope * |i + sk - sq - j|``; then the bottom-right aligned window
   ``i + sk - sq - left <= j <= i + sk - sq + right`` (``HAS_LEFT`` / ``HAS_RIGHT`` off = unbounded);
-* ``lse`` in fp32, ``+inf`` on rows that see no key (their output and gradients are 0);
-* dropout keeps ``(i, j)`` iff ``tl.rand(seed, off + ((b * H + h) * sq + i) * sk + j) >= p``, kept
-  probabilities scaled by ``1 / (1 - p)``; ``(seed, off)`` are read from the int64 ``rng`` tensor;
+* ``lse`` in fp32, natural log, ``+inf`` on rows that see no key (their output and gradients are 0);
+* dropout keeps ``(i, j)`` iff ``tl.rand(seed, off + ((b * H + h) * SQS + i) * SKS + j) >= p`` with
+  ``SQS, SKS = sq, sk`` (dense) or ``max_seqlen_q, max_seqlen_k`` (varlen); kept probabilities are
+  scaled by ``1 / (1 - p)``; ``(seed, off)`` are read from the int64 ``rng`` tensor;
 * GQA: query head ``h`` reads KV head ``h // GROUP``; the dK/dV kernel loops over the ``GROUP``
   query heads of its KV head, so dK/dV are accumulated per KV head without expanded buffers;
-* all element offsets are int64; the head dim is padded to ``BLOCK_D`` (a power of 2) with masks.
+* varlen (``VARLEN``): sequence ``b`` is rows ``cu[b] .. cu[b + 1]`` of the packed tensors; the
+  batch strides are 0 and ``lse``/``delta`` are ``(H, total_q)`` (``slb = 0``, ``slh = total_q``);
+* all element offsets are int64; the head dim is padded to ``BLOCK_D`` (a power of 2) with masks,
+  which vanish when ``EVEN_D`` (``D == BLOCK_D``).
 
-The softmax runs in base 2 (``exp2``) on ``s * log2(e)``; fully masked K/V blocks are skipped by
-bounding the loops with the window.
+Speed: the softmax runs in base 2 (``exp2``) with ``softmax_scale * log2(e)`` folded into one
+multiply. The key (or query) blocks a program visits are split into blocks that every row sees in
+full, which run with no mask arithmetic and unmasked loads, and the few boundary blocks of the
+causal diagonal, the window edges and the sequence end, which run masked (``_bounds``). Causal
+programs are scheduled heaviest first (``HEAVY_FIRST``) so the last wave is not a long tail.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+LOG2E_F = 1.4426950408889634
+"""log2(e) as a Python float (launchers fold it into the softmax scale)."""
+LOG2E = tl.constexpr(LOG2E_F)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -32,6 +44,14 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b``, accumulated by the tensor cores in place (no separate add over the tile)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _tanh(x):
     # Overflow-free tanh: sign(x) * (1 - e^{-2|x|}) / (1 + e^{-2|x|}).
     e = tl.exp(-2.0 * tl.abs(x))
@@ -40,211 +60,362 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, k, i, j, sq, sk, scale, softcap, slope, left, right, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Scores ``(BLOCK_M, BLOCK_N)`` in natural units (masked -> -inf) and the softcap tanh (or s)."""
-    s = _dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale
-    t = s
-    if SOFTCAP:
-        t = _tanh(s / softcap)
-        s = softcap * t
-    rel = j[None, :] - (i[:, None] + sk - sq)  # column minus the row's diagonal
-    if ALIBI:
-        s = s - slope * tl.abs(rel).to(tl.float32)
-    vis = (j[None, :] < sk) & (i[:, None] < sq)
+def _bounds(m0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key columns rows ``m0 .. m0 + BLOCK_M`` visit: ``[lo, f0)`` masked, ``[f0, f1)`` full (every
+    row ``< sq`` sees every column, all columns ``< sk``), ``[f1, hi)`` masked. ``lo``, ``f0``, ``f1``
+    are multiples of ``BLOCK_N`` unless equal to ``hi``; empty when ``m0 >= sq``."""
+    diag = sk - sq
+    last = tl.minimum(m0 + BLOCK_M, sq) - 1
+    hi = sk
+    full_hi = (sk // BLOCK_N) * BLOCK_N
     if HAS_RIGHT:
-        vis = vis & (rel <= right)
+        hi = tl.minimum(hi, tl.maximum(last + diag + right + 1, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + diag + right + 1, 0) // BLOCK_N) * BLOCK_N)
+    lo = 0
+    full_lo = 0
     if HAS_LEFT:
-        vis = vis & (rel >= -left)
-    s = tl.where(vis, s, float("-inf"))
+        lo = (tl.maximum(m0 + diag - left, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last + diag - left, 0), BLOCK_N) * BLOCK_N
+    hi = tl.where(m0 < sq, hi, 0)
+    lo = tl.minimum(lo, hi)
+    f0 = tl.minimum(tl.maximum(full_lo, lo), hi)
+    f1 = tl.maximum(tl.minimum(full_hi, hi), f0)
+    return lo, f0, f1, hi
+
+
+@triton.jit
+def _bounds_t(n0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """The transpose of ``_bounds``: query rows that see key columns ``n0 .. n0 + BLOCK_N``, split the
+    same way (full blocks: every column of the block, all ``< sk``, is seen by every row, all ``< sq``)."""
+    diag = sk - sq
+    last = tl.minimum(n0 + BLOCK_N, sk) - 1
+    hi = sq
+    full_hi = (sq // BLOCK_M) * BLOCK_M
+    lo = 0
+    full_lo = 0
+    if HAS_RIGHT:  # row i sees column j only if i >= j - diag - right
+        lo = (tl.maximum(n0 - diag - right, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(last - diag - right, 0), BLOCK_M) * BLOCK_M
+    if HAS_LEFT:  # ... and only if i <= j - diag + left
+        hi = tl.minimum(hi, tl.maximum(last - diag + left + 1, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(n0 - diag + left + 1, 0) // BLOCK_M) * BLOCK_M)
+    hi = tl.where(n0 < sk, hi, 0)
+    full_hi = tl.where(n0 + BLOCK_N <= sk, full_hi, 0)  # a partial key block is masked throughout
+    lo = tl.minimum(lo, hi)
+    f0 = tl.minimum(tl.maximum(full_lo, lo), hi)
+    f1 = tl.maximum(tl.minimum(full_hi, hi), f0)
+    return lo, f0, f1, hi
+
+
+@triton.jit
+def _scores2(qk, i, j, sq, sk, qk_scale, softcap, slope2, left, right, MASK: tl.constexpr,
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Scores in base-2 units (``s * log2 e``) from the raw ``q . k`` tile, masked -> -inf when
+    ``MASK``; also the softcap ``tanh`` (else ``qk``). ``i`` / ``j`` are the tile's row / column
+    indices broadcast to its shape (``[M, 1]`` and ``[1, N]``, or transposed)."""
+    t = qk
+    if SOFTCAP:
+        t = _tanh(qk * (qk_scale * LN2 / softcap))
+        s = t * (softcap * LOG2E)
+    else:
+        s = qk * qk_scale
+    if ALIBI or MASK:
+        rel = j - (i + sk - sq)  # column minus the row's diagonal
+        if ALIBI:
+            s = s - slope2 * tl.abs(rel).to(tl.float32)
+        if MASK:
+            vis = (j < sk) & (i < sq)
+            if HAS_RIGHT:
+                vis = vis & (rel <= right)
+            if HAS_LEFT:
+                vis = vis & (rel >= -left)
+            s = tl.where(vis, s, float("-inf"))
     return s, t
 
 
 @triton.jit
-def _keep(rng_ptr, p_drop, bh, i, j, sq, sk):
+def _keep(rng_ptr, p_drop, bh, i, j, SQS, SKS):
+    """Dropout keep mask of the tile with row indices ``i`` and column indices ``j`` (broadcast)."""
     seed = tl.load(rng_ptr)
     off = tl.load(rng_ptr + 1)
-    counter = off + ((bh.to(tl.int64) * sq + i.to(tl.int64)[:, None]) * sk + j.to(tl.int64)[None, :])
+    counter = off + ((bh.to(tl.int64) * SQS + i.to(tl.int64)) * SKS + j.to(tl.int64))
     return tl.rand(seed, counter) >= p_drop
 
 
 @triton.jit
-def _kv_range(m0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """``[lo, hi)`` of the key columns rows ``m0 .. m0 + BLOCK_M`` can see; ``lo`` block-aligned."""
-    lo = 0
-    hi = sk
-    if HAS_RIGHT:
-        last = tl.minimum(m0 + BLOCK_M, sq) - 1
-        hi = tl.maximum(tl.minimum(sk, last + sk - sq + right + 1), 0)
-    if HAS_LEFT:
-        lo = tl.maximum(m0 + sk - sq - left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    return lo, hi
+def _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap, slope2,
+               left, right, p_drop, rng_ptr, bh, SQS, SKS,
+               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    j = n0 + tl.arange(0, BLOCK_N)
+    j64 = j.to(tl.int64)[:, None]
+    if MASK:
+        kvmask = (j[:, None] < sk) & dmask[None, :]
+        k = tl.load(k_base + j64 * sks + dd[None, :], mask=kvmask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_base + j64 * sks + dd[None, :])
+    else:
+        k = tl.load(k_base + j64 * sks + dd[None, :], mask=dmask[None, :], other=0.0)
+    qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST)
+    if MASK or SOFTCAP or ALIBI:
+        s, _t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
+                         ALIBI, HAS_LEFT, HAS_RIGHT)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:  # a row may still have seen nothing: keep its max finite so exp2 gives 0, not NaN
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+    else:  # max(c * x) = c * max(x) for c > 0: the scale folds into one FMA per score
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(_keep(rng_ptr, p_drop, bh, i[:, None], j[None, :], SQS, SKS), p, 0.0)
+    if MASK:
+        v = tl.load(v_base + j64 * svs + dd[None, :], mask=kvmask, other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_base + j64 * svs + dd[None, :])
+    else:
+        v = tl.load(v_base + j64 * svs + dd[None, :], mask=dmask[None, :], other=0.0)
+    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+    return acc, l_i, m_new
 
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
     stride_ab,
-    H, GROUP, sq, sk, D,
-    scale, softcap, p_drop, left, right,
+    H, GROUP, SQ, SK, SQS, SKS, D, NUM_M,
+    qk_scale, softcap, p_drop, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid = tl.program_id(0)
+    if HEAVY_FIRST:  # the last query blocks see the most keys under a causal mask: start them first
+        nbh = tl.num_programs(0) // NUM_M
+        pid_m = NUM_M - 1 - pid // nbh
+        bh = pid % nbh
+    else:
+        pid_m = pid % NUM_M
+        bh = pid // NUM_M
     b = bh // H
     h = bh % H
     kh = h // GROUP
+    if VARLEN:  # sequence b is rows cu[b] .. cu[b + 1] of the packed tensors
+        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
+        sq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
+    else:
+        q0 = 0
+        sq = SQ
+    if VARLEN:
+        k0 = tl.load(cu_k_ptr + b).to(tl.int64)
+        sk = (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32)
+    else:
+        k0 = 0
+        sk = SK
     m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
     i = m0 + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     b64 = b.to(tl.int64)
-    q_base = q_ptr + b64 * sqb + h.to(tl.int64) * sqh
-    k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh
-    v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh
-    q = tl.load(q_base + i.to(tl.int64)[:, None] * sqs + dd[None, :], mask=(i[:, None] < sq) & dmask[None, :],
-                other=0.0)
-    slope = 0.0
+    q_base = q_ptr + b64 * sqb + h.to(tl.int64) * sqh + q0 * sqs
+    k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh + k0 * sks
+    v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0 * svs
+    i64 = i.to(tl.int64)[:, None]
+    rowmask = i[:, None] < sq
+    q = tl.load(q_base + i64 * sqs + dd[None, :], mask=rowmask & dmask[None, :], other=0.0)
+    slope2 = 0.0
     if ALIBI:
-        slope = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32)
+        slope2 = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32) * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _kv_range(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    for n0 in range(lo, hi, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        kvmask = (j[:, None] < sk) & dmask[None, :]
-        j64 = j.to(tl.int64)[:, None]
-        k = tl.load(k_base + j64 * sks + dd[None, :], mask=kvmask, other=0.0)
-        s, _t = _scores(q, k, i, j, sq, sk, scale, softcap, slope, left, right, DOT_PREC, UPCAST, SOFTCAP, ALIBI,
-                        HAS_LEFT, HAS_RIGHT)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2((s - m_safe[:, None]) * 1.4426950408889634)
-        alpha = tl.exp2((m_i - m_safe) * 1.4426950408889634)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            p = tl.where(_keep(rng_ptr, p_drop, bh, i, j, sq, sk), p, 0.0)
-        v = tl.load(v_base + j64 * svs + dd[None, :], mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
-        m_i = m_new
+    lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(lo, f0, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
+                                   softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
+                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(f0, f1, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
+                                   softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
+                                   UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(f1, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
+                                   softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
+                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:
         inv = inv / (1.0 - p_drop)
     out = acc * inv[:, None]
-    lse = tl.where(empty, float("inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    o_base = o_ptr + b64 * sob + h.to(tl.int64) * soh
-    tl.store(o_base + i.to(tl.int64)[:, None] * sos + dd[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=(i[:, None] < sq) & dmask[None, :])
-    tl.store(lse_ptr + bh.to(tl.int64) * sq + i, lse, mask=i < sq)
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    o_base = o_ptr + b64 * sob + h.to(tl.int64) * soh + q0 * sos
+    tl.store(o_base + i64 * sos + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=rowmask & dmask[None, :])
+    tl.store(lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0 + i, lse, mask=i < sq)
 
 
 @triton.jit
 def _attn_bwd_preprocess_kernel(
-    o_ptr, do_ptr, delta_ptr,
-    sob, sos, soh, sdb, sds, sdh,
-    H, sq, D,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    o_ptr, do_ptr, delta_ptr, cu_q_ptr,
+    sob, sos, soh, sdb, sds, sdh, slb, slh,
+    H, SQ, D, NUM_M,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
+    pid = tl.program_id(0)
+    pid_m = pid % NUM_M
+    bh = pid // NUM_M
+    b = bh // H
     h = (bh % H).to(tl.int64)
+    if VARLEN:  # sequence b is rows cu[b] .. cu[b + 1] of the packed tensors
+        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
+        sq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
+    else:
+        q0 = 0
+        sq = SQ
     i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
     mask = (i[:, None] < sq) & (dd[None, :] < D)
-    i64 = i.to(tl.int64)[:, None]
-    o = tl.load(o_ptr + b * sob + h * soh + i64 * sos + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + b * sdb + h * sdh + i64 * sds + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(delta_ptr + bh.to(tl.int64) * sq + i, tl.sum(o * do, 1), mask=i < sq)
+    i64 = (q0 + i.to(tl.int64))[:, None]
+    b64 = b.to(tl.int64)
+    o = tl.load(o_ptr + b64 * sob + h * soh + i64 * sos + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + b64 * sdb + h * sdh + i64 * sds + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + b64 * slb + h * slh + q0 + i, tl.sum(o * do, 1), mask=i < sq)
 
 
 @triton.jit
-def _bwd_ds(q, k, v, do, lse, delta, i, j, bh, sq, sk, scale, softcap, slope, left, right, p_drop, rng_ptr,
-            DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-            DROPOUT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """``(p_dropped, ds)`` of one ``(BLOCK_M, BLOCK_N)`` tile; ``ds`` is w.r.t. the unscaled q.k."""
-    s, t = _scores(q, k, i, j, sq, sk, scale, softcap, slope, left, right, DOT_PREC, UPCAST, SOFTCAP, ALIBI,
-                   HAS_LEFT, HAS_RIGHT)
-    # lse = +inf on empty rows and s = -inf on masked entries: both give p = 0, never NaN.
-    p = tl.exp2((s - lse[:, None]) * 1.4426950408889634)
-    p = tl.where(s == float("-inf"), 0.0, p)
-    dp = _dot(do, tl.trans(v), DOT_PREC, UPCAST)
+def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd, dmask, j, m0, sq,
+                sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
+                BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
+                EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """One query block's contribution to a key block's dK / dV, computed in the transposed
+    ``(key, query)`` orientation so that ``dV += P^T dO`` and ``dK += dS^T Q`` need no transposed tile."""
+    i = m0 + tl.arange(0, BLOCK_M)
+    i64 = i.to(tl.int64)[:, None]
+    if MASK:
+        qmask = (i[:, None] < sq) & dmask[None, :]
+        q = tl.load(q_base + i64 * sqs + dd[None, :], mask=qmask, other=0.0)
+        do = tl.load(do_base + i64 * sds + dd[None, :], mask=qmask, other=0.0)
+        lse = tl.load(lse_base + i, mask=i < sq, other=float("inf"))
+        delta = tl.load(delta_base + i, mask=i < sq, other=0.0)
+    else:
+        if EVEN_D:
+            q = tl.load(q_base + i64 * sqs + dd[None, :])
+            do = tl.load(do_base + i64 * sds + dd[None, :])
+        else:
+            q = tl.load(q_base + i64 * sqs + dd[None, :], mask=dmask[None, :], other=0.0)
+            do = tl.load(do_base + i64 * sds + dd[None, :], mask=dmask[None, :], other=0.0)
+        lse = tl.load(lse_base + i)
+        delta = tl.load(delta_base + i)
+    kq = _dot(k, tl.trans(q), DOT_PREC, UPCAST)  # (N, M) = scores transposed
+    s, t = _scores2(kq, i[None, :], j[:, None], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
+                    ALIBI, HAS_LEFT, HAS_RIGHT)
+    # lse = +inf on rows that see nothing and s = -inf on masked entries: both give p = 0, not NaN.
+    p = tl.math.exp2(s - lse[None, :] * LOG2E)
+    if MASK:
+        p = tl.where(s == float("-inf"), 0.0, p)
+    dp = _dot(v, tl.trans(do), DOT_PREC, UPCAST)
     pd = p
     if DROPOUT:
-        keep = _keep(rng_ptr, p_drop, bh, i, j, sq, sk)
+        keep = _keep(rng_ptr, p_drop, bh, i[None, :], j[:, None], SQS, SKS)
         inv = 1.0 / (1.0 - p_drop)
         pd = tl.where(keep, p, 0.0) * inv
         dp = tl.where(keep, dp, 0.0) * inv
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta[None, :])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    return pd, ds
+    dv = _dot_acc(pd.to(do.dtype), do, dv, DOT_PREC, UPCAST)
+    dsc = ds.to(q.dtype)
+    dk = _dot_acc(dsc, q, dk, DOT_PREC, UPCAST)
+    if ATOMIC_DQ:  # dQ of this tile straight from dS (5 matmuls instead of 7), summed in fp32 by atomics
+        dq = _dot(tl.trans(dsc), k, DOT_PREC, UPCAST) * (qk_scale * LN2)
+        if MASK:
+            tl.atomic_add(dq_base + i64 * sdqs + dd[None, :], dq, mask=qmask, sem="relaxed")
+        elif EVEN_D:
+            tl.atomic_add(dq_base + i64 * sdqs + dd[None, :], dq, sem="relaxed")
+        else:
+            tl.atomic_add(dq_base + i64 * sdqs + dd[None, :], dq, mask=dmask[None, :], sem="relaxed")
+    return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr, rng_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
-    sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+    sdkb, sdks, sdkh, sdvb, sdvs, sdvh, sdqb, sdqs, sdqh, slb, slh,
     stride_ab,
-    H, HK, GROUP, sq, sk, D,
-    scale, softcap, p_drop, left, right,
+    H, HK, GROUP, SQ, SK, SQS, SKS, D, NUM_N,
+    qk_scale, softcap, p_drop, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    bkh = tl.program_id(1)
+    """dK and dV of one key block (and, with ``ATOMIC_DQ``, its atomic share of dQ in fp32 ``dq_ptr``)."""
+    pid = tl.program_id(0)
+    pid_n = pid % NUM_N
+    bkh = pid // NUM_N
     b = bkh // HK
     kh = bkh % HK
+    if VARLEN:  # sequence b is rows cu[b] .. cu[b + 1] of the packed tensors
+        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
+        sq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
+    else:
+        q0 = 0
+        sq = SQ
+    if VARLEN:
+        k0 = tl.load(cu_k_ptr + b).to(tl.int64)
+        sk = (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32)
+    else:
+        k0 = 0
+        sk = SK
     n0 = pid_n * BLOCK_N
+    if n0 >= sk:
+        return
     j = n0 + tl.arange(0, BLOCK_N)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     b64 = b.to(tl.int64)
-    j64 = j.to(tl.int64)[:, None]
+    j64 = (k0 + j.to(tl.int64))[:, None]
     kvmask = (j[:, None] < sk) & dmask[None, :]
     k = tl.load(k_ptr + b64 * skb + kh.to(tl.int64) * skh + j64 * sks + dd[None, :], mask=kvmask, other=0.0)
     v = tl.load(v_ptr + b64 * svb + kh.to(tl.int64) * svh + j64 * svs + dd[None, :], mask=kvmask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # Rows that can see columns n0 .. n0 + BLOCK_N: i >= j + sq - sk - right, i <= j + sq - sk + left.
-    lo = 0
-    hi = sq
-    if HAS_RIGHT:
-        lo = tl.maximum(n0 + sq - sk - right, 0)
-        lo = (lo // BLOCK_M) * BLOCK_M
-    if HAS_LEFT:
-        last = tl.minimum(n0 + BLOCK_N, sk) - 1
-        hi = tl.maximum(tl.minimum(sq, last + sq - sk + left + 1), 0)
+    lo, f0, f1, hi = _bounds_t(n0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for g in range(0, GROUP):
         h = kh * GROUP + g
         bh = b * H + h
-        q_base = q_ptr + b64 * sqb + h.to(tl.int64) * sqh
-        do_base = do_ptr + b64 * sdb + h.to(tl.int64) * sdh
-        slope = 0.0
+        q_base = q_ptr + b64 * sqb + h.to(tl.int64) * sqh + q0 * sqs
+        do_base = do_ptr + b64 * sdb + h.to(tl.int64) * sdh + q0 * sds
+        lse_base = lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0
+        delta_base = delta_ptr + b64 * slb + h.to(tl.int64) * slh + q0
+        dq_base = dq_ptr + b64 * sdqb + h.to(tl.int64) * sdqh + q0 * sdqs
+        slope2 = 0.0
         if ALIBI:
-            slope = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32)
-        for m0 in range(lo, hi, BLOCK_M):
-            i = m0 + tl.arange(0, BLOCK_M)
-            i64 = i.to(tl.int64)[:, None]
-            qmask = (i[:, None] < sq) & dmask[None, :]
-            q = tl.load(q_base + i64 * sqs + dd[None, :], mask=qmask, other=0.0)
-            do = tl.load(do_base + i64 * sds + dd[None, :], mask=qmask, other=0.0)
-            lse = tl.load(lse_ptr + bh.to(tl.int64) * sq + i, mask=i < sq, other=float("inf"))
-            delta = tl.load(delta_ptr + bh.to(tl.int64) * sq + i, mask=i < sq, other=0.0)
-            pd, ds = _bwd_ds(q, k, v, do, lse, delta, i, j, bh, sq, sk, scale, softcap, slope, left, right,
-                             p_drop, rng_ptr, DOT_PREC, UPCAST, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
-            dv += _dot(tl.trans(pd.to(do.dtype)), do, DOT_PREC, UPCAST)
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_PREC, UPCAST)
-    dk = dk * scale
+            slope2 = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32) * LOG2E
+        for m0 in range(lo, f0, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
+                                 dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
+                                 SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
+                                 HAS_RIGHT, ATOMIC_DQ)
+        for m0 in range(f0, f1, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
+                                 dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
+                                 SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
+                                 HAS_RIGHT, ATOMIC_DQ)
+        for m0 in range(f1, hi, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
+                                 dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
+                                 SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
+                                 HAS_RIGHT, ATOMIC_DQ)
+    dk = dk * (qk_scale * LN2)
     tl.store(dk_ptr + b64 * sdkb + kh.to(tl.int64) * sdkh + j64 * sdks + dd[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=kvmask)
     tl.store(dv_ptr + b64 * sdvb + kh.to(tl.int64) * sdvh + j64 * sdvs + dd[None, :],
@@ -252,48 +423,106 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap, slope2,
+              left, right, p_drop, rng_ptr, bh, SQS, SKS,
+              BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
+              EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    j = n0 + tl.arange(0, BLOCK_N)
+    j64 = j.to(tl.int64)[:, None]
+    if MASK:
+        kvmask = (j[:, None] < sk) & dmask[None, :]
+        k = tl.load(k_base + j64 * sks + dd[None, :], mask=kvmask, other=0.0)
+        v = tl.load(v_base + j64 * svs + dd[None, :], mask=kvmask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_base + j64 * sks + dd[None, :])
+        v = tl.load(v_base + j64 * svs + dd[None, :])
+    else:
+        k = tl.load(k_base + j64 * sks + dd[None, :], mask=dmask[None, :], other=0.0)
+        v = tl.load(v_base + j64 * svs + dd[None, :], mask=dmask[None, :], other=0.0)
+    qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST)
+    s, t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
+                    ALIBI, HAS_LEFT, HAS_RIGHT)
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASK:
+        p = tl.where(s == float("-inf"), 0.0, p)
+    dp = _dot(do, tl.trans(v), DOT_PREC, UPCAST)
+    if DROPOUT:
+        keep = _keep(rng_ptr, p_drop, bh, i[:, None], j[None, :], SQS, SKS)
+        dp = tl.where(keep, dp, 0.0) * (1.0 / (1.0 - p_drop))
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return _dot_acc(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST)
+
+
+@triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, alibi_ptr, rng_ptr,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh, slb, slh,
     stride_ab,
-    H, GROUP, sq, sk, D,
-    scale, softcap, p_drop, left, right,
+    H, GROUP, SQ, SK, SQS, SKS, D, NUM_M,
+    qk_scale, softcap, p_drop, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid = tl.program_id(0)
+    if HEAVY_FIRST:
+        nbh = tl.num_programs(0) // NUM_M
+        pid_m = NUM_M - 1 - pid // nbh
+        bh = pid % nbh
+    else:
+        pid_m = pid % NUM_M
+        bh = pid // NUM_M
     b = bh // H
     h = bh % H
     kh = h // GROUP
+    if VARLEN:  # sequence b is rows cu[b] .. cu[b + 1] of the packed tensors
+        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
+        sq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
+    else:
+        q0 = 0
+        sq = SQ
+    if VARLEN:
+        k0 = tl.load(cu_k_ptr + b).to(tl.int64)
+        sk = (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32)
+    else:
+        k0 = 0
+        sk = SK
     m0 = pid_m * BLOCK_M
+    if m0 >= sq:
+        return
     i = m0 + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     b64 = b.to(tl.int64)
-    i64 = i.to(tl.int64)[:, None]
+    i64 = (q0 + i.to(tl.int64))[:, None]
     qmask = (i[:, None] < sq) & dmask[None, :]
     q = tl.load(q_ptr + b64 * sqb + h.to(tl.int64) * sqh + i64 * sqs + dd[None, :], mask=qmask, other=0.0)
     do = tl.load(do_ptr + b64 * sdb + h.to(tl.int64) * sdh + i64 * sds + dd[None, :], mask=qmask, other=0.0)
-    lse = tl.load(lse_ptr + bh.to(tl.int64) * sq + i, mask=i < sq, other=float("inf"))
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * sq + i, mask=i < sq, other=0.0)
-    slope = 0.0
+    row = b64 * slb + h.to(tl.int64) * slh + q0 + i
+    lse2 = tl.load(lse_ptr + row, mask=i < sq, other=float("inf")) * LOG2E
+    delta = tl.load(delta_ptr + row, mask=i < sq, other=0.0)
+    slope2 = 0.0
     if ALIBI:
-        slope = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32)
-    k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh
-    v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh
+        slope2 = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32) * LOG2E
+    k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh + k0 * sks
+    v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0 * svs
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _kv_range(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    for n0 in range(lo, hi, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        j64 = j.to(tl.int64)[:, None]
-        kvmask = (j[:, None] < sk) & dmask[None, :]
-        k = tl.load(k_base + j64 * sks + dd[None, :], mask=kvmask, other=0.0)
-        v = tl.load(v_base + j64 * svs + dd[None, :], mask=kvmask, other=0.0)
-        _pd, ds = _bwd_ds(q, k, v, do, lse, delta, i, j, bh, sq, sk, scale, softcap, slope, left, right,
-                          p_drop, rng_ptr, DOT_PREC, UPCAST, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
-        dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
-    dq = dq * scale
+    lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(lo, f0, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
+                       slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, True, EVEN_D,
+                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(f0, f1, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
+                       slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D,
+                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(f1, hi, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
+                       slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, True, EVEN_D,
+                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+    dq = dq * (qk_scale * LN2)
     tl.store(dq_ptr + b64 * sdqb + h.to(tl.int64) * sdqh + i64 * sdqs + dd[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=qmask)

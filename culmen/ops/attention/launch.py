@@ -1,9 +1,9 @@
 """Launchers of the dense FlashAttention kernels: allocate, pick blocks, launch.
 
-``attention_fwd`` / ``attention_bwd`` take BSHD tensors (any strides; a head dim that is not
-unit-stride is copied) and follow the conventions of ``reference.py``. The block sizes in ``TUNING``
-are first guesses, not yet swept on a GPU; the CPU interpreter uses ``interp_block`` so small test
-shapes still cross several blocks.
+``attention_fwd`` / ``attention_bwd`` take BSHD tensors, or packed THD ones with ``cu_seqlens`` (any
+strides; a head dim that is not unit-stride is copied), and follow the conventions of ``reference.py``.
+Block sizes come from ``TUNING`` (swept on an H100, see ``bench/notes/attention.md``); the CPU
+interpreter uses ``interp_block`` so small test shapes still cross several blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import triton
 from torch import Tensor
 
 from culmen.ops.attention.kernels import (
+    LOG2E_F,
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
     _attn_bwd_preprocess_kernel,
@@ -30,9 +31,16 @@ MAX_KERNEL_HEADDIM = 256
 
 TUNING = {
     # (max padded head dim, BLOCK_M, BLOCK_N, num_warps, num_stages), first row that fits wins.
-    "fwd": [(64, 128, 64, 4, 3), (128, 128, 64, 8, 2), (256, 64, 32, 4, 2)],
-    "bwd": [(64, 64, 64, 4, 2), (128, 64, 64, 8, 2), (256, 32, 32, 4, 1)],
+    # Forward and dQ hold a BLOCK_M query block and loop over keys; dK/dV hold a BLOCK_N key block and
+    # loop over queries. Measured on an H100 (bench/notes/attention.md).
+    "fwd": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 64, 64, 4, 2)],
+    "dkdv": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2)],
+    "dq": [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (256, 64, 32, 4, 2)],
+    "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2)],
     "pre_block_m": 64,
+    # Non-deterministic backward: dQ summed with fp32 atomics in the dK/dV kernel (5 matmuls per tile
+    # instead of 7, no dQ kernel). deterministic=True always runs the separate dQ kernel.
+    "atomic_dq": True,
     # Block size under the CPU interpreter (tests): small, so odd seqlens span several blocks.
     "interp_block": 16,
 }
@@ -58,14 +66,16 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _flags(q: Tensor, sk: int, softcap: float, alibi: Tensor | None, dropout_p: float, left: int, right: int):
-    if left >= sk:
+def _flags(q: Tensor, sk: int, softcap: float, alibi: Tensor | None, dropout_p: float, left: int, right: int,
+           block_d: int, varlen: bool):
+    if left >= sk and not varlen:  # a window wider than every row is no window
         left = -1
     return dict(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        EVEN_D=q.shape[-1] == block_d,
         SOFTCAP=softcap > 0.0, ALIBI=alibi is not None, DROPOUT=dropout_p > 0.0,
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, VARLEN=varlen,
     ), max(left, 0), max(right, 0)
 
 
@@ -82,75 +92,139 @@ def _rng_arg(rng_state: Tensor | None, q: Tensor) -> Tensor:
     return rng_state.to(device=q.device, dtype=torch.int64).reshape(2).contiguous()
 
 
+class _Geometry:
+    """Batch / sequence geometry shared by the launches of one call, dense or varlen.
+
+    Dense tensors are ``(B, s, h, d)``; varlen ones ``(total, h, d)`` with int32 ``cu_seqlens``, seen
+    by the kernels as batch stride 0 plus a per-sequence row offset.
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, cu_q: Tensor | None, cu_k: Tensor | None, max_q: int | None,
+                 max_k: int | None) -> None:
+        self.varlen = cu_q is not None
+        if self.varlen:
+            self.B = cu_q.shape[0] - 1
+            self.sq, self.sk = int(max_q), int(max_k)
+            self.total_q = q.shape[0]
+            self.cu_q = cu_q.to(device=q.device, dtype=torch.int32).contiguous()
+            self.cu_k = cu_k.to(device=q.device, dtype=torch.int32).contiguous()
+        else:
+            self.B, self.sq = q.shape[0], q.shape[1]
+            self.sk = k.shape[1]
+            self.cu_q = self.cu_k = q  # never read
+        self.H, self.HK, self.D = q.shape[-2], k.shape[-2], q.shape[-1]
+
+    def strides(self, t: Tensor) -> tuple[int, int, int]:
+        """``(batch, row, head)`` element strides of a dense or packed tensor."""
+        if self.varlen:
+            return 0, t.stride(0), t.stride(1)
+        return t.stride(0), t.stride(1), t.stride(2)
+
+    def stats(self, dtype=torch.float32, device=None) -> tuple[Tensor, int, int]:
+        """A fresh ``lse``-shaped buffer and its ``(batch, head)`` strides: ``(B, H, sq)`` or ``(H, total)``."""
+        if self.varlen:
+            t = torch.empty(self.H, self.total_q, dtype=dtype, device=device)
+            return t, 0, t.stride(0)
+        t = torch.empty(self.B, self.H, self.sq, dtype=dtype, device=device)
+        return t, t.stride(0), t.stride(1)
+
+    def lse_strides(self, lse: Tensor) -> tuple[int, int]:
+        return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
+
+
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, window_left: int = -1,
                   window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-                  dropout_p: float = 0.0, rng_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Dense forward on ``q (B, sq, h, d)``, ``k``/``v`` ``(B, sk, hk, d)`` -> ``(out, lse (B, h, sq) fp32)``.
+                  dropout_p: float = 0.0, rng_state: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+                  cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
+                  max_seqlen_k: int | None = None) -> tuple[Tensor, Tensor]:
+    """Forward -> ``(out, lse fp32)``.
 
-    ``window_right`` must already be 0 for causal attention (``op._window`` does that).
+    Dense: ``q (B, sq, h, d)``, ``k``/``v`` ``(B, sk, hk, d)``, ``lse (B, h, sq)``. Varlen (with
+    ``cu_seqlens_q/k`` int32 ``(B + 1,)`` and the max lengths): packed ``(total, h, d)`` inputs and
+    ``lse (h, total_q)``. ``window_right`` must already be 0 for causal attention (``op._window``).
     """
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    B, sq, H, D = q.shape
-    sk, HK = k.shape[1], k.shape[2]
-    out = torch.empty(B, sq, H, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, sq, dtype=torch.float32, device=q.device)
-    if B * H * sq == 0:
+    g = _Geometry(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse, slb, slh = g.stats(device=q.device)
+    if g.varlen:  # rows of empty sequences are never visited by a program
+        out.zero_()
+        lse.fill_(float("inf"))
+    if g.B * g.H * g.sq == 0 or q.numel() == 0:
         return out, lse
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, triton.next_power_of_2(g.D))
     bm, bn, warps, stages = _blocks("fwd", block_d, q.device)
-    meta, left, right = _flags(q, sk, softcap, alibi_slopes, dropout_p, window_left, window_right)
+    meta, left, right = _flags(q, g.sk, softcap, alibi_slopes, dropout_p, window_left, window_right, block_d,
+                               g.varlen)
     alibi, stride_ab = _alibi_args(alibi_slopes, q)
     rng = _rng_arg(rng_state if dropout_p > 0.0 else None, q)
-    grid = (triton.cdiv(sq, bm), B * H)
+    num_m = triton.cdiv(g.sq, bm)
     with device_guard(q.device):
-        _fwd(grid, (q, k, v, out, lse, alibi, rng,
-                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                    v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                    stride_ab, H, H // HK, sq, sk, D,
-                    float(softmax_scale), float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right),
-             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta), num_warps=warps, num_stages=stages)
+        _fwd((num_m * g.B * g.H,),
+             (q, k, v, out, lse, alibi, rng, g.cu_q, g.cu_k, *g.strides(q), *g.strides(k), *g.strides(v),
+              *g.strides(out), slb, slh, stride_ab, g.H, g.H // g.HK, g.sq, g.sk, g.sq, g.sk, g.D, num_m,
+              float(softmax_scale) * LOG2E_F, float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right),
+             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, HEAVY_FIRST=meta["HAS_RIGHT"]),
+             num_warps=warps, num_stages=stages)
     return out, lse
 
 
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: Tensor | None = None, dropout_p: float = 0.0,
-                  rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Dense backward -> ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k``, ``v`` (dK/dV per KV head).
+                  alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, rng_state: Tensor | None = None,
+                  cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
+                  max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                  deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward -> ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k``, ``v`` (dK/dV per KV head);
+    dense or varlen as in ``attention_fwd``.
 
-    Deterministic: every gradient element is written by one program, no atomics.
+    dK/dV are always written by one program each. dQ is summed over key blocks with fp32 atomics
+    (``TUNING["atomic_dq"]``, the fast path) unless ``deterministic``, which runs a separate dQ kernel
+    whose programs each own their rows: bitwise reproducible.
     """
     q, k, v, dout, out = (_unit_last(t) for t in (q, k, v, dout, out))
+    g = _Geometry(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     lse = lse.to(torch.float32).contiguous()
-    B, sq, H, D = q.shape
-    sk, HK = k.shape[1], k.shape[2]
-    dq = torch.empty(B, sq, H, D, dtype=q.dtype, device=q.device)
-    dk = torch.empty(B, sk, HK, D, dtype=k.dtype, device=q.device)
-    dv = torch.empty(B, sk, HK, D, dtype=v.dtype, device=q.device)
-    if B * H * sq == 0 or sk == 0:
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
+    if g.varlen:  # rows of empty sequences are never visited by a program
+        dq.zero_(), dk.zero_(), dv.zero_()
+    if g.B * g.H * g.sq == 0 or g.sk == 0 or q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    block_d = max(16, triton.next_power_of_2(D))
-    bm, bn, warps, stages = _blocks("bwd", block_d, q.device)
-    meta, left, right = _flags(q, sk, softcap, alibi_slopes, dropout_p, window_left, window_right)
+    block_d = max(16, triton.next_power_of_2(g.D))
+    meta, left, right = _flags(q, g.sk, softcap, alibi_slopes, dropout_p, window_left, window_right, block_d,
+                               g.varlen)
     alibi, stride_ab = _alibi_args(alibi_slopes, q)
     rng = _rng_arg(rng_state if dropout_p > 0.0 else None, q)
-    delta = torch.empty(B, H, sq, dtype=torch.float32, device=q.device)
+    delta, _, _ = g.stats(device=q.device)
+    slb, slh = g.lse_strides(lse)
     pbm = TUNING["pre_block_m"] if q.device.type == "cuda" else TUNING["interp_block"]
-    scal = (float(softmax_scale), float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right)
-    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2))
+    scal = (float(softmax_scale) * LOG2E_F, float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right)
+    qkv_strides = (*g.strides(q), *g.strides(k), *g.strides(v), *g.strides(dout))
     with device_guard(q.device):
-        _pre((triton.cdiv(sq, pbm), B * H),
-             (out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-              dout.stride(0), dout.stride(1), dout.stride(2), H, sq, D),
-             dict(BLOCK_M=pbm, BLOCK_D=block_d), num_warps=4, num_stages=1)
-        _dkdv((triton.cdiv(sk, bn), B * HK),
-              (q, k, v, dout, lse, delta, dk, dv, alibi, rng, *qkv_strides,
-               dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-               stride_ab, H, HK, H // HK, sq, sk, D, *scal),
-              dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta), num_warps=warps, num_stages=stages)
-        _dq((triton.cdiv(sq, bm), B * H),
-            (q, k, v, dout, lse, delta, dq, alibi, rng, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
-             stride_ab, H, H // HK, sq, sk, D, *scal),
-            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta), num_warps=warps, num_stages=stages)
+        num_pm = triton.cdiv(g.sq, pbm)
+        _pre((num_pm * g.B * g.H,),
+             (out, dout, delta, g.cu_q, *g.strides(out), *g.strides(dout), slb, slh, g.H, g.sq, g.D, num_pm),
+             dict(BLOCK_M=pbm, BLOCK_D=block_d, VARLEN=g.varlen), num_warps=4, num_stages=1)
+        atomic = TUNING["atomic_dq"] and not deterministic
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
+        bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", block_d, q.device)
+        num_n = triton.cdiv(g.sk, bn)
+        _dkdv((num_n * g.B * g.HK,),
+              (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, g.cu_q, g.cu_k, *qkv_strides, *g.strides(dk),
+               *g.strides(dv), *g.strides(dq_acc), slb, slh, stride_ab, g.H, g.HK, g.H // g.HK, g.sq, g.sk, g.sq,
+               g.sk, g.D, num_n, *scal),
+              dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, ATOMIC_DQ=atomic), num_warps=warps,
+              num_stages=stages)
+        if atomic:
+            dq.copy_(dq_acc)
+            return dq, dk, dv
+        bm, bn, warps, stages = _blocks("dq", block_d, q.device)
+        num_m = triton.cdiv(g.sq, bm)
+        _dq((num_m * g.B * g.H,),
+            (q, k, v, dout, lse, delta, dq, alibi, rng, g.cu_q, g.cu_k, *qkv_strides, *g.strides(dq), slb, slh,
+             stride_ab, g.H, g.H // g.HK, g.sq, g.sk, g.sq, g.sk, g.D, num_m, *scal),
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, HEAVY_FIRST=meta["HAS_RIGHT"]),
+            num_warps=warps, num_stages=stages)
     return dq, dk, dv

@@ -6,7 +6,7 @@ Dispatch of the dense ops (``_fwd_impl`` / ``_bwd_impl``): when ``choose_backend
 ``return_probs``; anything else runs the reference). On CPU that is ``CULMEN_BACKEND=triton`` under
 ``TRITON_INTERPRET=1`` (the tests). **On CUDA the kernels are opt-in for now**: they run only when
 ``CULMEN_FLASH_TRITON=1`` is set, until they have been checked on a real GPU; otherwise CUDA runs the
-reference with a one-time warning, as before. The varlen ops always run the reference. All paths
+reference with a one-time warning, as before. Dense and varlen ops share the kernels. All paths
 share these conventions:
 
 * ``lse`` is fp32 (fp64 for fp64 inputs), ``(B, h, sq)`` dense / ``(h, total_q)`` varlen, ``+inf``
@@ -77,7 +77,7 @@ def _warn_reference_on_gpu(q: Tensor) -> None:
         _WARNED_NO_KERNEL = True
         warnings.warn("culmen.flash_attn: attention runs the PyTorch reference (correct, but slow and "
                       "O(seqlen^2) memory); the dense Triton kernels are opt-in on GPUs until validated there: "
-                      "set CULMEN_FLASH_TRITON=1 to try them (varlen always runs the reference)",
+                      "set CULMEN_FLASH_TRITON=1 to try them",
                       RuntimeWarning, stacklevel=3)
 
 
@@ -120,7 +120,8 @@ def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softm
 
         wr = 0 if causal else window_right
         return attention_bwd(dout, q, k, v, out, lse, **_kernel_kw(softmax_scale, window_left, wr, softcap,
-                                                                    alibi_slopes, dropout_p, rng_state))
+                                                                    alibi_slopes, dropout_p, rng_state),
+                             deterministic=deterministic)
     return attention_bwd_ref(dout, q, k, v, out, lse, **_kw(softmax_scale, causal, window_left, window_right,
                                                             softcap, alibi_slopes, dropout_p, rng_state))
 
@@ -205,8 +206,21 @@ class _FlashAttnFn(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------- varlen
 
 
+def _varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k)
+
+
 def _vfwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, rng_state, dropout_p,
                softmax_scale, causal, window_left, window_right, softcap, return_probs, deterministic):
+    if _use_kernels(q, return_probs):
+        from culmen.ops.attention.launch import attention_fwd
+
+        wr = 0 if causal else window_right
+        out, lse = attention_fwd(q, k, v, **_kernel_kw(softmax_scale, window_left, wr, softcap, alibi_slopes,
+                                                       dropout_p, rng_state),
+                                 **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        return out, lse, nothing(q.device, q.dtype)
     _warn_reference_on_gpu(q)
     out, lse, probs = attention_varlen_fwd_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                return_probs=return_probs,
@@ -217,6 +231,14 @@ def _vfwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 def _vbwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                rng_state, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    if _use_kernels(q):
+        from culmen.ops.attention.launch import attention_bwd
+
+        wr = 0 if causal else window_right
+        return attention_bwd(dout, q, k, v, out, lse, **_kernel_kw(softmax_scale, window_left, wr, softcap,
+                                                                    alibi_slopes, dropout_p, rng_state),
+                             **_varlen_kw(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                             deterministic=deterministic)
     return attention_varlen_bwd_ref(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     **_kw(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                                           dropout_p, rng_state))
