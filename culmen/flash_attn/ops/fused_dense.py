@@ -1,0 +1,375 @@
+"""``flash_attn.ops.fused_dense`` on culmen: ``FusedDense``, ``FusedMLP``, their functionals and the
+tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` / ``ParallelFusedMLP``.
+
+GEMMs are cuBLAS (bias in the cuBLASLt epilogue; bias + ReLU too); the activation and its backward are
+single Triton passes, the backward also reducing ``bias1``'s gradient (``culmen.ops.activations.dense``).
+``activation``: ``gelu_approx`` (tanh GELU), ``relu``, ``sqrelu``. ``checkpoint_lvl``: 0 saves the
+pre-activation and the activation output, 1 only the pre-activation (the output is recomputed inside
+the fused backward pass), 2 neither (the first GEMM is redone). ReLU saves only its output at levels
+0 and 1: its derivative needs nothing else.
+
+With a ``process_group`` and ``sequence_parallel=True`` the input is all-gathered along dim 0 before the
+first GEMM and the input gradient reduce-scattered; without sequence parallelism the input is already
+whole and its gradient is all-reduced (as flash_attn). The collectives are differentiable functions
+around the fused GEMMs, issued synchronously (flash_attn overlaps them with the weight-gradient GEMM).
+On gloo, reduce-scatter is an all-reduce plus a slice.
+
+Differences from flash_attn, on purpose: ``heuristic`` (cuBLASLt algorithm choice) is accepted and
+ignored; every dtype and CPU tensors take the fused path (flash_attn falls back to ``F.linear`` outside
+CUDA fp16/bf16, and then rejects ``process_group``); ``FusedMLPFunc`` / ``FusedDenseFunc`` expose
+``apply`` with flash_attn's arguments but are compositions, not ``autograd.Function`` subclasses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
+from culmen.ops.activations.dense import linear, linear_act_linear
+
+__all__ = [
+    "ColumnParallelLinear",
+    "FusedDense",
+    "FusedDenseFunc",
+    "FusedMLP",
+    "FusedMLPFunc",
+    "ParallelFusedMLP",
+    "RowParallelLinear",
+    "all_gather",
+    "all_reduce",
+    "fused_dense_func",
+    "fused_mlp_func",
+    "reduce_scatter",
+]
+
+_MLP_ACTS = {"gelu_approx": "gelu_tanh", "relu": "relu", "sqrelu": "sqrelu"}
+
+
+# ----------------------------------------------------------------------------- collectives (dim 0)
+
+
+def _world(pg: ProcessGroup | None) -> int:
+    return dist.get_world_size(pg) if pg is not None else 1
+
+
+def _gather_raw(x: Tensor, pg: ProcessGroup) -> Tensor:
+    world = _world(pg)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=pg)
+    return out
+
+
+def _reduce_scatter_raw(x: Tensor, pg: ProcessGroup) -> Tensor:
+    world = _world(pg)
+    if world == 1:
+        return x
+    if x.shape[0] % world:
+        raise ValueError(f"reduce_scatter needs dim 0 ({x.shape[0]}) divisible by the world size ({world})")
+    x = x.contiguous()
+    if dist.get_backend(pg) == "gloo":  # gloo has no reduce-scatter
+        full = x.clone()
+        dist.all_reduce(full, group=pg)
+        n = x.shape[0] // world
+        return full[dist.get_rank(pg) * n:(dist.get_rank(pg) + 1) * n].contiguous()
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=pg)
+    return out
+
+
+def _all_reduce_raw(x: Tensor, pg: ProcessGroup) -> Tensor:
+    if _world(pg) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=pg)
+    return x
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return _gather_raw(x, pg)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_raw(g, ctx.pg), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return _reduce_scatter_raw(x, pg)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_raw(g, ctx.pg), None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pg):
+        return _all_reduce_raw(x, pg)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient (an input shared by every rank of the group)."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce_raw(g, ctx.pg), None
+
+
+def all_gather(x: Tensor, process_group: ProcessGroup) -> Tensor:
+    """Differentiable all-gather along dim 0 (its gradient is a reduce-scatter)."""
+    return _AllGather.apply(x, process_group)
+
+
+def reduce_scatter(x: Tensor, process_group: ProcessGroup) -> Tensor:
+    """Differentiable reduce-scatter (sum) along dim 0 (its gradient is an all-gather)."""
+    return _ReduceScatter.apply(x, process_group)
+
+
+def all_reduce(x: Tensor, process_group: ProcessGroup) -> Tensor:
+    """Differentiable all-reduce (sum); its gradient passes through."""
+    return _AllReduce.apply(x, process_group)
+
+
+def _parallel_input(x: Tensor, pg: ProcessGroup | None, sequence_parallel: bool) -> Tensor:
+    if pg is None:
+        return x
+    return _AllGather.apply(x, pg) if sequence_parallel else _CopyToRegion.apply(x, pg)
+
+
+def _check(x: Tensor, layers: list[tuple[str, Tensor, Tensor | None]]) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension")
+    feats = x.shape[-1]
+    for name, w, b in layers:
+        if w.dim() != 2 or w.shape[1] != feats:
+            raise ValueError(f"{name} must have shape (out_features, {feats}), got {tuple(w.shape)}")
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"the bias of {name} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+        for t in (w, b):
+            if t is not None and t.dtype != x.dtype:
+                raise TypeError(f"x is {x.dtype} but {name}'s parameters are {t.dtype}; use one dtype (or autocast)")
+        feats = w.shape[0]
+
+
+# ------------------------------------------------------------------------------------- dense
+
+
+def fused_dense_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, return_residual: bool = False,
+                     process_group: ProcessGroup | None = None, sequence_parallel: bool = True):
+    """``x @ weight^T + bias``: ``x`` ``(..., in)`` (local rows when sequence parallel), ``weight``
+    ``(out, in)``. Returns ``(..., out)``, or ``(out, x)`` with ``return_residual``."""
+    device_type = x.device.type
+    x, weight, bias = _cast_if_autocast_enabled(device_type, x, weight, bias)
+    _check(x, [("weight", weight, bias)])
+    with _autocast_off(device_type):
+        out = linear(_parallel_input(x, process_group, sequence_parallel), weight, bias)
+    return (out, x) if return_residual else out
+
+
+class FusedDenseFunc:
+    """flash_attn's ``FusedDenseFunc.apply(x, weight, bias, return_residual=False, process_group=None,
+    sequence_parallel=True)``."""
+
+    @staticmethod
+    def apply(x, weight, bias, return_residual=False, process_group=None, sequence_parallel=True):
+        return fused_dense_func(x, weight, bias, return_residual, process_group, sequence_parallel)
+
+
+class FusedDense(nn.Linear):
+    """flash_attn's ``FusedDense(in_features, out_features, bias=True, return_residual=False, device=None,
+    dtype=None)``: an ``nn.Linear`` whose ``forward(x, process_group=None)`` runs ``fused_dense_func``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, return_residual: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.return_residual = return_residual
+
+    def forward(self, x: Tensor, process_group: ProcessGroup | None = None):
+        return fused_dense_func(x, self.weight, self.bias, return_residual=self.return_residual,
+                                process_group=process_group)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """flash_attn's ``ColumnParallelLinear(in_features, out_features, process_group, bias=True,
+    sequence_parallel=True, device=None, dtype=None)``: this rank holds ``out_features / world`` rows of
+    the weight; the (sequence-parallel) input is gathered first."""
+
+    def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup, bias: bool = True,
+                 sequence_parallel: bool = True, device=None, dtype=None) -> None:
+        world = dist.get_world_size(process_group)
+        if out_features % world != 0:
+            raise ValueError(f"out_features ({out_features}) must be divisible by world_size ({world})")
+        super().__init__(in_features, out_features // world, bias=bias, device=device, dtype=dtype)
+        self.process_group = process_group
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fused_dense_func(x, self.weight, self.bias, process_group=self.process_group,
+                                sequence_parallel=self.sequence_parallel)
+
+
+class RowParallelLinear(nn.Linear):
+    """flash_attn's ``RowParallelLinear(in_features, out_features, process_group, bias=True,
+    sequence_parallel=True, device=None, dtype=None)``: this rank holds ``in_features / world`` columns
+    of the weight (the bias lives on rank 0); the partial outputs are reduce-scattered (sequence
+    parallel) or all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup, bias: bool = True,
+                 sequence_parallel: bool = True, device=None, dtype=None) -> None:
+        world = dist.get_world_size(process_group)
+        rank = dist.get_rank(process_group)
+        if in_features % world != 0:
+            raise ValueError(f"in_features ({in_features}) must be divisible by world_size ({world})")
+        super().__init__(in_features // world, out_features, bias=bias and rank == 0, device=device, dtype=dtype)
+        self.process_group = process_group
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = fused_dense_func(x, self.weight, self.bias)
+        return (reduce_scatter if self.sequence_parallel else all_reduce)(out, self.process_group)
+
+
+# --------------------------------------------------------------------------------------- MLP
+
+
+def _check_mlp_args(activation: str, checkpoint_lvl: int, heuristic) -> None:
+    if activation not in _MLP_ACTS:
+        raise ValueError(f"activation must be one of {list(_MLP_ACTS)}, got {activation!r}")
+    if checkpoint_lvl not in (0, 1, 2):
+        raise ValueError(f"checkpoint_lvl must be 0, 1 or 2, got {checkpoint_lvl!r}")
+    if heuristic != "auto" and not (isinstance(heuristic, int) and -1 <= heuristic <= 4):
+        raise ValueError(f"heuristic must be 'auto' or an int in [-1, 4], got {heuristic!r}")
+
+
+def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Tensor | None = None,
+                   bias2: Tensor | None = None, activation: str = "gelu_approx", save_pre_act: bool = True,
+                   return_residual: bool = False, checkpoint_lvl: int = 0, heuristic=0,
+                   process_group: ProcessGroup | None = None, sequence_parallel: bool = True):
+    """``act(x @ weight1^T + bias1) @ weight2^T + bias2``.
+
+    Args:
+        x: ``(..., in)``; weight1 ``(hidden, in)``; weight2 ``(out, hidden)``; biases or None; one dtype
+            (under autocast everything is cast to the autocast dtype).
+        activation: ``gelu_approx`` / ``relu`` / ``sqrelu``.
+        save_pre_act: False forces ``checkpoint_lvl=2`` (as flash_attn; modules pass ``self.training``).
+        checkpoint_lvl: 0 / 1 / 2, see the module docstring. heuristic: accepted, ignored.
+        process_group / sequence_parallel: tensor parallelism, see the module docstring (the output is
+            this rank's partial sum; ``FusedMLP`` reduce-scatters it).
+
+    Returns ``(..., out)``, or ``(out, x)`` with ``return_residual``.
+    """
+    _check_mlp_args(activation, checkpoint_lvl, heuristic)
+    if not save_pre_act:
+        checkpoint_lvl = 2
+    device_type = x.device.type
+    x, weight1, bias1, weight2, bias2 = _cast_if_autocast_enabled(device_type, x, weight1, bias1, weight2, bias2)
+    _check(x, [("weight1", weight1, bias1), ("weight2", weight2, bias2)])
+    with _autocast_off(device_type):
+        out = linear_act_linear(_parallel_input(x, process_group, sequence_parallel), weight1, bias1, weight2,
+                                bias2, _MLP_ACTS[activation], checkpoint_lvl)
+    return (out, x) if return_residual else out
+
+
+class FusedMLPFunc:
+    """flash_attn's ``FusedMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation='gelu_approx',
+    save_pre_act=True, return_residual=False, checkpoint_lvl=0, heuristic=0, process_group=None,
+    sequence_parallel=True)`` (note: biases interleaved with the weights, unlike ``fused_mlp_func``)."""
+
+    @staticmethod
+    def apply(x, weight1, bias1, weight2, bias2, activation="gelu_approx", save_pre_act=True, return_residual=False,
+              checkpoint_lvl=0, heuristic=0, process_group=None, sequence_parallel=True):
+        return fused_mlp_func(x, weight1, weight2, bias1, bias2, activation, save_pre_act, return_residual,
+                              checkpoint_lvl, heuristic, process_group, sequence_parallel)
+
+
+class FusedMLP(nn.Module):
+    """flash_attn's ``FusedMLP(in_features, hidden_features=None, out_features=None, bias1=True, bias2=True,
+    activation='gelu_approx', return_residual=False, checkpoint_lvl=0, heuristic='auto', device=None,
+    dtype=None)``: ``fc2(act(fc1(x)))`` with ``fc1``/``fc2`` ``nn.Linear``.
+
+    ``hidden_features`` defaults to ``4 * in_features``, ``out_features`` to ``in_features``.
+    ``forward(x, process_group=None)``: input ``(..., in)``, output ``(..., out)`` (``(out, x)`` with
+    ``return_residual``); with a process group the output is reduce-scattered.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int | None = None, out_features: int | None = None,
+                 bias1: bool = True, bias2: bool = True, activation: str = "gelu_approx",
+                 return_residual: bool = False, checkpoint_lvl: int = 0, heuristic="auto", device=None,
+                 dtype=None) -> None:
+        _check_mlp_args(activation, checkpoint_lvl, heuristic)
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        hidden_features = hidden_features if hidden_features is not None else 4 * in_features
+        out_features = out_features if out_features is not None else in_features
+        self.activation = activation
+        self.return_residual = return_residual
+        self.checkpoint_lvl = checkpoint_lvl
+        self.heuristic = heuristic if activation != "sqrelu" else -1
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory)
+
+    def forward(self, x: Tensor, process_group: ProcessGroup | None = None):
+        out = fused_mlp_func(x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
+                             activation=self.activation, save_pre_act=self.training,
+                             return_residual=self.return_residual, checkpoint_lvl=self.checkpoint_lvl,
+                             process_group=process_group)
+        if self.return_residual:
+            out, x = out
+        if process_group is not None:
+            out = reduce_scatter(out, process_group)
+        return (out, x) if self.return_residual else out
+
+
+class ParallelFusedMLP(nn.Module):
+    """flash_attn's ``ParallelFusedMLP(in_features, hidden_features=None, out_features=None,
+    activation='gelu_approx', process_group=None, bias1=True, bias2=True, sequence_parallel=True,
+    checkpoint_lvl=0, heuristic='auto', device=None, dtype=None)``: ``fc1`` column-parallel, ``fc2``
+    row-parallel; ``process_group`` is required."""
+
+    def __init__(self, in_features: int, hidden_features: int | None = None, out_features: int | None = None,
+                 activation: str = "gelu_approx", process_group: ProcessGroup | None = None, bias1: bool = True,
+                 bias2: bool = True, sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto",
+                 device=None, dtype=None) -> None:
+        _check_mlp_args(activation, checkpoint_lvl, heuristic)
+        if process_group is None:
+            raise ValueError("ParallelFusedMLP needs a process_group")
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        hidden_features = hidden_features if hidden_features is not None else 4 * in_features
+        out_features = out_features if out_features is not None else in_features
+        self.activation = activation
+        self.process_group = process_group
+        self.sequence_parallel = sequence_parallel
+        self.checkpoint_lvl = checkpoint_lvl
+        self.heuristic = heuristic if activation != "sqrelu" else -1
+        self.fc1 = ColumnParallelLinear(in_features, hidden_features, process_group, bias=bias1, **factory)
+        self.fc2 = RowParallelLinear(hidden_features, out_features, process_group, bias=bias2, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = fused_mlp_func(x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
+                             activation=self.activation, save_pre_act=self.training,
+                             checkpoint_lvl=self.checkpoint_lvl, process_group=self.process_group,
+                             sequence_parallel=self.sequence_parallel)
+        return (reduce_scatter if self.sequence_parallel else all_reduce)(out, self.process_group)

@@ -1,0 +1,37 @@
+"""Fused bias + activation and gated activations, in Triton, with a PyTorch reference.
+
+Layers (DESIGN.md): Triton kernels in ``kernels.py``; launchers ``act_fwd`` / ``act_bwd`` / ``glu_fwd`` /
+``glu_bwd`` in ``launch.py``; references in ``reference.py``; custom ops ``culmen::act_fwd`` /
+``act_bwd`` / ``glu_fwd`` / ``glu_bwd`` with autograd and the op-level entry points in ``op.py``; the
+cuBLAS + fused-epilogue dense compositions (linear+bias, linear-act-linear, MLP stacks) in ``dense.py``.
+"""
+
+from culmen.ops.activations.op import (
+    ACTIVATIONS,
+    FROM_OUTPUT_ACTIVATIONS,
+    GATED_ACTIVATIONS,
+    act_bwd,
+    act_fwd,
+    bias_act,
+    check_activation,
+    gated_act,
+    glu_bwd,
+    glu_fwd,
+)
+from culmen.ops.activations.reference import act_grad_ref, act_ref, glu_ref
+
+__all__ = [
+    "ACTIVATIONS",
+    "FROM_OUTPUT_ACTIVATIONS",
+    "GATED_ACTIVATIONS",
+    "act_bwd",
+    "act_fwd",
+    "act_grad_ref",
+    "act_ref",
+    "bias_act",
+    "check_activation",
+    "gated_act",
+    "glu_bwd",
+    "glu_fwd",
+    "glu_ref",
+]

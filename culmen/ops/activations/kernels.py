@@ -1,0 +1,198 @@
+"""Triton kernels of the fused bias + activation ops and the gated (GLU-family) activations.
+
+All kernels are elementwise over a 2-D ``(M, N)`` view whose last dim is contiguous (rows may be
+``stride`` elements apart, so halves of a packed tensor need no copy). A fully contiguous operand set
+without a per-column operand is launched as one flat row (``M == 1``) with row stride 0, which lets
+Triton prove 16-byte alignment and emit 128-bit loads whatever the shape. Programs are laid out on a
+1-D grid (row block major), so neither grid axis limit of 65535 applies.
+
+Math is fp32 whatever the storage dtype; offsets are int64 (tensors may exceed 2^31 elements).
+
+Activation codes (``ACT``), shared with ``launch.ACT_CODES``:
+0 none, 1 relu, 2 sigmoid, 3 gelu (erf), 4 gelu_tanh, 5 sqrelu (relu(x)^2), 6 silu,
+7 relu_ge0 (relu whose derivative at 0 is 1: flash_attn's ``relu_bwd`` convention).
+"""
+
+import triton
+import triton.language as tl
+
+# Constants are written as literals inside the jitted functions (the interpreter mishandles
+# constexpr globals multiplied by tensors): 0.7071067811865476 = 1/sqrt(2),
+# 0.3989422804014327 = 1/sqrt(2 pi), 0.7978845608028654 = sqrt(2/pi), 1.5957691216057308 = 2 sqrt(2/pi),
+# 0.044715 and 0.134145 = 3 * 0.044715 (the tanh approximation's cubic term).
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """``act(x)`` of an fp32 tile."""
+    if ACT == 0:
+        y = x
+    elif ACT == 1:
+        y = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        y = _sigmoid(x)
+    elif ACT == 3:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 4:
+        # 0.5 * x * (1 + tanh(u)) == x * sigmoid(2u): no tanh needed, and exact in both tails.
+        y = x * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    elif ACT == 5:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+    elif ACT == 6:
+        y = x * _sigmoid(x)
+    else:
+        y = tl.maximum(x, 0.0)
+    return y
+
+
+@triton.jit
+def _act_and_grad(x, ACT: tl.constexpr):
+    """``(act(x), act'(x))`` of an fp32 tile; shared subexpressions are computed once."""
+    if ACT == 0:
+        y = x
+        d = tl.full(x.shape, 1.0, tl.float32)
+    elif ACT == 1:
+        y = tl.maximum(x, 0.0)
+        d = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 2:
+        y = _sigmoid(x)
+        d = y * (1.0 - y)
+    elif ACT == 3:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        y = x * cdf
+        d = cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    elif ACT == 4:
+        s = _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+        y = x * s
+        d = s + x * 1.5957691216057308 * s * (1.0 - s) * (1.0 + 0.134145 * x * x)
+    elif ACT == 5:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+        d = 2.0 * r
+    elif ACT == 6:
+        s = _sigmoid(x)
+        y = x * s
+        d = s * (1.0 + x * (1.0 - s))
+    else:
+        y = tl.maximum(x, 0.0)
+        d = tl.where(x >= 0.0, 1.0, 0.0)
+    return y, d
+
+
+@triton.jit
+def _grad_from_output(y, ACT: tl.constexpr):
+    """``act'`` expressed through the output ``y = act(x)`` (none / relu / sigmoid only)."""
+    if ACT == 0:
+        d = tl.full(y.shape, 1.0, tl.float32)
+    elif ACT == 2:
+        d = y * (1.0 - y)
+    else:
+        d = tl.where(y > 0.0, 1.0, 0.0)
+    return d
+
+
+@triton.jit
+def _tile(n_col_blocks, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows, columns and in-bounds mask of this program's tile (1-D grid, row-block major)."""
+    pid = tl.program_id(0).to(tl.int64)
+    pid_m = pid // n_col_blocks
+    pid_n = pid - pid_m * n_col_blocks
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+    return rows, cols, (rows < M) & (cols < N)
+
+
+@triton.jit
+def _act_fwd_kernel(X, B, Y, M, N, stride_x, stride_y, n_col_blocks,
+                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``Y = act(X + B)``; ``B`` (N,) broadcast over rows. ``Y`` may be ``X`` (in place)."""
+    rows, cols, tile = _tile(n_col_blocks, M, N, BLOCK_M, BLOCK_N)
+    x = tl.load(X + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(Y + rows * stride_y + cols, _act(x, ACT).to(Y.dtype.element_ty), mask=tile)
+
+
+@triton.jit
+def _act_bwd_kernel(G, X, B, DX, OUT, M, N, stride_g, stride_x, stride_dx, stride_out, n_col_blocks,
+                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+                    STORE_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``DX = G * act'(X + B)`` (or ``act'`` from the output ``X = act(.)`` when ``FROM_OUTPUT``);
+    ``STORE_OUT`` also writes ``OUT = act(X + B)`` (recomputation for checkpointing). ``DX`` may be ``G``."""
+    rows, cols, tile = _tile(n_col_blocks, M, N, BLOCK_M, BLOCK_N)
+    x = tl.load(X + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
+    g = tl.load(G + rows * stride_g + cols, mask=tile, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if FROM_OUTPUT:
+        d = _grad_from_output(x, ACT)
+    else:
+        y, d = _act_and_grad(x, ACT)
+        if STORE_OUT:
+            tl.store(OUT + rows * stride_out + cols, y.to(OUT.dtype.element_ty), mask=tile)
+    tl.store(DX + rows * stride_dx + cols, (g * d).to(DX.dtype.element_ty), mask=tile)
+
+
+@triton.jit
+def _act_bwd_dbias_kernel(G, X, B, DX, OUT, DB_PART, M, N, stride_g, stride_x, stride_dx, stride_out,
+                          rows_per_split,
+                          ACT: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+                          STORE_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_act_bwd_kernel`` plus the bias gradient: program ``(n, s)`` walks the rows of split ``s`` for
+    column block ``n`` and writes one fp32 row of column sums of (unrounded) ``DX`` to ``DB_PART[s]``."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+    col_ok = cols < N
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    row_start = pid_s.to(tl.int64) * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, M)
+    for r0 in range(row_start, row_end, BLOCK_M):
+        rows = (r0 + tl.arange(0, BLOCK_M))[:, None]
+        tile = (rows < row_end) & col_ok
+        x = tl.load(X + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
+        g = tl.load(G + rows * stride_g + cols, mask=tile, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += b
+        if FROM_OUTPUT:
+            d = _grad_from_output(x, ACT)
+        else:
+            y, d = _act_and_grad(x, ACT)
+            if STORE_OUT:
+                tl.store(OUT + rows * stride_out + cols, y.to(OUT.dtype.element_ty), mask=tile)
+        dx = g * d
+        tl.store(DX + rows * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=tile)
+        acc += tl.where(tile, dx, 0.0)
+    cols1 = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(DB_PART + pid_s.to(tl.int64) * N + cols1, tl.sum(acc, axis=0), mask=cols1 < N)
+
+
+@triton.jit
+def _glu_fwd_kernel(X, U, Y, M, N, stride_x, stride_u, stride_y, n_col_blocks,
+                    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``Y = act(X) * U`` (SwiGLU: silu, GeGLU: gelu / gelu_tanh, ReGLU: relu, GLU: sigmoid)."""
+    rows, cols, tile = _tile(n_col_blocks, M, N, BLOCK_M, BLOCK_N)
+    x = tl.load(X + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=tile, other=0.0).to(tl.float32)
+    tl.store(Y + rows * stride_y + cols, (_act(x, ACT) * u).to(Y.dtype.element_ty), mask=tile)
+
+
+@triton.jit
+def _glu_bwd_kernel(G, X, U, DX, DU, M, N, stride_g, stride_x, stride_u, stride_dx, stride_du, n_col_blocks,
+                    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``DX = G * U * act'(X)``, ``DU = G * act(X)``."""
+    rows, cols, tile = _tile(n_col_blocks, M, N, BLOCK_M, BLOCK_N)
+    x = tl.load(X + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=tile, other=0.0).to(tl.float32)
+    g = tl.load(G + rows * stride_g + cols, mask=tile, other=0.0).to(tl.float32)
+    y, d = _act_and_grad(x, ACT)
+    tl.store(DX + rows * stride_dx + cols, (g * u * d).to(DX.dtype.element_ty), mask=tile)
+    tl.store(DU + rows * stride_du + cols, (g * y).to(DU.dtype.element_ty), mask=tile)

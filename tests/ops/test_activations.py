@@ -1,0 +1,298 @@
+"""``culmen.ops.activations``: fused bias + activation and gated activations against a float64 oracle.
+
+Every numerical case runs on the pure-PyTorch reference path and on the Triton kernels under the CPU
+interpreter. The tolerance rule (DESIGN.md): the op's error against ``act_ref`` / ``glu_ref`` on
+float64 copies (gradients by autograd of the oracle, so the closed-form derivatives of the kernels are
+checked independently) must be at most 2x PyTorch's own error in the input dtype, plus a small atol.
+Output buffers are poisoned with NaN (``launch._empty``) so an element a kernel forgets shows up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from culmen.ops.activations import (
+    ACTIVATIONS,
+    act_bwd,
+    act_fwd,
+    act_grad_ref,
+    act_ref,
+    bias_act,
+    gated_act,
+    glu_bwd,
+    glu_fwd,
+)
+from culmen.ops.activations import launch as act_launch
+from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
+
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+_SHORT = {F32: "f32", F16: "f16", BF16: "bf16", None: "none"}
+
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request):
+    request.getfixturevalue(f"{request.param}_backend")
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN."""
+    real = act_launch._empty
+
+    def empty(shape, device, dtype):
+        return poison_(real(shape, device, dtype))
+
+    monkeypatch.setattr(act_launch, "_empty", empty)
+
+
+def _layout(t: torch.Tensor, how: str) -> torch.Tensor:
+    """``t``'s values in a given memory layout: padded rows, or leading dims that cannot be merged."""
+    if how == "pad":
+        out = make_noncontiguous(t, pad=5)
+        assert not out.is_contiguous()
+        return out
+    if how == "transpose":  # (a, b, n) stored as (b, a, n): reshape(-1, n) must copy
+        out = t.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not out.is_contiguous()
+        return out
+    return t
+
+
+@dataclass(frozen=True)
+class ActCase:
+    act: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = F32
+    bias: torch.dtype | None = None
+    layout: str = ""
+
+    def __str__(self) -> str:
+        s = f"{self.act}-{'x'.join(map(str, self.shape))}-{_SHORT[self.dtype]}-bias={_SHORT[self.bias]}"
+        return s + (f"-{self.layout}" if self.layout else "")
+
+
+ACT_CASES = [
+    ActCase("gelu", (3, 63), F32, F32),
+    ActCase("gelu", (5, 123), BF16, BF16, "pad"),
+    ActCase("gelu_tanh", (2, 3, 40), F16, F32),
+    ActCase("gelu_tanh", (7, 1000), BF16),
+    ActCase("relu", (1, 1), F32, F32),
+    ActCase("relu", (4, 3, 41), BF16, None, "transpose"),
+    ActCase("sigmoid", (3, 63), F16, F16),
+    ActCase("sqrelu", (4, 257), BF16, BF16),
+    ActCase("silu", (2, 4097), F32),
+    ActCase("silu", (5, 123), BF16, F32, "pad"),
+    ActCase("none", (3, 63), BF16, BF16),
+    ActCase("relu_ge0", (3, 63), F32, None, "pad"),
+]
+
+
+def _oracle_act(x, b, g, act, hi):
+    """Output and gradients of ``act(x + b)`` by autograd, in float64 (``hi``) or the inputs' dtypes."""
+    xc = (x.detach().to(F64) if hi else x.detach().clone()).requires_grad_()
+    bc = None if b is None else (b.detach().to(F64) if hi else b.detach().clone()).requires_grad_()
+    y = act_ref(xc + bc if bc is not None else xc, act)
+    leaves = [xc] + ([bc] if bc is not None else [])
+    grads = torch.autograd.grad(y, leaves, g.to(y.dtype))
+    return y, grads
+
+
+@pytest.mark.parametrize("case", ACT_CASES, ids=str)
+def test_bias_act_tolerance(backend, case):
+    N = case.shape[-1]
+    x = _layout(randn(case.shape, case.dtype, scale=2.0), case.layout).requires_grad_()
+    b = randn(N, case.bias, scale=0.5).requires_grad_() if case.bias is not None else None
+    y = bias_act(x, b, case.act)
+    # Contiguous whatever the input layout: what the custom op's fake impl promises torch.compile.
+    assert y.shape == x.shape and y.dtype == case.dtype and y.is_contiguous()
+    g = randn(case.shape, case.dtype)
+    leaves = [x] + ([b] if b is not None else [])
+    got = (y, *torch.autograd.grad(y, leaves, g))
+    assert got[1].is_contiguous()
+    hi = _oracle_act(x, b, g, case.act, True)
+    lo = _oracle_act(x, b, g, case.act, False)
+    names = ["y", "dx", "dbias"]
+    for name, a, rh, rl in zip(names, got, (hi[0], *hi[1]), (lo[0], *lo[1])):
+        assert torch.isfinite(a).all(), f"{name} has non-finite values [{case}]"
+        if name == "dbias":
+            assert a.dtype == case.bias and a.shape == (N,)
+        assert_close_tolerance(a, rh, rl, name=f"{name} [{case}]")
+
+
+@dataclass(frozen=True)
+class GluCase:
+    act: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = F32
+    layout: str = ""  # "pad", or "packed": x and u are the two halves of one (..., 2N) tensor
+
+    def __str__(self) -> str:
+        s = f"{self.act}-{'x'.join(map(str, self.shape))}-{_SHORT[self.dtype]}"
+        return s + (f"-{self.layout}" if self.layout else "")
+
+
+GLU_CASES = [
+    GluCase("silu", (3, 63)),
+    GluCase("silu", (5, 123), BF16, "pad"),
+    GluCase("silu", (4, 257), BF16, "packed"),
+    GluCase("gelu", (2, 3, 40), F16),
+    GluCase("gelu_tanh", (7, 1000), BF16),
+    GluCase("relu", (3, 63), BF16, "packed"),
+    GluCase("sigmoid", (5, 123)),
+    GluCase("sqrelu", (4, 257), F16),
+    GluCase("none", (1, 1)),
+]
+
+
+def _glu_inputs(c: GluCase):
+    if c.layout == "packed":
+        # Two halves of one packed buffer (views of a tensor that needs no grad are leaves).
+        base = randn((*c.shape[:-1], 2 * c.shape[-1]), c.dtype, scale=2.0)
+        x = base[..., : c.shape[-1]].requires_grad_()
+        u = base[..., c.shape[-1]:].requires_grad_()
+        assert not x.is_contiguous() and x.stride(-2) == 2 * c.shape[-1]
+        return x, u
+    x = _layout(randn(c.shape, c.dtype, scale=2.0), c.layout).requires_grad_()
+    u = _layout(randn(c.shape, c.dtype), c.layout).requires_grad_()
+    return x, u
+
+
+@pytest.mark.parametrize("case", GLU_CASES, ids=str)
+def test_gated_act_tolerance(backend, case):
+    x, u = _glu_inputs(case)
+    y = gated_act(x, u, case.act)
+    assert y.shape == x.shape and y.dtype == case.dtype
+    g = randn(case.shape, case.dtype)
+    got = (y, *torch.autograd.grad(y, [x, u], g))
+    refs = {}
+    for hi in (True, False):
+        xc = (x.detach().to(F64) if hi else x.detach().clone()).requires_grad_()
+        uc = (u.detach().to(F64) if hi else u.detach().clone()).requires_grad_()
+        yr = act_ref(xc, case.act) * uc
+        refs[hi] = (yr, *torch.autograd.grad(yr, [xc, uc], g.to(yr.dtype)))
+    for name, a, rh, rl in zip(("y", "dx", "du"), got, refs[True], refs[False]):
+        assert torch.isfinite(a).all(), f"{name} has non-finite values [{case}]"
+        assert_close_tolerance(a, rh, rl, name=f"{name} [{case}]")
+
+
+def test_bias_grad_multi_split(triton_backend, monkeypatch):
+    """Force the bias-grad kernel into several row splits, several loop steps and several column blocks."""
+    monkeypatch.setitem(act_launch.TUNING, "dbias_block_m", 2)
+    monkeypatch.setitem(act_launch.TUNING, "dbias_block_n", 16)
+    x = randn((37, 40), F32, requires_grad=True)
+    b = randn(40, F32, requires_grad=True)
+    g = randn((37, 40))
+    dx, db = torch.autograd.grad(bias_act(x, b, "gelu"), [x, b], g)
+    xd, bd = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    rdx, rdb = torch.autograd.grad(act_ref(xd + bd, "gelu"), [xd, bd], g.double())
+    assert_close_tolerance(dx, rdx, None, name="dx")
+    assert_close_tolerance(db, rdb, None, atol=1e-5 * 37, name="dbias")
+
+
+def test_flat_and_row_launches(triton_backend, monkeypatch):
+    """Contiguous input without bias runs as one flat row; a bias or padded rows give a 2-D launch."""
+    seen = []
+    real = act_launch._fwd
+
+    def spy(grid, args, meta, num_warps, num_stages=3):
+        seen.append((args[3], args[4], meta["HAS_BIAS"], args[5]))  # M, N, bias, stride_x
+        return real(grid, args, meta, num_warps, num_stages)
+
+    monkeypatch.setattr(act_launch, "_fwd", spy)
+    x = randn((6, 50))
+    bias_act(x, None, "silu")
+    bias_act(x, randn(50), "silu")
+    bias_act(make_noncontiguous(x), None, "silu")
+    assert seen == [(1, 300, False, 0), (6, 50, True, 50), (6, 50, False, 53)]
+
+
+def test_raw_ops_inplace_store_out_and_from_output(backend):
+    x = randn((9, 70), BF16, scale=2.0)
+    b = randn(70, F32)
+    ref_y = act_fwd(x, b, "gelu")
+    # In place: the result lives in x's storage.
+    xi = x.clone()
+    out = act_fwd(xi, b, "gelu", inplace=True)
+    assert out.data_ptr() == xi.data_ptr() and torch.equal(out, ref_y)
+    # Backward: dx into g, the bias grad and the recomputed act in one call.
+    g = randn((9, 70), BF16)
+    dx_ref, db_ref, none = act_bwd(g, x, b, "gelu", dbias_dtype=F32)
+    assert none is None and db_ref.dtype == F32
+    gi = g.clone()
+    dx, db, y = act_bwd(gi, x, b, "gelu", dbias_dtype=F32, store_out=True, inplace=True)
+    assert dx.data_ptr() == gi.data_ptr()
+    assert torch.equal(dx, dx_ref) and torch.equal(db, db_ref) and torch.equal(y, ref_y)
+    # Derivative through the output (what the MLPs save) equals the one through the input.
+    for act in ("relu", "sigmoid", "none"):
+        yo = act_fwd(x, None, act)
+        d_out, _, _ = act_bwd(g, yo, None, act, from_output=True)
+        d_in, _, _ = act_bwd(g, x, None, act)
+        tol = 0.0 if act != "sigmoid" else 2e-2
+        torch.testing.assert_close(d_out.float(), d_in.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="store_out"):
+        act_bwd(g, x, None, "relu", from_output=True, store_out=True)
+    # GLU raw pair agrees with the differentiable op.
+    u = randn((9, 70), BF16)
+    torch.testing.assert_close(glu_fwd(x, u, "silu"), gated_act(x, u, "silu"), rtol=0, atol=0)
+    dx2, du2 = glu_bwd(g, x, u, "silu")
+    assert dx2.shape == x.shape and du2.dtype == BF16
+
+
+@pytest.mark.parametrize("act", [a for a in ACTIVATIONS if a != "relu_ge0"])
+def test_closed_form_derivatives_match_autograd(act):
+    x = randn(4001, F64, scale=3.0).requires_grad_()
+    (auto,) = torch.autograd.grad(act_ref(x, act).sum(), x)
+    torch.testing.assert_close(act_grad_ref(x.detach(), act), auto, rtol=1e-12, atol=1e-12)
+
+
+def test_fp64_and_empty(backend):
+    x = randn((4, 33), F64, requires_grad=True)
+    b = randn(33, F64, requires_grad=True)
+    y = bias_act(x, b, "gelu_tanh")
+    torch.testing.assert_close(y, torch.nn.functional.gelu(x + b, approximate="tanh"), rtol=1e-12, atol=1e-12)
+    e = torch.empty((0, 33), requires_grad=True)
+    ye = bias_act(e, randn(33, requires_grad=True), "silu")
+    assert ye.shape == (0, 33)
+    ye.sum().backward()
+    ue = torch.empty((0, 5), requires_grad=True)
+    assert gated_act(ue, ue.detach().clone(), "silu").shape == (0, 5)
+
+
+def test_bad_inputs_raise():
+    x = randn((3, 8))
+    with pytest.raises(ValueError, match="activation must be one of .*'gleu'"):
+        bias_act(x, None, "gleu")
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\).*\(7,\)"):
+        bias_act(x, randn(7), "gelu")
+    with pytest.raises(TypeError, match="x must be float16/bfloat16/float32/float64, got torch.int64"):
+        bias_act(torch.ones(3, 8, dtype=torch.int64), None, "relu")
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        bias_act([1.0, 2.0], None, "relu")
+    with pytest.raises(ValueError, match=r"u must have the shape of x \(3, 8\), got \(3, 9\)"):
+        gated_act(x, randn((3, 9)), "silu")
+    with pytest.raises(ValueError, match="activation must be one of .*'relu_ge0'"):
+        gated_act(x, x, "relu_ge0")
+
+
+def test_torch_compile_fullgraph(backend):
+    """Under torch.compile the ops are custom-op nodes (no graph break) with the eager results."""
+    x = randn((5, 40), requires_grad=True)
+    b = randn(40, requires_grad=True)
+    u = randn((5, 40), requires_grad=True)
+
+    def fn(x, b, u):
+        return gated_act(bias_act(x, b, "gelu_tanh"), u, "silu")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    y = compiled(x, b, u)
+    grads = torch.autograd.grad(y.square().sum(), [x, b, u])
+    y_ref = fn(x, b, u)
+    grads_ref = torch.autograd.grad(y_ref.square().sum(), [x, b, u])
+    torch.testing.assert_close(y, y_ref)
+    for a, r in zip(grads, grads_ref):
+        torch.testing.assert_close(a, r)
