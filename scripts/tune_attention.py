@@ -2,7 +2,8 @@
 
     python3 scripts/tune_attention.py --kind fwd --d 128 --seqlen 8192 [--configs "128,64,4,3 128,128,8,3"]
 
-For each config of ``--kind`` (fwd / dkdv / dq; the other kinds keep ``launch.TUNING``) it times
+For each config of ``--kind`` (fwd / dkdv_atomic, the default backward / dkdv + dq, the deterministic
+backward; the other kinds keep ``launch.TUNING``) it times
 ``attention_fwd`` or ``attention_bwd`` (do_bench median) at batch*seqlen = 16k tokens, hidden 2048,
 bf16, causal and not, checks the result against SDPA's flash backend, and prints TFLOP/s. Kernels
 are compiled first in a pool of processes (Triton's on-disk cache), then timed in this process.
@@ -21,9 +22,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DEFAULTS = {
-    "fwd": "128,64,4,3 128,64,8,3 128,128,8,3 128,128,8,2 64,64,4,3 128,32,4,3 64,128,4,3 128,64,4,4",
+    "fwd": "128,128,8,3 128,64,8,3 128,128,8,2 128,128,4,3 256,64,8,3 256,128,8,2 64,128,4,3 128,64,4,3",
     "dkdv": "64,128,8,2 64,128,8,3 32,128,4,3 32,128,8,3 64,64,4,3 32,64,4,4 64,128,4,2 128,128,8,2",
     "dq": "128,64,8,2 128,64,8,3 128,32,4,3 64,64,4,3 128,128,8,2 64,128,4,2 128,64,4,3",
+    "dkdv_atomic": "64,128,8,3 64,128,8,2 32,128,8,3 64,64,4,3 32,64,4,3 128,128,8,2 64,128,4,3 128,64,8,2",
 }
 
 
@@ -49,6 +51,7 @@ def _run(kind, d, s, causal, q, k, v, do):
     out, lse = attention_fwd(q, k, v, **kw)
     if kind == "fwd":
         return (lambda: attention_fwd(q, k, v, **kw)), (out,)
+    kw["deterministic"] = kind in ("dkdv", "dq")  # the dQ-kernel path; dkdv_atomic is the default one
     return (lambda: attention_bwd(do, q, k, v, out, lse, **kw)), attention_bwd(do, q, k, v, out, lse, **kw)
 
 

@@ -17,32 +17,7 @@ from culmen.ops.attention import attention_ref, dropout_keep_mask, flash_attn, f
 from culmen.ops.attention import op as attn_op
 from culmen.ops.attention.launch import attention_fwd
 from culmen.testing import assert_close_tolerance
-
-
-def plain(q, k, v, dtype, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, keep=None, p=0.0):
-    """Attention written out in ``dtype`` (heads expanded, additive mask), the low-precision baseline
-    and, in float64, the oracle of the gradients."""
-    B, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    qq, kk, vv = (t.to(dtype) for t in (q, k, v))
-    kk, vv = kk.repeat_interleave(h // hk, 2), vv.repeat_interleave(h // hk, 2)
-    s = torch.einsum("bihd,bjhd->bhij", qq, kk) * d ** -0.5
-    if softcap > 0:
-        s = torch.tanh(s / softcap) * softcap
-    rel = torch.arange(sk).view(1, sk) - (torch.arange(sq).view(sq, 1) + sk - sq)
-    if alibi is not None:
-        s = s - alibi.to(dtype).reshape(-1, h)[:, :, None, None] * rel.abs().to(dtype)
-    left, right = window[0], (0 if causal else window[1])
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    if right >= 0:
-        ok &= rel <= right
-    if left >= 0:
-        ok &= rel >= -left
-    seen = ok.any(-1).view(1, 1, sq, 1)
-    a = torch.softmax(s.masked_fill(~ok, float("-inf")).masked_fill(~seen, 0.0), -1) * seen
-    if keep is not None:
-        a = a * keep.to(dtype) / (1 - p)
-    return torch.einsum("bhij,bjhd->bihd", a, vv)
+from culmen.testing.attention import plain
 
 
 def _inputs(B, sq, sk, h, hk, d, dtype, noncontig=False):
@@ -186,17 +161,22 @@ def test_return_probs_uses_reference(triton_backend):
     torch.testing.assert_close(out, ref)
 
 
-def test_cuda_kernels_are_opt_in(monkeypatch):
+def test_cuda_kernels_by_default_with_escape_hatch(monkeypatch):
     fake_q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16, shape=(1, 8, 2, 64))
     monkeypatch.setattr(attn_op, "choose_backend", lambda dev: "triton")
     monkeypatch.delenv("CULMEN_FLASH_TRITON", raising=False)
-    assert not attn_op._use_kernels(fake_q)
-    monkeypatch.setenv("CULMEN_FLASH_TRITON", "1")
     assert attn_op._use_kernels(fake_q)
     assert not attn_op._use_kernels(fake_q, return_probs=True)
-    fake_q.shape = (1, 8, 2, 320)  # head dim > 256 runs the reference
+    fake_q.shape = (1, 8, 2, 512)
+    assert attn_op._use_kernels(fake_q)
+    fake_q.shape = (1, 8, 2, 64)
+    fake_q.dtype = torch.float64  # fp64 runs the reference
+    assert not attn_op._use_kernels(fake_q)
+    fake_q.dtype = torch.float16
+    monkeypatch.setenv("CULMEN_FLASH_TRITON", "0")
     assert not attn_op._use_kernels(fake_q)
     monkeypatch.setattr(attn_op, "choose_backend", lambda dev: "reference")
+    monkeypatch.delenv("CULMEN_FLASH_TRITON")
     assert not attn_op._use_kernels(types.SimpleNamespace(device=torch.device("cpu")))
 
 

@@ -27,16 +27,16 @@ _pre = FastLauncher(_attn_bwd_preprocess_kernel)
 _dkdv = FastLauncher(_attn_bwd_dkdv_kernel)
 _dq = FastLauncher(_attn_bwd_dq_kernel)
 
-MAX_KERNEL_HEADDIM = 256
+MAX_KERNEL_HEADDIM = 512
 
 TUNING = {
     # (max padded head dim, BLOCK_M, BLOCK_N, num_warps, num_stages), first row that fits wins.
     # Forward and dQ hold a BLOCK_M query block and loop over keys; dK/dV hold a BLOCK_N key block and
     # loop over queries. Measured on an H100 (bench/notes/attention.md).
-    "fwd": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 64, 64, 4, 2)],
-    "dkdv": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2)],
-    "dq": [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (256, 64, 32, 4, 2)],
-    "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2)],
+    "fwd": [(64, 128, 64, 8, 3), (128, 128, 128, 8, 3), (256, 64, 64, 4, 2), (512, 64, 32, 8, 1)],
+    "dkdv": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
+    "dq": [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (256, 64, 32, 4, 2), (512, 32, 32, 8, 1)],
+    "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
     # Non-deterministic backward: dQ summed with fp32 atomics in the dK/dV kernel (5 matmuls per tile
     # instead of 7, no dQ kernel). deterministic=True always runs the separate dQ kernel.

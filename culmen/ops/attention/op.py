@@ -2,12 +2,11 @@
 op-level entry points ``flash_attn`` / ``flash_attn_varlen`` that ``culmen.flash_attn`` calls.
 
 Dispatch of the dense ops (``_fwd_impl`` / ``_bwd_impl``): when ``choose_backend(q.device)`` says
-``"triton"`` the Triton kernels of ``launch.py`` run (fp16/bf16/fp32, head dim <= 256, no
+``"triton"`` the Triton kernels of ``launch.py`` run (fp16/bf16/fp32, head dim <= 512, no
 ``return_probs``; anything else runs the reference). On CPU that is ``CULMEN_BACKEND=triton`` under
-``TRITON_INTERPRET=1`` (the tests). **On CUDA the kernels are opt-in for now**: they run only when
-``CULMEN_FLASH_TRITON=1`` is set, until they have been checked on a real GPU; otherwise CUDA runs the
-reference with a one-time warning, as before. Dense and varlen ops share the kernels. All paths
-share these conventions:
+``TRITON_INTERPRET=1`` (the tests). ``CULMEN_FLASH_TRITON=0`` sends GPU calls to the reference (an
+escape hatch for bisecting numerics); so do fp64 inputs and ``return_attn_probs``, with a one-time
+warning. Dense and varlen ops share the kernels. All paths share these conventions:
 
 * ``lse`` is fp32 (fp64 for fp64 inputs), ``(B, h, sq)`` dense / ``(h, total_q)`` varlen, ``+inf``
   on rows that see no key (their output is 0);
@@ -75,18 +74,17 @@ def _warn_reference_on_gpu(q: Tensor) -> None:
     global _WARNED_NO_KERNEL
     if q.device.type != "cpu" and not _WARNED_NO_KERNEL:
         _WARNED_NO_KERNEL = True
-        warnings.warn("culmen.flash_attn: attention runs the PyTorch reference (correct, but slow and "
-                      "O(seqlen^2) memory); the dense Triton kernels are opt-in on GPUs until validated there: "
-                      "set CULMEN_FLASH_TRITON=1 to try them",
+        warnings.warn(f"culmen.flash_attn: this call ({q.dtype}, head dim {q.shape[-1]}, or return_attn_probs, or "
+                      "CULMEN_FLASH_TRITON=0) runs the PyTorch reference: correct, but slow and O(seqlen^2) memory",
                       RuntimeWarning, stacklevel=3)
 
 
 def _use_kernels(q: Tensor, return_probs: bool = False) -> bool:
-    """Whether the dense Triton kernels run this call (see the module docstring)."""
+    """Whether the Triton kernels run this call (see the module docstring)."""
     if choose_backend(q.device) != "triton":
         return False
-    if q.device.type == "cuda" and os.environ.get("CULMEN_FLASH_TRITON", "0") != "1":
-        return False  # not yet checked on a GPU: opt-in until then
+    if q.device.type != "cpu" and os.environ.get("CULMEN_FLASH_TRITON", "1") == "0":
+        return False  # an escape hatch to the reference on GPUs
     from culmen.ops.attention.launch import supported
 
     return supported(q, return_probs)

@@ -1,0 +1,161 @@
+"""The FlashAttention kernels on a real GPU at real sizes (run by ``scripts/gpu-check``).
+
+flash_attn's rule: culmen's max error against a float64 oracle (``culmen.testing.attention.plain``)
+is at most 2x the error of the same math done in the input precision (3x for the gradients), plus a
+small atol. Odd head dims and sequence lengths, ``sq != sk`` both ways, every masking feature, GQA,
+dropout with the replayed keep mask, varlen, determinism and fully masked rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from culmen.ops.attention import dropout_keep_mask, flash_attn, flash_attn_varlen
+from culmen.ops.attention import op as attn_op
+from culmen.testing import assert_close_tolerance
+from culmen.testing.attention import plain
+
+pytestmark = pytest.mark.gpu
+
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+
+def _inputs(B, sq, sk, h, hk, d, dtype):
+    dev = torch.device("cuda")
+    return tuple(torch.randn(B, s, n, d, device=dev, dtype=dtype).requires_grad_()
+                 for s, n in ((sq, h), (sk, hk), (sk, hk)))
+
+
+def _grads(out, dout, ts):
+    for t in ts:
+        t.grad = None
+    out.backward(dout)
+    return [t.grad.clone() for t in ts]
+
+
+def check(B=2, sq=113, sk=203, h=4, hk=4, d=64, dtype=BF16, causal=False, window=(-1, -1), softcap=0.0,
+          alibi=None, p=0.0, deterministic=False, monkeypatch=None):
+    q, k, v = _inputs(B, sq, sk, h, hk, d, dtype)
+    slopes = None if alibi is None else (torch.rand(*alibi, device="cuda") * 0.3)
+    keep = None
+    if p > 0:
+        rng = torch.tensor([0x5EED_1234, 99], dtype=torch.int64, device="cuda")
+        monkeypatch.setattr(attn_op, "_rng_state", lambda dp, dev: rng.clone())
+        keep = dropout_keep_mask(rng, p, torch.arange(B, device="cuda"), h, sq, sk)
+    out, lse, _ = flash_attn(q, k, v, p, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
+                             deterministic=deterministic)
+    assert out.dtype == dtype and lse.shape == (B, h, sq) and lse.dtype == F32
+    dout = torch.randn_like(out)
+    grads = _grads(out, dout, (q, k, v))
+    f = dict(causal=causal, window=window, softcap=softcap, alibi=slopes, keep=keep, p=p)
+    hi = plain(q, k, v, F64, **f)
+    hi_g = _grads(hi, dout.double(), (q, k, v))
+    lo = plain(q, k, v, dtype, **f)
+    lo_g = _grads(lo, dout, (q, k, v))
+    assert_close_tolerance(out, hi.detach(), lo.detach(), factor=2.0, name="out")
+    for name, g, gh, gl in zip("qkv", grads, hi_g, lo_g):
+        assert g.dtype == dtype and g.shape == (q, k, v)["qkv".index(name)].shape
+        assert_close_tolerance(g, gh, gl, factor=3.0, name=f"d{name}")
+    return out, lse, grads
+
+
+SHAPES = [(113, 203), (203, 113), (1, 147), (147, 1), (257, 97), (1023, 1025), (2048, 2048)]
+
+
+# Every head dim at the small shapes; the long sequences at the common head dims only (time).
+DIM_CASES = [(d, sq, sk) for d in (59, 64, 111, 128, 256) for sq, sk in SHAPES if sq * sk <= 2**20 or d in (64, 128)]
+
+
+@pytest.mark.parametrize("d,sq,sk", DIM_CASES)
+def test_head_dims_and_seqlens(d, sq, sk):
+    check(sq=sq, sk=sk, d=d, causal=(sq + d) % 2 == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_causal_both_dtypes(dtype, causal):
+    check(B=1, sq=1025, sk=1023, h=2, hk=2, d=128, dtype=dtype, causal=causal)
+
+
+FEATURES = {
+    "window": dict(sq=517, sk=611, window=(64, 17)),
+    "window_left_causal": dict(sq=700, sk=700, window=(100, -1), causal=True),
+    "softcap": dict(sq=300, sk=333, softcap=15.0, d=128),
+    "alibi_h": dict(sq=257, sk=400, alibi=(4,), causal=True),
+    "alibi_bh": dict(sq=400, sk=257, alibi=(2, 4)),
+    "gqa": dict(sq=333, sk=517, h=8, hk=2, causal=True, d=128),
+    "mqa_window_softcap": dict(sq=259, sk=700, h=6, hk=1, window=(50, 10), softcap=20.0, d=96),
+    "fp32": dict(sq=150, sk=170, dtype=F32, d=80, causal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(FEATURES))
+def test_features(case):
+    check(**FEATURES[case])
+
+
+def test_dropout_replays_mask_and_rate(monkeypatch):
+    check(B=2, sq=301, sk=517, h=4, hk=2, d=64, causal=True, p=0.17, monkeypatch=monkeypatch)
+    keep = dropout_keep_mask(torch.tensor([7, 0], device="cuda"), 0.17, torch.arange(4, device="cuda"), 8, 512, 512)
+    assert abs(1 - keep.float().mean().item() - 0.17) < 0.003
+
+
+def test_deterministic_backward_bitwise():
+    q, k, v = _inputs(2, 1000, 1000, 8, 2, 128, BF16)
+    dout = torch.randn_like(q)
+    out = flash_attn(q, k, v, causal=True, deterministic=True)[0]
+    g1 = _grads(out, dout, (q, k, v))
+    g2 = _grads(flash_attn(q, k, v, causal=True, deterministic=True)[0], dout, (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_fully_masked_rows_zero_not_nan():
+    out, lse, grads = check(B=1, sq=300, sk=100, h=2, hk=2, d=64, causal=True)
+    assert torch.isinf(lse[:, :, :200]).all() and (lse[:, :, :200] > 0).all()
+    assert torch.equal(out[:, :200], torch.zeros_like(out[:, :200]))
+    assert torch.equal(grads[0][:, :200], torch.zeros_like(grads[0][:, :200]))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_dense_per_sequence(causal):
+    lens_q = [1, 700, 0, 129, 1025, 64]
+    lens_k = [5, 700, 3, 200, 1025, 1]
+    h, hk, d = 8, 4, 128
+    cu_q = torch.tensor([0, *lens_q], device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k], device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=BF16, requires_grad=True)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=BF16, requires_grad=True)
+    v = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=BF16, requires_grad=True)
+    out, lse, _ = flash_attn_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for b in range(len(lens_q)):
+        q0, q1, k0, k1 = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        if q1 == q0:
+            continue
+        qb, kb, vb = (t.detach()[s0:s1][None].requires_grad_() for t, s0, s1 in ((q, q0, q1), (k, k0, k1),
+                                                                                  (v, k0, k1)))
+        hi = plain(qb, kb, vb, F64, causal=causal)
+        lo = plain(qb, kb, vb, BF16, causal=causal)
+        assert_close_tolerance(out[q0:q1][None], hi.detach(), lo.detach(), name=f"out[{b}]")
+        hi_g = _grads(hi, dout[q0:q1][None].double(), (qb, kb, vb))
+        lo_g = _grads(lo, dout[q0:q1][None], (qb, kb, vb))
+        for name, g, gh, gl in zip("qkv", (q.grad[q0:q1], k.grad[k0:k1], v.grad[k0:k1]), hi_g, lo_g):
+            assert_close_tolerance(g[None], gh, gl, factor=3.0, name=f"d{name}[{b}]")
+
+
+def test_head_dim_512_and_fp64_run():
+    check(B=1, sq=130, sk=150, h=2, hk=1, d=512, causal=True)
+    q, k, v = (torch.randn(1, 40, 2, 32, device="cuda", dtype=F64) for _ in range(3))
+    out, _, _ = flash_attn(q, k, v, causal=True)
+    torch.testing.assert_close(out, plain(q, k, v, F64, causal=True))
+
+
+def test_kernels_run_by_default_on_cuda(monkeypatch):
+    monkeypatch.delenv("CULMEN_FLASH_TRITON", raising=False)
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=BF16)
+    assert attn_op._use_kernels(q)
+    monkeypatch.setenv("CULMEN_FLASH_TRITON", "0")
+    assert not attn_op._use_kernels(q)
