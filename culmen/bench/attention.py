@@ -103,6 +103,11 @@ def _dense_case(B: int, h: int, hk: int, sq: int, sk: int, d: int, dtype: torch.
     providers: dict[str, Callable[[], Any]] = {
         CULMEN: _timed(lambda: flash_attn_func(q, k, v, causal=causal, window_size=window), (q, k, v), mode, dy),
     }
+    informational: tuple[str, ...] = ()
+    if mode != "fwd":  # the bitwise-reproducible backward (a dQ kernel instead of fp32 atomics)
+        providers["culmen-det"] = _timed(lambda: flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                                                 deterministic=True), (q, k, v), mode, dy)
+        informational = ("culmen-det",)
     notes: list[str] = []
     reference = CULMEN
     if peers and device.type == "cuda" and window == (-1, -1) and sq == sk:
@@ -122,7 +127,8 @@ def _dense_case(B: int, h: int, hk: int, sq: int, sk: int, d: int, dtype: torch.
     if window != (-1, -1):
         notes.append("window FLOPs counted as dense (not the visible band)")
     label = f"d{d} s{sq} {'causal' if causal else 'full'}{label_extra} {mode}"
-    return Case(label=label, providers=providers, flops=flops, reference=reference, check=_check, notes=notes)
+    return Case(label=label, providers=providers, flops=flops, reference=reference, check=_check, notes=notes,
+                informational=informational)
 
 
 @register_benchmark("flash_attn", "attention")

@@ -33,14 +33,16 @@ TUNING = {
     # (max padded head dim, BLOCK_M, BLOCK_N, num_warps, num_stages), first row that fits wins.
     # Forward and dQ hold a BLOCK_M query block and loop over keys; dK/dV hold a BLOCK_N key block and
     # loop over queries. Measured on an H100 (bench/notes/attention.md).
-    "fwd": [(64, 128, 64, 8, 3), (128, 128, 128, 8, 3), (256, 64, 64, 4, 2), (512, 64, 32, 8, 1)],
+    "fwd": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 64, 64, 4, 2), (512, 64, 32, 8, 1)],
     "dkdv": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "dq": [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (256, 64, 32, 4, 2), (512, 32, 32, 8, 1)],
     "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
-    # Non-deterministic backward: dQ summed with fp32 atomics in the dK/dV kernel (5 matmuls per tile
-    # instead of 7, no dQ kernel). deterministic=True always runs the separate dQ kernel.
-    "atomic_dq": True,
+    # dQ summed with fp32 atomics in the dK/dV kernel (5 matmuls per tile instead of 7, no dQ kernel)
+    # when deterministic=False. Off: on the H100 it was no faster than the dQ kernel (-4% .. +3% at
+    # d64/d128, 19% slower with GQA, whose dK/dV programs add into GROUP query heads) and needs an
+    # fp32 dQ buffer (+50% peak memory), so every backward is the reproducible one.
+    "atomic_dq": False,
     # Block size under the CPU interpreter (tests): small, so odd seqlens span several blocks.
     "interp_block": 16,
 }
@@ -48,16 +50,18 @@ TUNING = {
 
 def supported(q: Tensor, return_probs: bool) -> bool:
     """Whether the kernels handle this call (else the caller runs the reference)."""
-    return (not return_probs and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and q.shape[-1] <= MAX_KERNEL_HEADDIM)
+    # fp32 tiles take twice the shared memory: they use the configs of twice the head dim (so <= 256).
+    max_d = MAX_KERNEL_HEADDIM // (2 if q.dtype == torch.float32 else 1)
+    return not return_probs and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= max_d
 
 
-def _blocks(kind: str, block_d: int, device: torch.device) -> tuple[int, int, int, int]:
+def _blocks(kind: str, block_d: int, device: torch.device, dtype: torch.dtype) -> tuple[int, int, int, int]:
     if device.type != "cuda":
         b = TUNING["interp_block"]
         return b, b, 4, 1
+    width = block_d * (2 if dtype == torch.float32 else 1)  # bytes per row / 2
     for dmax, bm, bn, w, st in TUNING[kind]:
-        if block_d <= dmax:
+        if width <= dmax:
             return bm, bn, w, st
     raise ValueError(f"head dim {block_d} too large for the attention kernels")
 
@@ -153,7 +157,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, wind
     if g.B * g.H * g.sq == 0 or q.numel() == 0:
         return out, lse
     block_d = max(16, triton.next_power_of_2(g.D))
-    bm, bn, warps, stages = _blocks("fwd", block_d, q.device)
+    bm, bn, warps, stages = _blocks("fwd", block_d, q.device, q.dtype)
     meta, left, right = _flags(q, g.sk, softcap, alibi_slopes, dropout_p, window_left, window_right, block_d,
                                g.varlen)
     alibi, stride_ab = _alibi_args(alibi_slopes, q)
@@ -209,7 +213,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
              dict(BLOCK_M=pbm, BLOCK_D=block_d, VARLEN=g.varlen), num_warps=4, num_stages=1)
         atomic = TUNING["atomic_dq"] and not deterministic
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
-        bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", block_d, q.device)
+        bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", block_d, q.device, q.dtype)
         num_n = triton.cdiv(g.sk, bn)
         _dkdv((num_n * g.B * g.HK,),
               (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, g.cu_q, g.cu_k, *qkv_strides, *g.strides(dk),
@@ -220,7 +224,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         if atomic:
             dq.copy_(dq_acc)
             return dq, dk, dv
-        bm, bn, warps, stages = _blocks("dq", block_d, q.device)
+        bm, bn, warps, stages = _blocks("dq", block_d, q.device, q.dtype)
         num_m = triton.cdiv(g.sq, bm)
         _dq((num_m * g.B * g.H,),
             (q, k, v, dout, lse, delta, dq, alibi, rng, g.cu_q, g.cu_k, *qkv_strides, *g.strides(dq), slb, slh,
