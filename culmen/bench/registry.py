@@ -19,6 +19,13 @@ BENCH_MODULES: tuple[str, ...] = (
     "culmen.bench.norms",
     "culmen.bench.optimizers",
     "culmen.bench.amp",
+    "culmen.bench.rotary",
+    "culmen.bench.softmax",
+    "culmen.bench.cross_entropy",
+    "culmen.bench.activations",
+    "culmen.bench.mlp",
+    "culmen.bench.attention",
+    "culmen.bench.group_norm",
 )
 
 CULMEN = "culmen"

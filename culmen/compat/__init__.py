@@ -38,6 +38,20 @@ ALIASES: dict[str, str] = {
 # "amp_C": "culmen.multi_tensor_apply.amp_C". Added as culmen implements them.
 EXTENSION_MODULES: dict[str, str] = {
     "amp_C": "culmen.multi_tensor_apply.amp_C",
+    "scaled_masked_softmax_cuda": "culmen.transformer.functional._ext.scaled_masked_softmax_cuda",
+    "scaled_upper_triang_masked_softmax_cuda":
+        "culmen.transformer.functional._ext.scaled_upper_triang_masked_softmax_cuda",
+    "scaled_softmax_cuda": "culmen.transformer.functional._ext.scaled_softmax_cuda",
+    "generic_scaled_masked_softmax_cuda": "culmen.transformer.functional._ext.generic_scaled_masked_softmax_cuda",
+    "fused_rotary_positional_embedding": "culmen.transformer.functional._ext.fused_rotary_positional_embedding",
+    "xentropy_cuda": "culmen.contrib.xentropy.xentropy_cuda",
+    "mlp_cuda": "culmen.mlp.mlp_cuda",
+    "fused_dense_cuda": "culmen.fused_dense.fused_dense_cuda",
+    "fused_dense_lib": "culmen.fused_dense.fused_dense_cuda",
+    "focal_loss_cuda": "culmen.contrib.focal_loss.focal_loss_cuda",
+    "fused_index_mul_2d": "culmen.contrib.index_mul_2d.fused_index_mul_2d",
+    "group_norm_cuda": "culmen.contrib.group_norm.group_norm_cuda",
+    "group_norm_v2_cuda": "culmen.contrib.group_norm.group_norm_v2_cuda",
 }
 
 

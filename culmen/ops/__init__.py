@@ -14,6 +14,13 @@ OP_MODULES: tuple[str, ...] = (
     "culmen.ops.batch_norm",
     "culmen.ops.multi_tensor",
     "culmen.ops.attention",
+    "culmen.ops.rotary",
+    "culmen.ops.softmax",
+    "culmen.ops.cross_entropy",
+    "culmen.ops.activations",
+    "culmen.ops.focal_loss",
+    "culmen.ops.index_mul_2d",
+    "culmen.ops.group_norm",
 )
 
 

@@ -1,0 +1,5 @@
+"""``apex.contrib.index_mul_2d``: ``in1[idx1] * in2`` with backward and double backward."""
+
+from culmen.contrib.index_mul_2d.index_mul_2d import index_mul_2d
+
+__all__ = ["index_mul_2d"]

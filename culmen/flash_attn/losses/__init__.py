@@ -1,0 +1,1 @@
+"""``flash_attn.losses``: ``cross_entropy.CrossEntropyLoss`` (and culmen's ``FusedLinearCrossEntropyLoss``)."""

@@ -1,0 +1,12 @@
+"""Sigmoid focal loss (RetinaNet; Apex's ``contrib.focal_loss``) in Triton, with a PyTorch reference.
+
+Layers (DESIGN.md): Triton kernels in ``kernels.py``; launchers ``focal_loss_fwd`` / ``focal_loss_bwd``
+in ``launch.py``; the reference ``focal_loss_ref`` (and ``focal_loss_fwd_ref`` / ``focal_loss_bwd_ref``,
+the CPU path) in ``reference.py``; custom ops ``culmen::focal_loss_fwd`` / ``culmen::focal_loss_bwd``
+with autograd and the op-level entry point ``focal_loss`` in ``op.py``.
+"""
+
+from culmen.ops.focal_loss.op import focal_loss
+from culmen.ops.focal_loss.reference import focal_loss_ref
+
+__all__ = ["focal_loss", "focal_loss_ref"]

@@ -1,0 +1,12 @@
+"""GroupNorm (+ fused SiLU) for NCHW and channels-last inputs, in Triton, with a PyTorch reference.
+
+Layers (DESIGN.md): Triton kernels in ``kernels.py``; launchers ``group_norm_fwd`` / ``group_norm_bwd``
+in ``launch.py``; the reference ``group_norm_ref`` (and ``group_norm_fwd_ref`` / ``group_norm_bwd_ref``,
+the CPU path) in ``reference.py``; custom ops ``culmen::group_norm_fwd`` / ``culmen::group_norm_bwd``
+with autograd and the entry point ``group_norm`` in ``op.py``.
+"""
+
+from culmen.ops.group_norm.op import group_norm
+from culmen.ops.group_norm.reference import group_norm_ref
+
+__all__ = ["group_norm", "group_norm_ref"]

@@ -1,0 +1,147 @@
+"""Triton kernel of the rotary position embedding (forward and backward are one kernel).
+
+A program rotates a ``[BLOCK_S, BLOCK_H]`` tile of (token, head) rows. Within the rotary columns the
+row is a list of pairs ``(lo, hi)``:
+
+* GPT-NeoX style (halves): ``lo = col0 + k``, ``hi = col0 + half + k``;
+* GPT-J style (interleaved): ``lo = col0 + 2k``, ``hi = col0 + 2k + 1``.
+
+The cos/sin tables hold one row per position. A *half* table has ``half`` columns, one angle per
+pair (flash_attn); a *full* table has ``2 * half`` columns, one per rotated element (Apex's
+``freqs`` / cached ``cos_``/``sin_``, which may differ between the two members of a pair). The
+forward is ``y_lo = x_lo c_lo - x_hi s_lo``, ``y_hi = x_hi c_hi + x_lo s_hi``; ``CONJUGATE`` applies
+the transpose of that matrix, which is the backward (for a half table: rotation by ``-theta``).
+
+Positions: ``s + offset`` (``offset`` an int or one per batch), counted from each sequence start in
+the packed variable-length form (``cu_seqlens``); positions outside the table leave the pair
+unrotated. ``TWO_D`` (Apex's 2-D RoPE for images) rotates columns ``[0, D/2)`` at row position
+``s // img_w`` with ``COS``/``SIN`` and ``[D/2, D)`` at column position ``s % img_w`` with
+``COS2``/``SIN2``. ``COPY_REST`` copies the columns after the rotary ones (partial rotary, out of
+place). All arithmetic is fp32; offsets are int64.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_table(T, row, ok, idx, idx_ok, other):
+    """fp32 table values at ``row * stride + idx`` (``row`` already scaled), ``other`` where not ``ok``."""
+    return tl.load(T + row + idx, mask=ok & idx_ok, other=other).to(tl.float32)
+
+
+@triton.jit
+def _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos, row_ok, col0, half, seqlen_ro, stride_xd, stride_od,
+                   stride_t, INTERLEAVED: tl.constexpr, FULL_TABLE: tl.constexpr, CONJUGATE: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rotate the ``2 * half`` columns from ``col0`` of every row of the tile.
+
+    ``x_off``/``o_off``: ``[BLOCK_S, BLOCK_H, 1]`` int64 offsets of the rows; ``pos``: ``[BLOCK_S, 1, 1]``
+    table rows; ``row_ok``: ``[BLOCK_S, BLOCK_H, 1]``.
+    """
+    k = tl.arange(0, BLOCK_K)[None, None, :]
+    k_ok = k < half
+    # Out-of-table positions read cos = 1, sin = 0: the pair passes through unrotated.
+    tab_ok = (pos >= 0) & (pos < seqlen_ro)
+    t_row = pos.to(tl.int64) * stride_t
+    if INTERLEAVED:
+        # One contiguous (vectorizable) load of the 2*BLOCK_K columns, split into the even and odd
+        # members, instead of two stride-2 loads.
+        c = tl.arange(0, 2 * BLOCK_K)[None, None, :]
+        m = row_ok & (c < 2 * half)
+        x = tl.load(X + x_off + (col0 + c) * stride_xd, mask=m, other=0.0).to(tl.float32)
+        x_lo, x_hi = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, BLOCK_K, 2)))
+        if FULL_TABLE:
+            cc = _load_table(COS, t_row, tab_ok, c, c < 2 * half, 1.0)
+            ss = _load_table(SIN, t_row, tab_ok, c, c < 2 * half, 0.0)
+            c_lo, c_hi = tl.split(tl.reshape(cc, (BLOCK_S, 1, BLOCK_K, 2)))
+            s_lo, s_hi = tl.split(tl.reshape(ss, (BLOCK_S, 1, BLOCK_K, 2)))
+        else:
+            c_lo = _load_table(COS, t_row, tab_ok, k, k_ok, 1.0)
+            s_lo = _load_table(SIN, t_row, tab_ok, k, k_ok, 0.0)
+            c_hi = c_lo
+            s_hi = s_lo
+    else:
+        m = row_ok & k_ok
+        x_lo = tl.load(X + x_off + (col0 + k) * stride_xd, mask=m, other=0.0).to(tl.float32)
+        x_hi = tl.load(X + x_off + (col0 + half + k) * stride_xd, mask=m, other=0.0).to(tl.float32)
+        c_lo = _load_table(COS, t_row, tab_ok, k, k_ok, 1.0)
+        s_lo = _load_table(SIN, t_row, tab_ok, k, k_ok, 0.0)
+        if FULL_TABLE:
+            c_hi = _load_table(COS, t_row, tab_ok, half + k, k_ok, 1.0)
+            s_hi = _load_table(SIN, t_row, tab_ok, half + k, k_ok, 0.0)
+        else:
+            c_hi = c_lo
+            s_hi = s_lo
+    if CONJUGATE:
+        y_lo = x_lo * c_lo + x_hi * s_hi
+        y_hi = x_hi * c_hi - x_lo * s_lo
+    else:
+        y_lo = x_lo * c_lo - x_hi * s_lo
+        y_hi = x_hi * c_hi + x_lo * s_hi
+    if INTERLEAVED:
+        y = tl.reshape(tl.join(y_lo, y_hi), (BLOCK_S, BLOCK_H, 2 * BLOCK_K))
+        tl.store(OUT + o_off + (col0 + c) * stride_od, y.to(OUT.dtype.element_ty), mask=m)
+    else:
+        tl.store(OUT + o_off + (col0 + k) * stride_od, y_lo.to(OUT.dtype.element_ty), mask=m)
+        tl.store(OUT + o_off + (col0 + half + k) * stride_od, y_hi.to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rotary_kernel(
+    X, OUT, COS, SIN, COS2, SIN2, OFFSETS, CU_SEQLENS,
+    seqlen, nheads, headdim, half, seqlen_ro, seqlen_ro2, offset, img_w, n_sblocks, n_hblocks,
+    stride_xb, stride_xs, stride_xh, stride_xd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_t, stride_t2,
+    INTERLEAVED: tl.constexpr, FULL_TABLE: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, TWO_D: tl.constexpr, COPY_REST: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One program: ``BLOCK_S`` positions x ``BLOCK_H`` heads of one sequence.
+
+    The grid is flat (axis 0 allows 2^31 programs, axes 1-2 only 65535): program ``pid`` is head
+    block ``pid % n_hblocks`` of sequence block ``(pid // n_hblocks) % n_sblocks`` of batch
+    ``pid // (n_hblocks * n_sblocks)``.
+    """
+    pid = tl.program_id(0)
+    hb = pid % n_hblocks
+    rest = pid // n_hblocks
+    sb = rest % n_sblocks
+    b = rest // n_sblocks
+    s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    if IS_VARLEN:
+        start = tl.load(CU_SEQLENS + b).to(tl.int64)
+        seq_len = tl.load(CU_SEQLENS + b + 1).to(tl.int64) - start
+        if sb * BLOCK_S >= seq_len:
+            return
+        x_row = (start + s) * stride_xs
+        o_row = (start + s) * stride_os
+    else:
+        seq_len = seqlen
+        x_row = b.to(tl.int64) * stride_xb + s.to(tl.int64) * stride_xs
+        o_row = b.to(tl.int64) * stride_ob + s.to(tl.int64) * stride_os
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    x_off = x_row[:, None, None] + (h.to(tl.int64) * stride_xh)[None, :, None]
+    o_off = o_row[:, None, None] + (h.to(tl.int64) * stride_oh)[None, :, None]
+    row_ok = (s < seq_len)[:, None, None] & (h < nheads)[None, :, None]
+    if TWO_D:
+        s3 = s[:, None, None]
+        _rotate_region(X, OUT, COS, SIN, x_off, o_off, s3 // img_w, row_ok, 0, half, seqlen_ro,
+                       stride_xd, stride_od, stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+        _rotate_region(X, OUT, COS2, SIN2, x_off, o_off, s3 % img_w, row_ok, 2 * half, half, seqlen_ro2,
+                       stride_xd, stride_od, stride_t2, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+    else:
+        if HAS_OFFSETS:
+            pos = s.to(tl.int64) + tl.load(OFFSETS + b).to(tl.int64)
+        else:
+            pos = s.to(tl.int64) + offset
+        _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos[:, None, None], row_ok, 0, half, seqlen_ro,
+                       stride_xd, stride_od, stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+        if COPY_REST:
+            # Partial rotary out of place: the columns after the rotary ones pass through unchanged.
+            p = tl.arange(0, BLOCK_P)[None, None, :]
+            c = 2 * half + p
+            m = row_ok & (c < headdim)
+            v = tl.load(X + x_off + c * stride_xd, mask=m)
+            tl.store(OUT + o_off + c * stride_od, v, mask=m)

@@ -1,0 +1,245 @@
+"""``culmen.ops.group_norm`` against a float64 oracle, on the reference path and on both Triton schedules.
+
+The tolerance rule (DESIGN.md, Numerics): the op's error against ``group_norm_ref`` (``F.group_norm``
++ SiLU) on float64 copies must be at most 2x the error of the same PyTorch computation in the
+inputs' own dtype, plus a small atol, for ``y`` and the gradients of ``x``, ``weight`` and ``bias``.
+The Triton kernels run under the CPU interpreter with tiny tiles, so every loop (channel blocks,
+position blocks, chunks) takes several trips; ``fused`` and ``split`` force the two schedules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from culmen.ops.group_norm import group_norm, group_norm_ref
+from culmen.ops.group_norm import launch as gn_launch
+from culmen.testing import assert_close_tolerance, poison_, randn
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+EPS = 1e-5
+
+
+def use_path(path: str, monkeypatch) -> None:
+    """The reference, or the Triton kernels (interpreter) with tiny tiles and a forced schedule."""
+    monkeypatch.setenv("CULMEN_BACKEND", "reference" if path == "reference" else "triton")
+    if path != "reference":
+        monkeypatch.setitem(gn_launch.TUNING, "tile", 128)
+        monkeypatch.setitem(gn_launch.TUNING, "max_block_d_cl", 4)
+        monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0 if path == "fused" else 1e9)
+        monkeypatch.setitem(gn_launch.TUNING, "max_splits", 3)
+
+
+@pytest.fixture(params=["reference", "fused", "split"])
+def path(request, monkeypatch):
+    use_path(request.param, monkeypatch)
+    return request.param
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every ``torch.empty`` / ``torch.empty_like`` inside is NaN-filled, so an unwritten element shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+    torch.empty = lambda *a, **k: poison_(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison_(empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: tuple[int, ...]
+    groups: int
+    dtype: torch.dtype = F32
+    layout: str = "nchw"  # nchw | cl (channels-last) | crop (cropped channels-last view) | swapped (copied)
+    silu: bool = False
+    affine: str = "wb"  # wb | w | none
+    param_dtype: torch.dtype | None = None
+    offset: float = 0.0
+
+    def __str__(self) -> str:
+        dt = {F16: "f16", BF16: "bf16", F32: "f32"}
+        parts = ["x".join(map(str, self.shape)), f"G{self.groups}", dt[self.dtype], self.layout, self.affine]
+        if self.silu:
+            parts.append("silu")
+        if self.param_dtype is not None:
+            parts.append(f"p{dt[self.param_dtype]}")
+        if self.offset:
+            parts.append(f"off{self.offset:g}")
+        return "-".join(parts)
+
+
+CASES = [
+    Case((2, 12, 5, 7), 3, F32),
+    Case((2, 12, 5, 7), 4, BF16, layout="cl", silu=True),
+    Case((3, 6, 33), 2, F16, silu=True),
+    Case((1, 10, 3, 4, 3), 5, F32, layout="cl", affine="none"),
+    Case((1, 8, 7, 9), 8, BF16, layout="cl", silu=True, param_dtype=F32),
+    Case((2, 12, 7, 5), 2, F32, layout="crop", affine="w"),
+    Case((2, 6, 4, 5), 3, F16, layout="swapped", silu=True, param_dtype=BF16),
+    Case((4, 6), 3, F32, silu=True),
+    Case((2, 4, 6, 6), 2, F32, offset=300.0),
+]
+
+
+def _make_x(case: Case) -> torch.Tensor:
+    shape = case.shape
+    if case.layout == "crop":
+        shape = shape[:2] + (shape[2] + 2,) + shape[3:]
+    x = (randn(shape, F32) * 1.5 + 0.3 + case.offset).to(case.dtype)
+    if case.layout in ("cl", "crop"):
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        x = x.contiguous(memory_format=fmt)
+    if case.layout == "crop":
+        x = x[:, :, 1:-1]
+    if case.layout == "swapped":
+        x = x.transpose(2, 3).contiguous().transpose(2, 3)
+    return x.requires_grad_()
+
+
+def _run(fn, x, w, b, case, hi):
+    leaves = [t for t in (x, w, b) if t is not None]
+    cp = [t.detach().to(F64 if hi else t.dtype).requires_grad_() for t in leaves]
+    it = iter(cp)
+    xc = next(it)
+    wc = next(it) if w is not None else None
+    bc = next(it) if b is not None else None
+    y = fn(xc, case.groups, wc, bc, EPS, case.silu)
+    return y, cp
+
+
+def check_case(case: Case) -> None:
+    C = case.shape[1]
+    pdt = case.param_dtype or case.dtype
+    x = _make_x(case)
+    w = (1.0 + 0.5 * randn(C, F32)).to(pdt).requires_grad_() if case.affine in ("wb", "w") else None
+    b = (0.5 * randn(C, F32)).to(pdt).requires_grad_() if case.affine == "wb" else None
+    with poisoned_allocations():
+        y = group_norm(x, case.groups, w, b, EPS, "silu" if case.silu else "")
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if case.layout == "cl":
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        assert y.is_contiguous(memory_format=fmt), "the output keeps the channels-last format"
+    dy = randn(y.shape, y.dtype)  # NCHW-contiguous even for channels-last x: the kernels take both
+    leaves = [t for t in (x, w, b) if t is not None]
+    with poisoned_allocations():
+        grads = torch.autograd.grad(y, leaves, dy)
+
+    def ref(xx, g, ww, bb, eps, silu):
+        return group_norm_ref(xx, g, ww, bb, eps, silu)
+
+    outs = {}
+    for hi in (True, False):
+        yr, cp = _run(ref, x, w, b, case, hi)
+        gr = torch.autograd.grad(yr, cp, dy.to(yr.dtype))
+        outs[hi] = (yr, gr)
+    names = ["x", "weight", "bias"][: len(leaves)] if w is not None else ["x"]
+    assert_close_tolerance(y, outs[True][0], outs[False][0], name=f"y [{case}]")
+    for name, g, ghi, glo in zip(names, grads, outs[True][1], outs[False][1]):
+        assert g.dtype == dict(zip(names, leaves))[name].dtype
+        assert_close_tolerance(g, ghi, glo, name=f"d{name} [{case}]")
+
+
+# Every case on the reference and the fused kernels; the split schedule (slower under the interpreter:
+# one program per chunk) on the cases that vary layout, dtype and activation.
+PATH_CASES = [(p, c) for p in ("reference", "fused") for c in CASES] + [("split", CASES[i]) for i in (1, 2, 5, 6)]
+
+
+@pytest.mark.parametrize("path_name, case", PATH_CASES, ids=lambda v: str(v))
+def test_tolerance_rule(path_name, case, monkeypatch):
+    use_path(path_name, monkeypatch)
+    check_case(case)
+
+
+def test_schedules_agree_and_cover_chunks(triton_backend, monkeypatch):
+    """Fused and split schedules agree; the split one really cuts groups into several chunks."""
+    monkeypatch.setitem(gn_launch.TUNING, "tile", 16)
+    x = randn((1, 4, 50), F32)
+    w, b = randn(4), randn(4)
+    monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0)
+    fused = group_norm(x, 2, w, b, EPS, "silu", return_stats=True)
+    monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 1e9)
+    assert gn_launch._plan(1, 2, 50, 16, x.device)[0] > 1
+    split = group_norm(x, 2, w, b, EPS, "silu", return_stats=True)
+    for a, c in zip(fused, split):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_programs_loop_over_groups(triton_backend, monkeypatch):
+    """With the L2 budget capping the programs (4 on CPU) each fused program handles several groups."""
+    monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0)
+    x = randn((3, 12, 5, 3), F32, requires_grad=True)
+    w, b = randn(12, requires_grad=True), randn(12, requires_grad=True)
+    dy = randn((3, 12, 5, 3))
+    runs = []
+    for budget in (0, 1):
+        monkeypatch.setitem(gn_launch.TUNING, "fused_l2_budget", budget)
+        y = group_norm(x, 6, w, b, EPS, "silu")
+        runs.append((y, *torch.autograd.grad(y, (x, w, b), dy)))
+    assert gn_launch._fused_programs(18, 1000, x.device) == 4
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+    torch.testing.assert_close(runs[0][0], group_norm_ref(x, 6, w, b, EPS, True), rtol=1e-5, atol=1e-5)
+
+
+def test_stats_are_fp32_and_match(path):
+    x = randn((3, 8, 4, 4), BF16)
+    y, mean, rstd = group_norm(x, 4, return_stats=True)
+    assert mean.dtype == rstd.dtype == F32 and mean.shape == (3, 4)
+    xg = x.float().reshape(3, 4, -1)
+    torch.testing.assert_close(mean, xg.mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd, torch.rsqrt(xg.var(-1, unbiased=False) + EPS), rtol=1e-4, atol=1e-4)
+
+
+def test_empty_batch(path):
+    x = randn((0, 6, 3, 3), F32, requires_grad=True)
+    w = randn(6, requires_grad=True)
+    y = group_norm(x, 3, w, None)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros(6))
+
+
+def test_torch_compile_fullgraph(triton_backend):
+    """``fullgraph=True`` fails on any graph break: the custom ops and their fake impls trace."""
+    torch._dynamo.reset()
+
+    def fn(x, w, b):
+        return group_norm(x, 2, w, b, EPS, "silu") * 2.0
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    x = randn((2, 4, 3, 5), requires_grad=True).contiguous(memory_format=torch.channels_last)
+    x.retain_grad()
+    w, b = randn(4, requires_grad=True), randn(4, requires_grad=True)
+    dy = randn((2, 4, 3, 5))
+    res = []
+    for f in (fn, compiled):
+        y = f(x, w, b)
+        res.append((y, *torch.autograd.grad(y, (x, w, b), dy)))
+    for e, c, name in zip(*res, ("y", "dx", "dw", "db")):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_bad_arguments():
+    x = randn((2, 6, 3, 3))
+    with pytest.raises(ValueError, match="divide the 6 channels.*got 4"):
+        group_norm(x, 4)
+    with pytest.raises(ValueError, match="num_groups must be positive"):
+        group_norm(x, 0)
+    with pytest.raises(ValueError, match="weight must have num_channels = 6 elements, got shape \\(5,\\)"):
+        group_norm(x, 3, randn(5))
+    with pytest.raises(ValueError, match="act must be None, '', 'silu' or 'swish', got 'gelu'"):
+        group_norm(x, 3, act="gelu")
+    with pytest.raises(TypeError, match="x must be a float16/bfloat16/float32/float64 tensor, got torch.int64"):
+        group_norm(torch.ones(2, 6, 3, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match="x must be \\(N, C, \\*spatial\\), got shape \\(6,\\)"):
+        group_norm(randn(6), 3)
+    with pytest.raises(TypeError, match="bias must be a floating-point tensor, got torch.int32"):
+        group_norm(x, 3, None, torch.ones(6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="eps must be non-negative, got -1"):
+        group_norm(x, 3, eps=-1.0)

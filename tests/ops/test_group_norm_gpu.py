@@ -1,0 +1,118 @@
+"""``culmen.ops.group_norm`` on a real GPU at real sizes (run by ``scripts/gpu-check``).
+
+Same tolerance rule as ``test_group_norm.py``: against ``group_norm_ref`` (``F.group_norm`` + SiLU) on
+float64 copies, the op's error must be at most 2x PyTorch's own in the input dtype, plus a small atol,
+for ``y`` and every gradient. Both schedules (one program per group; groups split into chunks) run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from culmen.ops.group_norm import group_norm, group_norm_ref
+from culmen.ops.group_norm import launch as gn_launch
+from culmen.testing import assert_close_tolerance, randn
+
+pytestmark = pytest.mark.gpu
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+EPS = 1e-5
+DEV = "cuda"
+
+
+def _x(shape, dtype, layout):
+    x = randn(shape, F32, DEV, 1.5).add_(0.3).to(dtype)
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "crop":  # a channels-last view with cropped rows: strided, no copy
+        x = x.contiguous(memory_format=torch.channels_last)[:, :, 1:-1]
+    return x.requires_grad_()
+
+
+def check(shape, G, dtype, layout, silu, param_dtype=None, affine=True):
+    C = shape[1]
+    pdt = param_dtype or dtype
+    x = _x(shape, dtype, layout)
+    w = (1.0 + 0.5 * randn(C, F32, DEV)).to(pdt).requires_grad_() if affine else None
+    b = (0.5 * randn(C, F32, DEV)).to(pdt).requires_grad_() if affine else None
+    y = group_norm(x, G, w, b, EPS, "silu" if silu else "")
+    assert y.dtype == x.dtype and y.shape == x.shape
+    if layout == "nhwc":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    dy = randn(y.shape, y.dtype, DEV)
+    leaves = [t for t in (x, w, b) if t is not None]
+    got = (y, *torch.autograd.grad(y, leaves, dy))
+    refs = {}
+    for hi in (True, False):
+        cp = [t.detach().to(F64 if hi else t.dtype).requires_grad_() for t in leaves]
+        yr = group_norm_ref(cp[0], G, *(cp[1:] if affine else (None, None)), EPS, silu)
+        refs[hi] = (yr, *torch.autograd.grad(yr, cp, dy.to(yr.dtype)))
+    label = f"{shape} G{G} {dtype} {layout}{' silu' if silu else ''}"
+    for name, a, hi, lo in zip(("y", "dx", "dweight", "dbias"), got, refs[True], refs[False]):
+        assert torch.isfinite(a).all(), f"{name} [{label}] has non-finite values"
+        assert_close_tolerance(a, hi, lo, name=f"{name} [{label}]")
+
+
+CASES = [
+    ((8, 512, 64, 64), 32, BF16, "nhwc", True),
+    ((8, 512, 64, 64), 32, BF16, "nchw", False),
+    ((8, 1280, 32, 32), 32, F16, "nchw", True),
+    ((8, 1280, 32, 32), 32, F16, "nhwc", False),
+    ((16, 320, 128, 128), 32, BF16, "nhwc", True),
+    ((1, 640, 64, 64), 32, BF16, "nhwc", True),  # few groups: the split schedule
+    ((1, 320, 96, 80), 32, F32, "nchw", True),  # few groups, NCHW split
+    ((2, 4096, 8, 8), 32, F32, "nhwc", False),  # 128 channels per group: channel-block loop
+    ((3, 96, 33, 17), 24, F16, "crop", True),  # odd sizes, strided view
+    ((5, 60, 7, 9, 3), 6, BF16, "nchw", True),  # 5-D
+    ((64, 512), 16, F32, "nchw", False),  # (N, C): one position per channel
+]
+
+
+@pytest.mark.parametrize("shape, G, dtype, layout, silu", CASES, ids=lambda v: str(v))
+def test_tolerance_rule(shape, G, dtype, layout, silu):
+    check(shape, G, dtype, layout, silu)
+
+
+def test_mixed_dtypes_and_no_affine():
+    check((4, 256, 24, 24), 32, BF16, "nhwc", True, param_dtype=F32)
+    check((4, 256, 24, 24), 16, F16, "nchw", False, param_dtype=BF16)
+    check((4, 256, 24, 24), 32, BF16, "nhwc", True, affine=False)
+
+
+@pytest.mark.parametrize("schedule", ["fused", "split"])
+def test_forced_schedules(schedule, monkeypatch):
+    monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0 if schedule == "fused" else 1e9)
+    check((2, 320, 64, 64), 32, BF16, "nhwc", True)
+    check((2, 320, 64, 64), 32, BF16, "nchw", True)
+
+
+def test_bitwise_reproducible():
+    x = _x((4, 640, 32, 32), BF16, "nhwc")
+    w = randn(640, BF16, DEV).requires_grad_()
+    b = randn(640, BF16, DEV).requires_grad_()
+    dy = randn(x.shape, BF16, DEV)
+    runs = []
+    for _ in range(2):
+        y = group_norm(x, 32, w, b, EPS, "silu")
+        runs.append((y, *torch.autograd.grad(y, (x, w, b), dy)))
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+
+
+def test_inductor_fullgraph():
+    """``torch.compile`` (inductor, fullgraph) around the custom ops on CUDA gives the eager results."""
+    torch._dynamo.reset()
+
+    def fn(x, w, b):
+        return group_norm(x, 32, w, b, EPS, "silu") * 2.0
+
+    x = _x((2, 320, 32, 32), BF16, "nhwc")
+    w, b = randn(320, BF16, DEV).requires_grad_(), randn(320, BF16, DEV).requires_grad_()
+    dy = randn(x.shape, BF16, DEV)
+    res = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        y = f(x, w, b)
+        res.append((y, *torch.autograd.grad(y, (x, w, b), dy)))
+    for e, c in zip(*res):
+        torch.testing.assert_close(c, e, rtol=2e-2, atol=2e-2)

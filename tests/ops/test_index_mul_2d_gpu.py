@@ -1,0 +1,86 @@
+"""``culmen.ops.index_mul_2d`` on a real GPU at real sizes (run by ``scripts/gpu-check``).
+
+Tolerance rule as in ``test_index_mul_2d.py`` (oracle: ``in1[idx] * in2`` under autograd on float64
+copies), the double backward, and the deterministic scatter (bitwise reproducible under
+``torch.use_deterministic_algorithms(True)``) against the atomic one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from culmen.ops.index_mul_2d import index_mul_2d, index_mul_2d_ref
+from culmen.testing import assert_close_tolerance, make_noncontiguous, randn
+
+pytestmark = pytest.mark.gpu
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+DEV = "cuda"
+
+
+@pytest.fixture(params=[False, True], ids=["atomic", "deterministic"])
+def deterministic(request):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(request.param)
+    yield request.param
+    torch.use_deterministic_algorithms(previous)
+
+
+def _inputs(M, N, F, dtype, noncontig=False):
+    in1, in2 = randn((M, F), dtype, DEV), randn((N, F), dtype, DEV)
+    if noncontig:
+        in1, in2 = make_noncontiguous(in1), make_noncontiguous(in2)
+    return in1.requires_grad_(), in2.requires_grad_(), torch.randint(0, M, (N,), device=DEV)
+
+
+@pytest.mark.parametrize("M, N, F, dtype, noncontig", [
+    (262144, 1048576, 64, F32, False),
+    (262144, 1048576, 128, F16, False),
+    (1000, 50000, 37, BF16, True),
+    (7, 100000, 16, F32, False),  # heavy duplicates: ~14000 rows per index
+], ids=lambda v: str(v))
+def test_tolerance_rule(M, N, F, dtype, noncontig, deterministic):
+    in1, in2, idx = _inputs(M, N, F, dtype, noncontig)
+    out = index_mul_2d(in1, in2, idx)
+    g = randn(out.shape, dtype, DEV)
+    got = (out, *torch.autograd.grad(out, (in1, in2), g))
+    refs = {}
+    for hi in (True, False):
+        a, b = (t.detach().to(F64 if hi else dtype).requires_grad_() for t in (in1, in2))
+        r = index_mul_2d_ref(a, b, idx)
+        refs[hi] = (r, *torch.autograd.grad(r, (a, b), g.to(r.dtype)))
+    for name, t, hi, lo in zip(("out", "grad_in1", "grad_in2"), got, refs[True], refs[False]):
+        assert_close_tolerance(t, hi, lo, name=f"{name} [{M}x{N}x{F} {dtype}]")
+
+
+def test_double_backward(deterministic):
+    in1, in2, idx = _inputs(5000, 20000, 64, F32)
+    g = randn((20000, 64), F32, DEV, requires_grad=True)
+    w1, w2 = randn((5000, 64), F32, DEV), randn((20000, 64), F32, DEV)
+
+    def second(fn, a, b, gg):
+        ga, gb = torch.autograd.grad(fn(a, b, idx), (a, b), gg, create_graph=True)
+        return torch.autograd.grad((ga * w1.to(ga.dtype)).sum() + (gb * w2.to(gb.dtype)).sum(), (a, b, gg))
+
+    got = second(index_mul_2d, in1, in2, g)
+    refs = {hi: second(index_mul_2d_ref, *[t.detach().to(F64 if hi else F32).requires_grad_() for t in (in1, in2, g)])
+            for hi in (True, False)}
+    for name, t, hi, lo in zip(("in1", "in2", "grad_out"), got, refs[True], refs[False]):
+        assert_close_tolerance(t, hi, lo, name=f"dd{name}")
+
+
+def test_deterministic_is_bitwise_reproducible():
+    in1, in2, idx = _inputs(64, 400000, 64, F32)  # ~6000 rows per index: atomics reorder the sums
+    g = randn((400000, 64), F32, DEV)
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        a = torch.autograd.grad(index_mul_2d(in1, in2, idx), in1, g)[0]
+        b = torch.autograd.grad(index_mul_2d(in1, in2, idx), in1, g)[0]
+        torch.use_deterministic_algorithms(False)
+        c = torch.autograd.grad(index_mul_2d(in1, in2, idx), in1, g)[0]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-3)
