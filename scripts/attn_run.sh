@@ -1,6 +1,8 @@
-# Attention tuning run on the GPU machine: D=128 bash scripts/attn_run.sh KIND... (writes $OUT/tune-*.json)
+# Attention tuning run on the GPU machine: D=128 bash scripts/attn_run.sh KIND[:D[:TMA]]... (writes $OUT/tune-*.json)
 export PYTHONPATH=$PWD CULMEN_GIT_COMMIT=${CULMEN_GIT_COMMIT:-wip}
-for spec in "$@"; do  # KIND or KIND:D
-  k=${spec%%:*}; d=${spec#*:}; [[ $d == "$spec" ]] && d=${D:-128}
-  python3 scripts/tune_attention.py --kind "$k" --d "$d" --json "$OUT/tune-$k-d$d.json" 2>&1 | grep -v Warning
+for spec in "$@"; do
+  IFS=: read -r k d tma <<<"$spec"
+  d=${d:-${D:-128}}; tma=${tma:-1}
+  CULMEN_ATTN_TMA=$tma python3 scripts/tune_attention.py --kind "$k" --d "$d" ${CONFIGS:+--configs "$CONFIGS"} \
+    --json "$OUT/tune-$k-d$d-tma$tma.json" 2>&1 | grep -v Warning
 done

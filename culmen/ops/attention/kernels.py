@@ -145,20 +145,28 @@ def _keep(rng_ptr, p_drop, bh, i, j, SQS, SKS):
 
 
 @triton.jit
-def _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap, slope2,
-               left, right, p_drop, rng_ptr, bh, SQS, SKS,
+def _load_rows(desc, base, stride, n0, j64, dd, dmask, n, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Rows ``n0 ..`` of a ``(n, D)`` tile source: a tensor descriptor (TMA; out-of-range rows and
+    columns read as 0) or pointers (masked only where the block may leave the tile)."""
+    if USE_TMA:
+        return desc.load([n0, 0])
+    if MASK:
+        return tl.load(base + j64 * stride + dd[None, :], mask=(j64 < n) & dmask[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(base + j64 * stride + dd[None, :])
+    return tl.load(base + j64 * stride + dd[None, :], mask=dmask[None, :], other=0.0)
+
+
+@triton.jit
+def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
+               softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
                BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr):
     j = n0 + tl.arange(0, BLOCK_N)
     j64 = j.to(tl.int64)[:, None]
-    if MASK:
-        kvmask = (j[:, None] < sk) & dmask[None, :]
-        k = tl.load(k_base + j64 * sks + dd[None, :], mask=kvmask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_base + j64 * sks + dd[None, :])
-    else:
-        k = tl.load(k_base + j64 * sks + dd[None, :], mask=dmask[None, :], other=0.0)
+    k = _load_rows(k_desc, k_base, sks, n0, j64, dd, dmask, sk, MASK, EVEN_D, USE_TMA)
     qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST)
     if MASK or SOFTCAP or ALIBI:
         s, _t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
@@ -174,12 +182,7 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq,
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(_keep(rng_ptr, p_drop, bh, i[:, None], j[None, :], SQS, SKS), p, 0.0)
-    if MASK:
-        v = tl.load(v_base + j64 * svs + dd[None, :], mask=kvmask, other=0.0)
-    elif EVEN_D:
-        v = tl.load(v_base + j64 * svs + dd[None, :])
-    else:
-        v = tl.load(v_base + j64 * svs + dd[None, :], mask=dmask[None, :], other=0.0)
+    v = _load_rows(v_desc, v_base, svs, n0, j64, dd, dmask, sk, MASK, EVEN_D, USE_TMA)
     acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
     return acc, l_i, m_new
 
@@ -194,6 +197,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if HEAVY_FIRST:  # the last query blocks see the most keys under a causal mask: start them first
@@ -237,19 +241,28 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if USE_TMA:  # per-program descriptors bound to this sequence: rows past sk read as 0
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[sk, D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[sk, D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = k_base
+        v_desc = v_base
     lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, f0, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
-                                   softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
-                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
+                                   sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
+                                   DOT_PREC,
+                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA)
     for n0 in range(f0, f1, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
-                                   softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
-                                   UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
+                                   sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
+                                   DOT_PREC,
+                                   UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA)
     for n0 in range(f1, hi, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
-                                   softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
-                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
+                                   sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
+                                   DOT_PREC,
+                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:

@@ -38,6 +38,8 @@ TUNING = {
     "dq": [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (256, 64, 32, 4, 2), (512, 32, 32, 8, 1)],
     "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
+    # Forward K/V loads through per-program TMA tensor descriptors (Hopper+, 16-byte aligned inputs).
+    "tma": True,
     # dQ summed with fp32 atomics in the dK/dV kernel (5 matmuls per tile instead of 7, no dQ kernel)
     # when deterministic=False. Off: on the H100 it was no faster than the dQ kernel (-4% .. +3% at
     # d64/d128, 19% slower with GQA, whose dK/dV programs add into GROUP query heads) and needs an
@@ -64,6 +66,46 @@ def _blocks(kind: str, block_d: int, device: torch.device, dtype: torch.dtype) -
         if width <= dmax:
             return bm, bn, w, st
     raise ValueError(f"head dim {block_d} too large for the attention kernels")
+
+
+def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(*ts: Tensor) -> bool:
+    """Whether the forward can read ``ts`` through device-side TMA descriptors: a Hopper-class GPU (or
+    the interpreter), and 16-byte aligned base addresses and row/head/batch strides."""
+    t0 = ts[0]
+    if not TUNING["tma"]:
+        return False
+    if t0.device.type == "cuda" and torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    if t0.device.type == "cuda" and getattr(torch.version, "hip", None):
+        return False
+    es = t0.element_size()
+    for t in ts:
+        if t.data_ptr() % 16 or any((st * es) % 16 for st in t.stride()[:-1]):
+            return False
+    _ensure_allocator(t0.device)
+    return True
+
+
+def _ensure_allocator(device: torch.device) -> None:
+    """Device-side descriptors need Triton's scratch allocator. Triton keeps it per thread context (and
+    autograd runs backward in its own thread), so this is checked at every launch; an allocator the
+    caller installed is left alone."""
+    try:
+        from triton.runtime import _allocation
+    except ImportError:  # a Triton without the module cannot build descriptors anyway
+        return
+    current = _allocation._allocator
+    current = current.get() if hasattr(current, "get") else current
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch if device.type == "cuda" else _cpu_scratch)
+
+
+def _cpu_scratch(size: int, alignment: int, stream) -> Tensor:
+    return torch.empty(size, dtype=torch.int8)
 
 
 def _unit_last(t: Tensor) -> Tensor:
@@ -168,7 +210,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, wind
              (q, k, v, out, lse, alibi, rng, g.cu_q, g.cu_k, *g.strides(q), *g.strides(k), *g.strides(v),
               *g.strides(out), slb, slh, stride_ab, g.H, g.H // g.HK, g.sq, g.sk, g.sq, g.sk, g.D, num_m,
               float(softmax_scale) * LOG2E_F, float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right),
-             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, HEAVY_FIRST=meta["HAS_RIGHT"]),
+             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, HEAVY_FIRST=meta["HAS_RIGHT"],
+                  USE_TMA=_use_tma(k, v)),
              num_warps=warps, num_stages=stages)
     return out, lse
 
