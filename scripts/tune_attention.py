@@ -40,7 +40,7 @@ def _inputs(d, s, causal, dtype=torch.bfloat16, seed=0):
 def _set(kind, cfg, d):
     from culmen.ops.attention import launch
 
-    launch.TUNING["tma"] = os.environ.get("CULMEN_ATTN_TMA", "1") == "1"
+    launch.TUNING["tma"] = os.environ.get("CULMEN_ATTN_TMA", "0") == "1"
     bd = max(16, 1 << (d - 1).bit_length())
     launch.TUNING[kind] = [(bd, *cfg)]
 
@@ -118,7 +118,7 @@ def main() -> None:
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
-            print(f"tma={os.environ.get('CULMEN_ATTN_TMA', '1')} {a.kind:5} d{a.d} s{a.seqlen} {'causal' if causal else 'full  '} {str(cfg):18} "
+            print(f"tma={os.environ.get('CULMEN_ATTN_TMA', '0')} {a.kind:5} d{a.d} s{a.seqlen} {'causal' if causal else 'full  '} {str(cfg):18} "
                   + (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s diff {row['maxdiff']:.4f}"
                      if "ms" in row else row.get("error", "?")), flush=True)
     if a.json:

@@ -225,3 +225,12 @@ def test_varlen_kernels_match_float64(triton_backend, monkeypatch, case):
         assert_close_tolerance(g, gh, gl, name=f"d{name}")
     if 0 in lq:  # an empty sequence's neighbours are untouched; rows of no sequence stay finite
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_tma_descriptor_forward(triton_backend, monkeypatch):
+    # The optional TMA path of the forward (off by default) reads K/V through tensor descriptors.
+    from culmen.ops.attention import launch
+
+    monkeypatch.setitem(launch.TUNING, "tma", True)
+    check(B=1, sq=37, sk=45, h=2, hk=1, d=16, causal=True)
+    check(B=2, sq=29, sk=23, h=2, hk=2, d=24, window=(6, 3))

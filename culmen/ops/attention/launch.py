@@ -39,7 +39,9 @@ TUNING = {
     "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
     # Forward K/V loads through per-program TMA tensor descriptors (Hopper+, 16-byte aligned inputs).
-    "tma": True,
+    # Off: +2% at d128 and nothing at d64 on the H100 (Triton 3.6), and ptxas crashed on the
+    # num_stages=2 variants; Triton's warp specialization on top of it gained nothing either.
+    "tma": False,
     # dQ summed with fp32 atomics in the dK/dV kernel (5 matmuls per tile instead of 7, no dQ kernel)
     # when deterministic=False. Off: on the H100 it was no faster than the dQ kernel (-4% .. +3% at
     # d64/d128, 19% slower with GQA, whose dK/dV programs add into GROUP query heads) and needs an
@@ -205,13 +207,14 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, wind
     alibi, stride_ab = _alibi_args(alibi_slopes, q)
     rng = _rng_arg(rng_state if dropout_p > 0.0 else None, q)
     num_m = triton.cdiv(g.sq, bm)
+    tma = _use_tma(k, v)
     with device_guard(q.device):
         _fwd((num_m * g.B * g.H,),
              (q, k, v, out, lse, alibi, rng, g.cu_q, g.cu_k, *g.strides(q), *g.strides(k), *g.strides(v),
               *g.strides(out), slb, slh, stride_ab, g.H, g.H // g.HK, g.sq, g.sk, g.sq, g.sk, g.D, num_m,
               float(softmax_scale) * LOG2E_F, float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right),
              dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, HEAVY_FIRST=meta["HAS_RIGHT"],
-                  USE_TMA=_use_tma(k, v)),
+                  USE_TMA=tma),
              num_warps=warps, num_stages=stages)
     return out, lse
 
