@@ -33,9 +33,9 @@ TUNING = {
     # (max padded head dim, BLOCK_M, BLOCK_N, num_warps, num_stages), first row that fits wins.
     # Forward and dQ hold a BLOCK_M query block and loop over keys; dK/dV hold a BLOCK_N key block and
     # loop over queries. Measured on an H100 (bench/notes/attention.md).
-    "fwd": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 64, 64, 4, 2), (512, 64, 32, 8, 1)],
-    "dkdv": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
-    "dq": [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (256, 64, 32, 4, 2), (512, 32, 32, 8, 1)],
+    "fwd": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2), (512, 64, 32, 8, 1)],
+    "dkdv": [(64, 64, 64, 4, 3), (128, 64, 128, 8, 3), (256, 64, 32, 4, 2), (512, 32, 32, 8, 1)],
+    "dq": [(64, 128, 32, 4, 3), (128, 128, 64, 8, 3), (256, 128, 32, 8, 2), (512, 32, 32, 8, 1)],
     "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
     # Forward K/V loads through per-program TMA tensor descriptors (Hopper+, 16-byte aligned inputs).
