@@ -60,6 +60,30 @@ def _tanh(x):
 
 
 @triton.jit
+def _sequence(cu_ptr, b, n_dense, VARLEN: tl.constexpr):
+    """``(first row, length)`` of sequence ``b``: rows ``cu[b] .. cu[b + 1]`` of the packed tensors
+    (varlen), or ``(0, n_dense)``."""
+    if VARLEN:
+        start = tl.load(cu_ptr + b).to(tl.int64)
+        n = (tl.load(cu_ptr + b + 1) - start).to(tl.int32)
+    else:
+        start = tl.zeros([], dtype=tl.int64)
+        n = n_dense
+    return start, n
+
+
+@triton.jit
+def _query_tile(NUM_M, HEAVY_FIRST: tl.constexpr):
+    """``(query block, batch * head)`` of this program of a 1-D grid of ``NUM_M * B * H`` programs.
+    ``HEAVY_FIRST``: the last query blocks see the most keys under a causal mask, so they start first."""
+    pid = tl.program_id(0)
+    if HEAVY_FIRST:
+        nbh = tl.num_programs(0) // NUM_M
+        return NUM_M - 1 - pid // nbh, pid % nbh
+    return pid % NUM_M, pid // NUM_M
+
+
+@triton.jit
 def _bounds(m0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key columns rows ``m0 .. m0 + BLOCK_M`` visit: ``[lo, f0)`` masked, ``[f0, f1)`` full (every
@@ -199,29 +223,12 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if HEAVY_FIRST:  # the last query blocks see the most keys under a causal mask: start them first
-        nbh = tl.num_programs(0) // NUM_M
-        pid_m = NUM_M - 1 - pid // nbh
-        bh = pid % nbh
-    else:
-        pid_m = pid % NUM_M
-        bh = pid // NUM_M
+    pid_m, bh = _query_tile(NUM_M, HEAVY_FIRST)
     b = bh // H
     h = bh % H
     kh = h // GROUP
-    if VARLEN:  # sequence b is rows cu[b] .. cu[b + 1] of the packed tensors
-        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
-        sq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
-    else:
-        q0 = 0
-        sq = SQ
-    if VARLEN:
-        k0 = tl.load(cu_k_ptr + b).to(tl.int64)
-        sk = (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32)
-    else:
-        k0 = 0
-        sk = SK
+    q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
+    k0, sk = _sequence(cu_k_ptr, b, SK, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
@@ -281,17 +288,10 @@ def _attn_bwd_preprocess_kernel(
     H, SQ, D, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_m = pid % NUM_M
-    bh = pid // NUM_M
+    pid_m, bh = _query_tile(NUM_M, False)
     b = bh // H
     h = (bh % H).to(tl.int64)
-    if VARLEN:  # sequence b is rows cu[b] .. cu[b + 1] of the packed tensors
-        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
-        sq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
-    else:
-        q0 = 0
-        sq = SQ
+    q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
     i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
     mask = (i[:, None] < sq) & (dd[None, :] < D)
@@ -376,18 +376,8 @@ def _attn_bwd_dkdv_kernel(
     bkh = pid // NUM_N
     b = bkh // HK
     kh = bkh % HK
-    if VARLEN:  # sequence b is rows cu[b] .. cu[b + 1] of the packed tensors
-        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
-        sq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
-    else:
-        q0 = 0
-        sq = SQ
-    if VARLEN:
-        k0 = tl.load(cu_k_ptr + b).to(tl.int64)
-        sk = (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32)
-    else:
-        k0 = 0
-        sk = SK
+    q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
+    k0, sk = _sequence(cu_k_ptr, b, SK, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= sk:
         return
@@ -480,29 +470,12 @@ def _attn_bwd_dq_kernel(
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if HEAVY_FIRST:
-        nbh = tl.num_programs(0) // NUM_M
-        pid_m = NUM_M - 1 - pid // nbh
-        bh = pid % nbh
-    else:
-        pid_m = pid % NUM_M
-        bh = pid // NUM_M
+    pid_m, bh = _query_tile(NUM_M, HEAVY_FIRST)
     b = bh // H
     h = bh % H
     kh = h // GROUP
-    if VARLEN:  # sequence b is rows cu[b] .. cu[b + 1] of the packed tensors
-        q0 = tl.load(cu_q_ptr + b).to(tl.int64)
-        sq = (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32)
-    else:
-        q0 = 0
-        sq = SQ
-    if VARLEN:
-        k0 = tl.load(cu_k_ptr + b).to(tl.int64)
-        sk = (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32)
-    else:
-        k0 = 0
-        sk = SK
+    q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
+    k0, sk = _sequence(cu_k_ptr, b, SK, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
