@@ -28,6 +28,7 @@ def use_path(path: str, monkeypatch) -> None:
     monkeypatch.setenv("CULMEN_BACKEND", "reference" if path == "reference" else "triton")
     if path != "reference":
         monkeypatch.setitem(gn_launch.TUNING, "tile", 128)
+        monkeypatch.setitem(gn_launch.TUNING, "bwd_tile_mult", 1)
         monkeypatch.setitem(gn_launch.TUNING, "max_block_d_cl", 4)
         monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0 if path == "fused" else 1e9)
         monkeypatch.setitem(gn_launch.TUNING, "max_splits", 3)

@@ -94,3 +94,61 @@ class FastLauncher:
             self.disabled = True
             self.error = f"{type(e).__name__}: {e}"
             self.kernel[grid](*args, **meta, num_warps=num_warps, num_stages=num_stages)
+
+
+class BoundLaunch:
+    """One launch of a fixed plan (kernel, grid, constexprs, warps): after the first launch it calls the
+    compiled kernel directly, without even ``FastLauncher``'s per-call specialization key.
+
+    Every argument's Triton specialization (dtypes, integer values) is fixed by the plan key, except the
+    16-byte alignment of the pointers: the cached kernel runs only when all pointers are aligned (the
+    caller says so), anything else takes ``FastLauncher``'s checked path.
+    """
+
+    __slots__ = ("launcher", "grid", "meta", "num_warps", "compiled", "consts")
+
+    def __init__(self, launcher: FastLauncher, grid: tuple[int, ...], meta: dict, num_warps: int):
+        self.launcher = launcher
+        self.grid = (*grid, 1, 1)[:3]
+        self.meta = meta
+        self.num_warps = num_warps
+        self.compiled = None
+        self.consts: tuple = ()
+
+    def __call__(self, args: tuple, aligned: bool, stream: int) -> None:
+        c = self.compiled
+        if c is not None and aligned:
+            try:
+                enter, leave = _launch_hooks()
+                md = c.launch_metadata(self.grid, stream, *args, *self.consts) if enter is not None else None
+                c.run(self.grid[0], self.grid[1], self.grid[2], stream, c.function, c.packed_metadata, md, enter,
+                      leave, *args, *self.consts)
+                return
+            except Exception as e:  # a Triton API change: the checked path from now on
+                self.launcher.disabled = True
+                self.launcher.error = f"{type(e).__name__}: {e}"
+                self.compiled = None
+        if aligned and stream is not None and not self.launcher.disabled and self.launcher._fast_ok():
+            kernel = self.launcher.kernel
+            c = kernel[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=3)
+            names = kernel.arg_names[len(args):]
+            if c is not None and set(names) == set(self.meta):
+                self.compiled = c
+                self.consts = tuple(self.meta[n] for n in names)
+            return
+        self.launcher(self.grid, args, self.meta, num_warps=self.num_warps)
+
+
+def aligned_16(*ts: torch.Tensor) -> bool:
+    """Whether every tensor's data pointer is 16-byte aligned."""
+    bits = 0
+    for t in ts:
+        bits |= t.data_ptr()
+    return bits & 15 == 0
+
+
+def raw_stream(dev: torch.device):
+    """The raw current CUDA stream (``None`` off CUDA: the launch then takes Triton's normal path)."""
+    if dev.type != "cuda":
+        return None
+    return torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())

@@ -285,11 +285,12 @@ def _gn_fwd_split_kernel(X, Y, W, B, PART, MEAN, RSTD, G, L, Lc, sxn, sxc, sxl, 
 
 
 @triton.jit
-def _gn_bwd_fused_kernel(DY, X, DX, W, B, MEAN, RSTD, PW, PB, NG, G, L, C, sdn, sdc, sdl, sxn, sxc, sxl, sgn, sgc,
+def _gn_bwd_fused_kernel(DY, X, DX, W, B, MEAN, RSTD, PW, PLANE, NG, G, L, C, sdn, sdc, sdl, sxn, sxc, sxl, sgn, sgc,
                          sgl, D: tl.constexpr, ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                          SILU: tl.constexpr, STORE_DW: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     """Program ``p`` handles groups ``p, p + P, ...``: the backward of group ``(n, g)``: pass 1 reduces (and
-    stores the per-channel partials ``PW``/``PB[n, c]``), pass 2 writes ``dx``."""
+    stores the per-channel partials ``PW[n, c]`` and ``PB[n, c]`` = ``PW[PLANE + n * C + c]``), pass 2 writes
+    ``dx``."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for t in range(0, tl.cdiv(NG - pid, nprog)):
@@ -302,18 +303,18 @@ def _gn_bwd_fused_kernel(DY, X, DX, W, B, MEAN, RSTD, PW, PB, NG, G, L, C, sdn, 
         dyp = _group_base(DY, n, g, zero, sdn, sdc, sdl, D)
         xp = _group_base(X, n, g, zero, sxn, sxc, sxl, D)
         prow = n.to(tl.int64) * C + g * D
-        c1, c2 = _bwd_sums(dyp, xp, W + g * D, B + g * D, PW + prow, PB + prow, sdc, sdl, sxc, sxl, mean, rstd, L,
-                           D, ACC, HAS_W, HAS_B, SILU, STORE_DW, BLOCK_D, BLOCK_L)
+        c1, c2 = _bwd_sums(dyp, xp, W + g * D, B + g * D, PW + prow, PW + PLANE + prow, sdc, sdl, sxc, sxl, mean,
+                           rstd, L, D, ACC, HAS_W, HAS_B, SILU, STORE_DW, BLOCK_D, BLOCK_L)
         _bwd_dx(dyp, xp, _group_base(DX, n, g, zero, sgn, sgc, sgl, D), W + g * D, B + g * D, sdc, sdl, sxc, sxl,
                 sgc, sgl, mean, rstd, c1, c2, tl.cast(L * D, ACC), L, D, ACC, HAS_W, HAS_B, SILU, BLOCK_D, BLOCK_L)
 
 
 @triton.jit
-def _gn_bwd_reduce_kernel(DY, X, W, B, MEAN, RSTD, PW, PB, PC, G, L, Lc, C, sdn, sdc, sdl, sxn, sxc, sxl,
+def _gn_bwd_reduce_kernel(DY, X, W, B, MEAN, RSTD, PW, PLANE, PC, G, L, Lc, C, sdn, sdc, sdl, sxn, sxc, sxl,
                           D: tl.constexpr, ACC: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                           SILU: tl.constexpr, STORE_DW: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     """Program ``(n * G + g, s)``: pass 1 over chunk ``s``: per-channel partials to row ``n * S + s`` of
-    ``PW``/``PB`` and the chunk's ``(c1, c2)`` to ``PC``."""
+    ``PW`` (and ``PB`` = ``PW + PLANE``) and the chunk's ``(c1, c2)`` to ``PC``."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     S = tl.num_programs(1)
@@ -324,7 +325,7 @@ def _gn_bwd_reduce_kernel(DY, X, W, B, MEAN, RSTD, PW, PB, PC, G, L, Lc, C, sdn,
     rstd = tl.load(RSTD + pid)
     prow = (n.to(tl.int64) * S + s) * C + g * D
     c1, c2 = _bwd_sums(_group_base(DY, n, g, l0, sdn, sdc, sdl, D), _group_base(X, n, g, l0, sxn, sxc, sxl, D),
-                       W + g * D, B + g * D, PW + prow, PB + prow, sdc, sdl, sxc, sxl, mean, rstd,
+                       W + g * D, B + g * D, PW + prow, PW + PLANE + prow, sdc, sdl, sxc, sxl, mean, rstd,
                        tl.minimum(Lc, L - l0), D, ACC, HAS_W, HAS_B, SILU, STORE_DW, BLOCK_D, BLOCK_L)
     out = PC + (pid.to(tl.int64) * S + s) * 2
     tl.store(out, c1)
@@ -354,9 +355,11 @@ def _gn_bwd_dx_kernel(DY, X, DX, W, B, MEAN, RSTD, PC, G, L, Lc, sdn, sdc, sdl, 
 
 
 @triton.jit
-def _gn_dwdb_kernel(PW, PB, DW, DB, R, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_R: tl.constexpr,
+def _gn_dwdb_kernel(PW, DW, DB, R, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_C: tl.constexpr):
-    """``DW[c] = sum_r PW[r, c]`` and ``DB[c] = sum_r PB[r, c]`` over the ``R`` partial rows, in row order."""
+    """``DW[c] = sum_r PW[r, c]`` and ``DB[c] = sum_r PB[r, c]`` over the ``R`` partial rows, in row order
+    (``PB`` is the plane after ``PW``: ``PW + R * C``)."""
+    PB = PW + R * C
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = cols < C
     rr = tl.arange(0, BLOCK_R)

@@ -17,6 +17,7 @@ register_op("group_norm_fwd", "normalization", "GroupNorm (+ SiLU), NCHW or chan
 register_op("group_norm_bwd", "normalization", "backward of group_norm_fwd (dx, dweight, dbias)")
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PARAM_TYPES = (Tensor, torch.nn.Parameter)
 _ACTS = {None: False, "": False, "none": False, "silu": True, "swish": True}
 
 
@@ -114,6 +115,9 @@ def parse_act(act: str | None) -> bool:
 def _param(name: str, t: Tensor | None, x: Tensor, C: int) -> Tensor | None:
     if t is None:
         return None
+    if (type(t) in _PARAM_TYPES and t.dtype in _FLOATS and t.shape == (C,) and t.is_contiguous()
+            and t.device == x.device):
+        return t  # the usual (C,) parameter: nothing to check further or copy
     if not isinstance(t, Tensor) or t.dtype not in _FLOATS:
         got = t.dtype if isinstance(t, Tensor) else type(t).__name__
         raise TypeError(f"group_norm: {name} must be a floating-point tensor, got {got}")
@@ -159,8 +163,13 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: T
     b = _param("bias", bias, x, C)
     if spatial_strides(x) is None:
         x = x.contiguous()
-    fn = group_norm_fwd_op if torch.compiler.is_compiling() else _GroupNormFn.apply
-    y, mean, rstd = fn(x, w, b, G, float(eps), silu)
+    if torch.compiler.is_compiling():
+        y, mean, rstd = group_norm_fwd_op(x, w, b, G, float(eps), silu)
+    elif torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad)
+                                      or (b is not None and b.requires_grad)):
+        y, mean, rstd = _GroupNormFn.apply(x, w, b, G, float(eps), silu)
+    else:  # nothing to differentiate: no autograd node
+        y, mean, rstd = _fwd_impl(x, w, b, G, float(eps), silu)
     return (y, mean, rstd) if return_stats else y
 
 

@@ -8,6 +8,7 @@ format of the input) and back the custom ops on CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,9 +19,15 @@ from torch import Tensor
 def spatial_strides(t: Tensor) -> tuple[int, int, int] | None:
     """``(stride_n, stride_c, stride_l)`` of ``t`` ``(N, C, *spatial)`` viewed as ``(N, C, L)``, or ``None``
     when the spatial dims do not collapse into one stride (then the caller makes a copy)."""
+    if torch.compiler.is_compiling():  # symbolic sizes are not hashable; dynamo traces the plain function
+        return _spatial_strides(t.shape, t.stride())
+    return _spatial_strides_cached(t.shape, t.stride())
+
+
+def _spatial_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int, int] | None:
     sl = None
     expected = None
-    for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:]))):
+    for size, stride in reversed(list(zip(shape[2:], strides[2:]))):
         if size == 1:
             continue
         if sl is None:
@@ -28,7 +35,10 @@ def spatial_strides(t: Tensor) -> tuple[int, int, int] | None:
         elif stride != expected:
             return None
         expected = stride * size
-    return t.stride(0), t.stride(1), (1 if sl is None else sl)
+    return strides[0], strides[1], (1 if sl is None else sl)
+
+
+_spatial_strides_cached = functools.lru_cache(maxsize=1024)(_spatial_strides)
 
 
 def stats_dtype(x: Tensor) -> torch.dtype:
