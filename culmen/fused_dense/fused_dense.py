@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
 from culmen.ops.activations.dense import (
+    check_layers,
     linear_act_linear_backward,
     linear_act_linear_forward,
     linear_backward,
@@ -34,27 +35,6 @@ __all__ = [
     "fused_dense_function",
     "fused_dense_gelu_dense_function",
 ]
-
-
-def _check_linear(x: Tensor, pairs: list[tuple[str, Tensor, Tensor | None]]) -> None:
-    """``pairs``: ``(name, weight, bias)`` of consecutive layers; checks shapes, dtypes and devices."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError("input must have at least one dimension")
-    feats = x.shape[-1]
-    for name, w, b in pairs:
-        if w.dim() != 2 or w.shape[1] != feats:
-            raise ValueError(f"{name} must have shape (out_features, {feats}), got {tuple(w.shape)}")
-        if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"the bias of {name} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
-        for t in (w, b):
-            if t is not None and t.dtype != x.dtype:
-                raise TypeError(f"input is {x.dtype} but {name}'s parameters are {t.dtype}; use one dtype "
-                                "(or autocast)")
-            if t is not None and t.device != x.device:
-                raise ValueError(f"input is on {x.device} but {name}'s parameters are on {t.device}")
-        feats = w.shape[0]
 
 
 class FusedDenseFunc(torch.autograd.Function):
@@ -110,17 +90,17 @@ def _half_function(fn):
 
 
 def _fused_dense(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    _check_linear(input, [("weight", weight, bias)])
+    check_layers(input, [("weight", weight, bias)])
     return FusedDenseFunc.apply(input, weight, bias)
 
 
 def _dense_no_bias(input: Tensor, weight: Tensor) -> Tensor:
-    _check_linear(input, [("weight", weight, None)])
+    check_layers(input, [("weight", weight, None)])
     return DenseNoBiasFunc.apply(input, weight)
 
 
 def _fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor) -> Tensor:
-    _check_linear(input, [("weight1", weight1, bias1), ("weight2", weight2, bias2)])
+    check_layers(input, [("weight1", weight1, bias1), ("weight2", weight2, bias2)])
     return FusedDenseGeluDenseFunc.apply(input, weight1, bias1, weight2, bias2)
 
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
-from culmen.ops.activations.dense import linear, linear_act_linear
+from culmen.ops.activations.dense import check_layers, linear, linear_act_linear
 
 __all__ = [
     "ColumnParallelLinear",
@@ -156,23 +156,6 @@ def _parallel_input(x: Tensor, pg: ProcessGroup | None, sequence_parallel: bool)
     return _AllGather.apply(x, pg) if sequence_parallel else _CopyToRegion.apply(x, pg)
 
 
-def _check(x: Tensor, layers: list[tuple[str, Tensor, Tensor | None]]) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dimension")
-    feats = x.shape[-1]
-    for name, w, b in layers:
-        if w.dim() != 2 or w.shape[1] != feats:
-            raise ValueError(f"{name} must have shape (out_features, {feats}), got {tuple(w.shape)}")
-        if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"the bias of {name} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
-        for t in (w, b):
-            if t is not None and t.dtype != x.dtype:
-                raise TypeError(f"x is {x.dtype} but {name}'s parameters are {t.dtype}; use one dtype (or autocast)")
-        feats = w.shape[0]
-
-
 # ------------------------------------------------------------------------------------- dense
 
 
@@ -182,7 +165,7 @@ def fused_dense_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, retu
     ``(out, in)``. Returns ``(..., out)``, or ``(out, x)`` with ``return_residual``."""
     device_type = x.device.type
     x, weight, bias = _cast_if_autocast_enabled(device_type, x, weight, bias)
-    _check(x, [("weight", weight, bias)])
+    check_layers(x, [("weight", weight, bias)], "x")
     with _autocast_off(device_type):
         out = linear(_parallel_input(x, process_group, sequence_parallel), weight, bias)
     return (out, x) if return_residual else out
@@ -285,7 +268,7 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Tensor | 
         checkpoint_lvl = 2
     device_type = x.device.type
     x, weight1, bias1, weight2, bias2 = _cast_if_autocast_enabled(device_type, x, weight1, bias1, weight2, bias2)
-    _check(x, [("weight1", weight1, bias1), ("weight2", weight2, bias2)])
+    check_layers(x, [("weight1", weight1, bias1), ("weight2", weight2, bias2)], "x")
     with _autocast_off(device_type):
         out = linear_act_linear(_parallel_input(x, process_group, sequence_parallel), weight1, bias1, weight2,
                                 bias2, _MLP_ACTS[activation], checkpoint_lvl)

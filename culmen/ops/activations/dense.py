@@ -32,6 +32,28 @@ TUNING = {
 }
 
 
+def check_layers(x: Tensor, layers: list[tuple[str, Tensor, Tensor | None]], x_name: str = "input") -> None:
+    """Validate consecutive linear layers ``(name, weight (out, in), bias (out,) | None)`` applied to
+    ``x (..., in)``: shapes chain, one dtype and one device; errors name the argument."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{x_name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{x_name} must have at least one dimension")
+    feats = x.shape[-1]
+    for name, w, b in layers:
+        if w.dim() != 2 or w.shape[1] != feats:
+            raise ValueError(f"{name} must have shape (out_features, {feats}), got {tuple(w.shape)}")
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            raise ValueError(f"the bias of {name} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+        for t in (w, b):
+            if t is not None and t.dtype != x.dtype:
+                raise TypeError(f"{x_name} is {x.dtype} but {name}'s parameters are {t.dtype}; use one dtype "
+                                "(or autocast)")
+            if t is not None and t.device != x.device:
+                raise ValueError(f"{x_name} is on {x.device} but {name}'s parameters are on {t.device}")
+        feats = w.shape[0]
+
+
 def _mm_bias(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``x2 @ weight^T (+ bias)``: ``x2`` ``(M, K)``, ``weight`` ``(N, K)``, ``bias`` ``(N,)``."""
     if bias is None:
