@@ -3,7 +3,8 @@
 Today it holds the normalization ops (``culmen.flash_attn.ops.triton.layer_norm`` and the legacy
 ``culmen.flash_attn.ops.layer_norm`` / ``ops.rms_norm``) and the attention interface of
 ``flash_attn_interface`` (``flash_attn_func`` and its packed / varlen forms, exported here as
-flash_attn exports them) with the modules ``culmen.flash_attn.modules.mha``. ``__version__`` is
+flash_attn exports them, plus ``flash_attn_with_kvcache``) with the modules
+``culmen.flash_attn.modules.mha``, and ``bert_padding`` (``unpad_input`` / ``pad_input``). ``__version__`` is
 the flash_attn release whose API this package follows.
 """
 
@@ -16,6 +17,7 @@ from culmen.flash_attn.flash_attn_interface import (  # noqa: E402
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 
 __all__ = [
@@ -26,4 +28,5 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]

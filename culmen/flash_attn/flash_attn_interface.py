@@ -10,6 +10,7 @@ without dropout (flash_attn returns an empty tensor then).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from culmen.ops.attention import flash_attn, flash_attn_varlen
@@ -21,6 +22,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]
 
 
@@ -184,12 +186,124 @@ def flash_attn_varlen_func(
     ``(total_k, nheads_k, headdim)``; sequence ``b`` spans ``cu_seqlens[b]:cu_seqlens[b + 1]``
     (int32 ``(batch + 1,)``). Returns ``out`` ``(total_q, nheads, headdim)`` or ``(out,
     softmax_lse (nheads, total_q) fp32, S_dmask (batch, nheads, max_seqlen_q_rounded,
-    max_seqlen_k_rounded))``. ``block_table`` (paged KV) is not supported yet and must be ``None``.
+    max_seqlen_k_rounded))``. ``block_table`` ``(batch, max_blocks)`` int32 makes ``k``/``v`` a paged
+    cache ``(num_blocks, page_block_size, nheads_k, headdim)``: sequence ``b``'s keys are its pages in
+    order (gathered into packed form first; meant for inference, as in flash_attn).
     """
     if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not supported by culmen yet")
+        k, v = _unpage(k, v, cu_seqlens_k, block_table)
     return _ret(flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs), return_attn_probs)
 
 
+
+
+def _unpage(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, block_table: Tensor) -> tuple[Tensor, Tensor]:
+    """Packed ``(total_k, hk, d)`` keys/values of the sequences whose pages ``block_table`` lists."""
+    if not isinstance(block_table, Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise TypeError(f"block_table must be a 2-D int32 tensor (batch, max_blocks), got {block_table!r}")
+    if k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"with block_table, k/v must be paged (num_blocks, page_block_size, nheads_k, headdim), "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, nb = block_table.shape
+    if cu_seqlens_k.shape[0] != B + 1:
+        raise ValueError(f"block_table has {B} rows but cu_seqlens_k describes {cu_seqlens_k.shape[0] - 1} sequences")
+    blocks = block_table.to(torch.int64)
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
+    keep = torch.arange(nb * k.shape[1], device=k.device)[None, :] < lens[:, None]
+    return tuple(t[blocks].reshape(B, nb * t.shape[1], *t.shape[2:])[keep] for t in (k, v))
+
+
+def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) -> int:
+    """The key-block granularity of ``S_dmask``'s padding. flash_attn's tests use it to undo its CUDA
+    kernels' tile layout; culmen's ``S_dmask`` is in plain row-major order, padded to 128, so this is 128."""
+    return 128
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    cache_seqlens: int | Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    cache_leftpad: Tensor | None = None,
+    block_table: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Decoding attention over a KV cache (no backward), flash_attn's signature.
+
+    ``q (B, sq, h, d)``; ``k_cache``/``v_cache`` ``(B_cache, seqlen_cache, hk, d)`` or, with
+    ``block_table (B, max_blocks)`` int32, pages ``(num_blocks, page_block_size, hk, d)``. New tokens
+    ``k``/``v`` ``(B, s_new, hk, d)`` are written into the caches **in place** at ``cache_seqlens`` (int
+    or int32 ``(B,)``; default: the caches are full). ``rotary_cos``/``rotary_sin`` ``(seqlen_ro,
+    rotary_dim / 2)`` rotate the new K at ``cache_seqlens + t`` and Q at the same positions when causal
+    or local, else at ``cache_seqlens``. ``cache_batch_idx (B,)`` picks cache rows; ``cache_leftpad (B,)``
+    is where each row's keys start. ``num_splits`` is accepted (the kernel needs no split-KV pass).
+    Returns ``out`` or ``(out, softmax_lse (B, h, sq) fp32)``.
+    """
+    from culmen.ops.attention import op as attn_op
+    from culmen.ops.attention.kvcache import attention_kvcache
+
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    B, sq, h, d = q.shape
+    hk = k_cache.shape[2]
+    if k_cache.shape != v_cache.shape or k_cache.shape[-1] != d or h % hk:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must match, with head dim "
+                         f"{d} and a number of heads dividing q's {h}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together")
+    if k is not None and (k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (hk, d)):
+        raise ValueError(f"k/v must be (batch={B}, seqlen_new, {hk}, {d}), got {tuple(k.shape)} / {tuple(v.shape)}")
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (paged KV)")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+            raise TypeError(f"block_table must be int32 (batch={B}, max_blocks), got {block_table.dtype} "
+                            f"{tuple(block_table.shape)}")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    if cache_seqlens is None:
+        cache_seqlens = capacity - (0 if k is None else k.shape[1])
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (B,):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape ({B},), got "
+                        f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None and (t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (B,)):
+            raise TypeError(f"{name} must be an integer tensor of shape ({B},), got {t.dtype} {tuple(t.shape)}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None and (rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > d
+                                   or rotary_sin.shape != rotary_cos.shape):
+        raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= {d}, got "
+                         f"{tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be a non-negative int, got {num_splits!r}")
+    alibi = attn_op._check_common(q, k_cache, v_cache, 0.0, window_size, softcap, alibi_slopes, B, 4,
+                                  "(batch, seqlen, nheads, headdim)")
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    with torch.no_grad():
+        out, lse = attention_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale=scale, causal=bool(causal), window_size=tuple(window_size),
+            softcap=float(softcap), rotary_interleaved=bool(rotary_interleaved), alibi_slopes=alibi,
+            use_kernels=attn_op._use_kernels(q))
+    return (out, lse) if return_softmax_lse else out

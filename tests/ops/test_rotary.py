@@ -224,6 +224,53 @@ def test_inplace_and_conjugate(backend, interleaved):
     assert_close_tolerance(leaf.grad, dref, None, name="dleaf")
 
 
+def test_repeated_calls_reuse_the_plan(backend):
+    """The second call with the same metadata skips the checks (cached plan): per-call values (offsets,
+    data, non-unit-stride tables) must still be honoured, and a bad offset still raises."""
+    B, S, H, D, rd = 2, 5, 3, 12, 8
+    cos_w, sin_w = _tables(S + 4, rd)  # every other column: non-unit column stride
+    cos, sin = cos_w[:, ::2], sin_w[:, ::2]
+    assert cos.stride(1) == 2
+    for offs in (0, 3, 4):
+        x = randn((B, S, H, D), BF16)
+        y = rotary(x, cos, sin, seqlen_offsets=offs)
+        pos = (torch.arange(S) + offs)[None].expand(B, S)
+        ref = _oracle(x.to(F64), cos.to(F64), sin.to(F64), pos, False, False, F64)
+        lo = _oracle(x, cos.to(F64), sin.to(F64), pos, False, False, BF16)
+        assert_close_tolerance(y, ref, lo, name=f"offset {offs}")
+    with pytest.raises(ValueError, match=r"5 \+ 5"):
+        rotary(x, cos, sin, seqlen_offsets=5)
+    for _ in range(2):  # in place, twice: rotates twice
+        z = x.clone()
+        v = z._version
+        assert rotary(z, cos, sin, inplace=True) is z
+        assert z._version > v
+    torch.testing.assert_close(z, rotary(x, cos, sin), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["like", "contiguous", "swap01"])
+def test_seq_first(backend, layout):
+    """``seq_first`` (S, B, H, D) input equals the (B, S, H, D) computation on the transposed view; the
+    output layouts are in x's own dim order."""
+    S, B, H, D = 6, 3, 2, 16
+    cos, sin = _tables(S, D)
+    base = randn((S, B, H + 1, D))
+    x = base[:, :, 1:]  # strided
+    y = rotary(x, cos, sin, full_table=True, out_layout=layout, seq_first=True)
+    want = rotary(x.transpose(0, 1), cos, sin, full_table=True).transpose(0, 1)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    if layout == "contiguous":
+        assert y.is_contiguous()
+    elif layout == "swap01":
+        assert y.transpose(0, 1).is_contiguous()
+    xg = x.detach().clone().requires_grad_()
+    g = randn(y.shape)
+    rotary(xg, cos, sin, full_table=True, out_layout=layout, seq_first=True).backward(g)
+    xr = x.detach().transpose(0, 1).clone().requires_grad_()
+    rotary(xr, cos, sin, full_table=True).backward(g.transpose(0, 1))
+    torch.testing.assert_close(xg.grad, xr.grad.transpose(0, 1), rtol=0, atol=0)
+
+
 def test_empty(backend):
     cos, sin = _tables(4, 4)
     x = torch.empty((0, 4, 2, 8))

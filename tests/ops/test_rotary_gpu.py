@@ -171,3 +171,31 @@ def test_torch_compile_inductor():
     gb = torch.autograd.grad(sum(t.float().sum() for t in comp(q, k)), (q, k))
     for a, b_ in zip(ga, gb):
         torch.testing.assert_close(b_, a, rtol=0, atol=1e-2)
+
+
+def test_repeated_calls_fast_launch():
+    """From the second call of a signature on, the plan and the compiled kernel are reused (direct
+    launch): every call, forward and backward, must still match the oracle, with new data, new
+    offsets, another pointer alignment and the sbhd (seq_first) path."""
+    B, S, H, D = 2, 1000, 8, 128
+    cos, sin = _tables(S + 16, D // 2, BF16)
+    for i, offs in enumerate((0, 16, 1)):
+        pos = torch.arange(S, device=DEV) + offs
+        _check(lambda t, offs=offs: apply_rotary_emb(t, cos, sin, seqlen_offsets=offs), randn((B, S, H, D), BF16, DEV),
+               lambda t, dt, pos=pos: rotary_emb_ref(t, _rows(cos.to(F64), pos), _rows(sin.to(F64), pos)),
+               f"repeat {i}")
+    n = B * S * H * D
+    buf = randn((n + 8,), BF16, DEV)
+    for start in (8, 1, 8, 1):  # 16-byte aligned, misaligned, then each again (cached)
+        x = buf[start:start + n].view(B, S, H, D)
+        y = apply_rotary_emb(x, cos, sin, seqlen_offsets=5)
+        pos = torch.arange(S, device=DEV) + 5
+        ref = rotary_emb_ref(x.to(F64), _rows(cos.to(F64), pos), _rows(sin.to(F64), pos))
+        assert_close_tolerance(y, ref, rotary_emb_ref(x, _rows(cos, pos), _rows(sin, pos)), name=f"start {start}")
+    inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2, device=DEV, dtype=F32) / D)
+    f = torch.outer(torch.arange(S, device=DEV, dtype=F32), inv)
+    freqs = torch.cat((f, f), -1)[:, None, None, :]
+    for transpose in (False, False, True, True):
+        t = randn((S, B, H, D), BF16, DEV)
+        _check(lambda x, tr=transpose: fused_apply_rotary_pos_emb(x, freqs, tr), t,
+               lambda x, dt: _apex_oracle(x, freqs.to(F64).cos(), freqs.to(F64).sin()), f"apex {transpose}")

@@ -59,6 +59,12 @@ def test_sbhd_freqs(backend, transpose, request):
                lambda x: _apex_oracle(x, freqs.to(F64).cos(), freqs.to(F64).sin()), "sbhd")
     assert y.shape == t.shape
     assert (y.transpose(0, 1) if transpose else y).is_contiguous()
+    # cos/sin of the last freqs are reused; an in-place update of freqs must be seen.
+    freqs.mul_(0.5)
+    y2 = fused_apply_rotary_pos_emb(t, freqs, transpose)
+    assert_close_tolerance(y2, _apex_oracle(t.to(F64), freqs.to(F64).cos(), freqs.to(F64).sin()),
+                           _apex_oracle(t, freqs.to(F64).cos(), freqs.to(F64).sin()), name="sbhd after freqs update")
+    assert (y.transpose(0, 1) if transpose else y).is_contiguous()
 
 
 def test_cached_and_extension():

@@ -213,7 +213,7 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
     stride_ab,
     H, GROUP, SQ, SK, SQS, SKS, D, NUM_M,
@@ -221,7 +221,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, K_RANGE: tl.constexpr,
 ):
     pid_m, bh = _query_tile(NUM_M, HEAVY_FIRST)
     b = bh // H
@@ -229,6 +229,10 @@ def _attn_fwd_kernel(
     kh = h // GROUP
     q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
     k0, sk = _sequence(cu_k_ptr, b, SK, VARLEN)
+    if K_RANGE:  # keys [start, end) of this row only (a KV cache's filled part, after a left pad)
+        kst = tl.load(kst_ptr + b).to(tl.int64)
+        k0 = k0 + kst
+        sk = (tl.load(ken_ptr + b) - kst).to(tl.int32)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return

@@ -184,12 +184,15 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, wind
                   window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
                   dropout_p: float = 0.0, rng_state: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
                   cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
-                  max_seqlen_k: int | None = None) -> tuple[Tensor, Tensor]:
+                  max_seqlen_k: int | None = None, k_start: Tensor | None = None,
+                  k_end: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Forward -> ``(out, lse fp32)``.
 
     Dense: ``q (B, sq, h, d)``, ``k``/``v`` ``(B, sk, hk, d)``, ``lse (B, h, sq)``. Varlen (with
     ``cu_seqlens_q/k`` int32 ``(B + 1,)`` and the max lengths): packed ``(total, h, d)`` inputs and
     ``lse (h, total_q)``. ``window_right`` must already be 0 for causal attention (``op._window``).
+    ``k_end`` (int32 ``(B,)``, dense only), with ``k_start`` (default 0): batch row ``b`` attends to
+    keys ``k_start[b] .. k_end[b]`` only, its causal diagonal aligned to ``k_end[b]`` (a KV cache).
     """
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     g = _Geometry(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -208,13 +211,20 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, wind
     rng = _rng_arg(rng_state if dropout_p > 0.0 else None, q)
     num_m = triton.cdiv(g.sq, bm)
     tma = _use_tma(k, v)
+    k_range = k_end is not None
+    if k_range:
+        k_end = k_end.to(device=q.device, dtype=torch.int32).contiguous()
+        k_start = (torch.zeros_like(k_end) if k_start is None
+                   else k_start.to(device=q.device, dtype=torch.int32).contiguous())
+    else:
+        k_start = k_end = q  # never read
     with device_guard(q.device):
         _fwd((num_m * g.B * g.H,),
-             (q, k, v, out, lse, alibi, rng, g.cu_q, g.cu_k, *g.strides(q), *g.strides(k), *g.strides(v),
-              *g.strides(out), slb, slh, stride_ab, g.H, g.H // g.HK, g.sq, g.sk, g.sq, g.sk, g.D, num_m,
+             (q, k, v, out, lse, alibi, rng, g.cu_q, g.cu_k, k_start, k_end, *g.strides(q), *g.strides(k),
+              *g.strides(v), *g.strides(out), slb, slh, stride_ab, g.H, g.H // g.HK, g.sq, g.sk, g.sq, g.sk, g.D, num_m,
               float(softmax_scale) * LOG2E_F, float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right),
              dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, HEAVY_FIRST=meta["HAS_RIGHT"],
-                  USE_TMA=tma),
+                  USE_TMA=tma, K_RANGE=k_range),
              num_warps=warps, num_stages=stages)
     return out, lse
 

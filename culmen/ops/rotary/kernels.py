@@ -90,10 +90,10 @@ def _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos, row_ok, col0, half, seql
 @triton.jit
 def _rotary_kernel(
     X, OUT, COS, SIN, COS2, SIN2, OFFSETS, CU_SEQLENS,
-    seqlen, nheads, headdim, half, seqlen_ro, seqlen_ro2, offset, img_w, n_sblocks, n_hblocks,
+    seqlen, nheads, headdim, half, seqlen_ro, seqlen_ro2, img_w, n_sblocks, n_hblocks,
     stride_xb, stride_xs, stride_xh, stride_xd,
     stride_ob, stride_os, stride_oh, stride_od,
-    stride_t, stride_t2,
+    stride_t, stride_t2, offset,
     INTERLEAVED: tl.constexpr, FULL_TABLE: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, TWO_D: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,

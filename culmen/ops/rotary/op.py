@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from culmen.ops.backend import choose_backend, register_op
 from culmen.ops.rotary.reference import rotary_fwd_ref
@@ -132,34 +133,81 @@ def _backward(ctx, dy):
 torch.library.register_autograd("culmen::rotary", _backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------------------------------------
+# The eager path: a per-metadata plan, then the kernel (no torch.library dispatch)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Plan:
+    """What ``rotary`` derived from one call's metadata (types, shapes, strides, dtypes and devices of
+    the tensors, the flags): the checks passed, the normalized arguments and the launch geometries.
+    Calls with the same metadata reuse it and skip the checks; it holds no tensors."""
+
+    __slots__ = ("S", "interleaved", "conjugate", "full_table", "img_w", "inplace", "layout", "seq_first", "rows",
+                 "check_rows", "fix_tables", "fp64", "empty", "device", "launches")
+
+    def __init__(self, x: Tensor, cos: Tensor, S: int, interleaved: bool, conjugate: bool, full_table: bool,
+                 img_w: int, inplace: bool, layout: str, seq_first: bool, check_rows: bool, fix_tables: bool) -> None:
+        self.S, self.interleaved, self.conjugate, self.full_table = S, interleaved, conjugate, full_table
+        self.seq_first = seq_first
+        self.img_w, self.inplace, self.layout = img_w, inplace, layout
+        self.rows, self.check_rows, self.fix_tables = cos.shape[0], check_rows, fix_tables
+        self.fp64 = x.dtype == torch.float64
+        self.empty = x.numel() == 0
+        self.device = x.device
+        self.launches: dict = {}
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 512
+
+
+def _run(plan: _Plan, x: Tensor, out: Tensor, tabs: tuple, offset: int, conjugate: bool, copy_rest: bool) -> None:
+    """Rotate ``x`` into ``out`` for ``plan`` on the chosen backend; ``tabs`` = (cos, sin, cos2, sin2,
+    seqlen_offsets tensor, cu_seqlens) as normalized by ``_normalize``."""
+    if plan.empty:
+        return
+    # fp64 takes the reference, which computes in fp64 (the kernel computes in fp32).
+    if plan.fp64 or choose_backend(plan.device) != "triton":
+        if plan.seq_first:
+            x, out = x.transpose(0, 1), out.transpose(0, 1)
+        rotary_fwd_ref(x, out, *tabs, offset, plan.S, plan.interleaved, conjugate, plan.full_table, plan.img_w,
+                       copy_rest)
+        return
+    key = (conjugate, copy_rest, x.stride(), out.stride(), x.dtype, out.dtype)
+    launch = plan.launches.get(key)
+    if launch is None:
+        from culmen.ops.rotary.launch import Launch
+
+        launch = plan.launches[key] = Launch(x, out, tabs[0], tabs[2], tabs[5], plan.S, plan.interleaved, conjugate,
+                                             plan.full_table, plan.img_w, copy_rest, tabs[4] is not None,
+                                             plan.seq_first)
+    launch(x, out, *tabs, offset)
+
+
 class _RotaryFn(torch.autograd.Function):
-    """Eager path: the implementation called directly (no ``torch.library`` dispatch cost), with a true
-    in-place forward (``mark_dirty``) that the functional custom op cannot express."""
+    """Eager autograd: the plan's kernel called directly, with a true in-place forward (``mark_dirty``)
+    that the functional custom op cannot express. Few arguments: ``apply`` costs host time per argument."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, cos2, sin2, offs, cu, offset, max_seqlen, interleaved, conjugate, full_table,
-                img_w, out_layout, inplace):
-        if inplace:
-            _impl(x, x, cos, sin, cos2, sin2, offs, cu, offset, max_seqlen, interleaved, conjugate, full_table,
-                  img_w, False)
+    def forward(ctx, x, plan, tabs, offset):
+        if plan.inplace:
+            _run(plan, x, x, tabs, offset, plan.conjugate, False)
             ctx.mark_dirty(x)
             out = x
         else:
-            out = _alloc(x, out_layout)
-            _impl(x, out, cos, sin, cos2, sin2, offs, cu, offset, max_seqlen, interleaved, conjugate, full_table,
-                  img_w, True)
-        ctx.save_for_backward(cos, sin, cos2, sin2, offs, cu)
-        ctx.meta = (offset, max_seqlen, interleaved, conjugate, full_table, img_w)
+            out = _alloc(x, plan.layout)
+            _run(plan, x, out, tabs, offset, plan.conjugate, True)
+        ctx.save_for_backward(*tabs)
+        ctx.plan, ctx.offset = plan, offset
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        cos, sin, cos2, sin2, offs, cu = ctx.saved_tensors
-        offset, max_seqlen, interleaved, conjugate, full_table, img_w = ctx.meta
+        plan = ctx.plan
         dx = _alloc(dy, "like")
-        _impl(dy, dx, cos, sin, cos2, sin2, offs, cu, offset, max_seqlen, interleaved, not conjugate, full_table,
-              img_w, True)
-        return (dx,) + (None,) * 14
+        _run(plan, dy, dx, ctx.saved_tensors, ctx.offset, not plan.conjugate, True)
+        return dx, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +224,11 @@ def _check_table(name: str, t: Tensor, x: Tensor) -> Tensor:
         raise ValueError(f"{name} must be 2-D (positions, columns), got shape {tuple(t.shape)}")
     if t.device != x.device:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+    return _unit_columns(t)
+
+
+def _unit_columns(t: Tensor | None) -> Tensor | None:
+    return t if t is None or t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
 
 
 def _check_pair(cname: str, sname: str, c: Tensor, s: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -186,43 +238,10 @@ def _check_pair(cname: str, sname: str, c: Tensor, s: Tensor, x: Tensor) -> tupl
     return c, s
 
 
-def rotary(
-    x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    *,
-    cos2: Tensor | None = None,
-    sin2: Tensor | None = None,
-    seqlen_offsets: int | Tensor = 0,
-    cu_seqlens: Tensor | None = None,
-    max_seqlen: int | None = None,
-    interleaved: bool = False,
-    inplace: bool = False,
-    conjugate: bool = False,
-    full_table: bool = False,
-    img_w: int = 0,
-    out_layout: str = "like",
-) -> Tensor:
-    """Rotary position embedding of the first ``rotary_dim`` columns of ``x``; differentiable in ``x``.
-
-    Args:
-        x: ``(B, S, H, D)`` (any strides), or ``(T, H, D)`` packed when ``cu_seqlens`` is given;
-            fp16/bf16/fp32/fp64.
-        cos, sin: ``(rows, W)`` tables, any float dtype, one row per position. ``W = rotary_dim / 2``
-            (one angle per pair, flash_attn) or with ``full_table`` ``W = rotary_dim`` (one value per
-            rotated column, Apex). ``rotary_dim <= D``; the other columns pass through.
-        cos2, sin2: the column tables of the 2-D form (``img_w > 0``): columns ``[0, D/2)`` are
-            rotated at position ``s // img_w`` with ``cos``/``sin`` and ``[D/2, D)`` at ``s % img_w``.
-        seqlen_offsets: int or ``(B,)`` int tensor added to every position of a sequence.
-        cu_seqlens: ``(B + 1,)`` int32/int64 sequence starts of packed ``x``; needs ``max_seqlen``.
-        interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of GPT-NeoX halves ``(i, i + rotary_dim/2)``.
-        inplace: rotate ``x`` itself and return it (columns past ``rotary_dim`` untouched).
-        conjugate: apply the inverse (transposed) rotation.
-        out_layout: memory layout of a new output, one of ``LAYOUTS``.
-
-    Math in fp32 (fp64 for fp64 input); the result has ``x``'s dtype and shape. The tables get no
-    gradient (as in flash_attn and Apex).
-    """
+def _normalize(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, full_table, img_w, out_layout,
+               seq_first):
+    """Check the arguments of ``rotary``; return ``(cos, sin, cos2, sin2, offsets tensor or None,
+    cu_seqlens, offset, S)`` with the tables' columns unit-stride and the index tensors contiguous."""
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOATS:
@@ -232,6 +251,8 @@ def rotary(
     cos, sin = _check_pair("cos", "sin", cos, sin, x)
     varlen = cu_seqlens is not None
     if varlen:
+        if seq_first:
+            raise ValueError("seq_first does not apply to packed sequences (cu_seqlens)")
         if x.dim() != 3:
             raise ValueError(f"with cu_seqlens, x must be (total_seqlen, nheads, headdim), got shape {tuple(x.shape)}")
         if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in _INTS or cu_seqlens.dim() != 1:
@@ -246,8 +267,9 @@ def rotary(
         cu_seqlens = cu_seqlens.contiguous()
     else:
         if x.dim() != 4:
-            raise ValueError(f"x must be (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
-        B, S = x.shape[0], x.shape[1]
+            dims = "seqlen, batch" if seq_first else "batch, seqlen"
+            raise ValueError(f"x must be ({dims}, nheads, headdim), got shape {tuple(x.shape)}")
+        B, S = (x.shape[1], x.shape[0]) if seq_first else (x.shape[0], x.shape[1])
     D = x.shape[-1]
     W = cos.shape[1]
     if full_table and W % 2:
@@ -275,13 +297,123 @@ def rotary(
                              f"{D // 2 if full_table else D // 4}, got {W} and {cos2.shape[1]}")
     else:
         cos2 = sin2 = None
-        if offs_t is None and (offset < 0 or offset + S > cos.shape[0]):
-            raise ValueError(f"positions seqlen_offsets + seqlen ({offset} + {S}) must lie within the "
-                             f"{cos.shape[0]} rows of cos/sin")
+        if offs_t is None:
+            _check_offset(offset, S, cos.shape[0])
+    return cos, sin, cos2, sin2, offs_t, cu_seqlens, offset, S
+
+
+def _check_offset(offset: int, S: int, rows: int) -> None:
+    if offset < 0 or offset + S > rows:
+        raise ValueError(f"positions seqlen_offsets + seqlen ({offset} + {S}) must lie within the "
+                         f"{rows} rows of cos/sin")
+
+
+def _tkey(t):
+    return (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def rotary(
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    *,
+    cos2: Tensor | None = None,
+    sin2: Tensor | None = None,
+    seqlen_offsets: int | Tensor = 0,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    interleaved: bool = False,
+    inplace: bool = False,
+    conjugate: bool = False,
+    full_table: bool = False,
+    img_w: int = 0,
+    out_layout: str = "like",
+    seq_first: bool = False,
+) -> Tensor:
+    """Rotary position embedding of the first ``rotary_dim`` columns of ``x``; differentiable in ``x``.
+
+    Args:
+        x: ``(B, S, H, D)`` (any strides), or ``(T, H, D)`` packed when ``cu_seqlens`` is given;
+            fp16/bf16/fp32/fp64.
+        cos, sin: ``(rows, W)`` tables, any float dtype, one row per position. ``W = rotary_dim / 2``
+            (one angle per pair, flash_attn) or with ``full_table`` ``W = rotary_dim`` (one value per
+            rotated column, Apex). ``rotary_dim <= D``; the other columns pass through.
+        cos2, sin2: the column tables of the 2-D form (``img_w > 0``): columns ``[0, D/2)`` are
+            rotated at position ``s // img_w`` with ``cos``/``sin`` and ``[D/2, D)`` at ``s % img_w``.
+        seqlen_offsets: int or ``(B,)`` int tensor added to every position of a sequence.
+        cu_seqlens: ``(B + 1,)`` int32/int64 sequence starts of packed ``x``; needs ``max_seqlen``.
+        interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of GPT-NeoX halves ``(i, i + rotary_dim/2)``.
+        inplace: rotate ``x`` itself and return it (columns past ``rotary_dim`` untouched).
+        conjugate: apply the inverse (transposed) rotation.
+        out_layout: memory layout of a new output, one of ``LAYOUTS`` (in ``x``'s own dim order).
+        seq_first: ``x`` is ``(S, B, H, D)`` (Apex's sbhd) instead of ``(B, S, H, D)``.
+
+    Math in fp32 (fp64 for fp64 input); the result has ``x``'s dtype and shape. The tables get no
+    gradient (as in flash_attn and Apex).
+
+    Host cost: the checks and the launch geometry are computed once per call signature (types,
+    shapes, strides, dtypes, devices, flags) and cached; a repeated call only allocates and launches.
+    """
+    if torch.compiler.is_compiling():
+        if seq_first:  # the custom ops take (B, S, H, D): the same memory through a transposed view
+            layout = {"contiguous": "swap01", "swap01": "contiguous"}.get(out_layout, out_layout)
+            return _rotary_traced(x.transpose(0, 1), cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen,
+                                  interleaved, inplace, conjugate, full_table, img_w, layout, False).transpose(0, 1)
+        return _rotary_traced(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace,
+                              conjugate, full_table, img_w, out_layout, False)
+    offs_is_tensor = isinstance(seqlen_offsets, Tensor)
+    try:
+        key = (_tkey(x), _tkey(cos), _tkey(sin), None if cos2 is None else _tkey(cos2),
+               None if sin2 is None else _tkey(sin2), _tkey(seqlen_offsets) if offs_is_tensor else None,
+               None if cu_seqlens is None else _tkey(cu_seqlens), max_seqlen, interleaved, inplace, conjugate,
+               full_table, img_w, out_layout, seq_first)
+        plan = _PLANS.get(key)
+    except Exception:  # not tensors, unhashable arguments: the checks below name the problem
+        key = plan = None
+    if plan is None:
+        given = (cos, sin, cos2, sin2)
+        cos, sin, cos2, sin2, offs_t, cu_seqlens, offset, S = _normalize(
+            x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, full_table, img_w, out_layout,
+            seq_first)
+        fixed = any(a is not b for a, b in zip(given, (cos, sin, cos2, sin2)) if b is not None)
+        plan = _Plan(x, cos, S, bool(interleaved), bool(conjugate), bool(full_table), int(img_w), bool(inplace),
+                     out_layout, bool(seq_first), check_rows=img_w <= 0 and offs_t is None, fix_tables=fixed)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    else:
+        if offs_is_tensor:
+            offs_t, offset = seqlen_offsets.contiguous(), 0
+        else:
+            offs_t, offset = None, int(seqlen_offsets)
+            if plan.check_rows:
+                _check_offset(offset, plan.S, plan.rows)
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.contiguous()
+        if plan.img_w <= 0:
+            cos2 = sin2 = None
+        if plan.fix_tables:
+            cos, sin, cos2, sin2 = _unit_columns(cos), _unit_columns(sin), _unit_columns(cos2), _unit_columns(sin2)
+    tabs = (cos, sin, cos2, sin2, offs_t, cu_seqlens)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _RotaryFn.apply(x, plan, tabs, offset)
+    if plan.inplace:
+        _run(plan, x, x, tabs, offset, plan.conjugate, False)
+        increment_version(x)  # as an in-place PyTorch op would: autograd catches later misuse of saved x
+        return x
+    out = _alloc(x, plan.layout)
+    _run(plan, x, out, tabs, offset, plan.conjugate, True)
+    return out
+
+
+def _rotary_traced(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace, conjugate,
+                   full_table, img_w, out_layout, seq_first):
+    """``rotary`` under ``torch.compile``: the ``torch.library`` custom ops, which inductor can trace."""
+    cos, sin, cos2, sin2, offs_t, cu_seqlens, offset, S = _normalize(
+        x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, full_table, img_w, out_layout, seq_first)
     args = (cos, sin, cos2, sin2, offs_t, cu_seqlens, offset, S, bool(interleaved), bool(conjugate),
             bool(full_table), int(img_w))
-    if not torch.compiler.is_compiling():
-        return _RotaryFn.apply(x, *args, out_layout, bool(inplace))
     if not inplace:
         return rotary_op(x, *args, out_layout)
     if torch.is_grad_enabled() and x.requires_grad:

@@ -49,10 +49,27 @@ def _table(name: str, f: Tensor, rows: int | None, t: Tensor, d: int) -> Tensor:
     return f.reshape(f.size(0), d2)
 
 
-def _cos_sin(freqs: Tensor) -> tuple[Tensor, Tensor]:
-    """cos / sin of the angles in fp32 (fp64 angles stay fp64), as Apex's ``sincosf``."""
-    a = freqs if freqs.dtype == torch.float64 else freqs.float()
-    return torch.cos(a), torch.sin(a)
+_LAST: list = [None]
+"""The last ``freqs`` seen and its cos/sin: ``(freqs, version, cos, sin)``. Megatron passes one
+``freqs`` tensor to every layer's Q and K rotation of a step, so the tables are computed once, not
+twice per call. Holding ``freqs`` keeps its identity valid; ``_version`` catches in-place updates
+(not writes through ``.data``, which autograd cannot see either)."""
+
+
+def _cos_sin(freqs: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    """cos / sin of the angles ``table`` (``freqs`` as ``(rows, d2)``) in fp32 (fp64 stays fp64), as
+    Apex's ``sincosf``; reused while ``freqs`` is the last one seen and unchanged."""
+    cacheable = not freqs.is_inference() and not torch.compiler.is_compiling()
+    if cacheable:
+        last = _LAST[0]
+        if last is not None and last[0] is freqs and last[1] == freqs._version:
+            return last[2], last[3]
+    with torch.no_grad():
+        a = table if table.dtype == torch.float64 else table.float()
+        cos, sin = torch.cos(a), torch.sin(a)
+    if cacheable:
+        _LAST[0] = (freqs, freqs._version, cos, sin)
+    return cos, sin
 
 
 def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, transpose_output_memory: bool = False) -> Tensor:
@@ -62,7 +79,7 @@ def fused_apply_rotary_pos_emb(t: Tensor, freqs: Tensor, transpose_output_memory
     ``[s, b, h, d]``), so ``output.transpose(0, 1)`` is contiguous. Differentiable in ``t``.
     """
     _check_t(t, 4, "[s, b, h, d]")
-    cos, sin = _cos_sin(_table("freqs", freqs, t.size(0), t, t.size(3)))
+    cos, sin = _cos_sin(freqs, _table("freqs", freqs, t.size(0), t, t.size(3)))
     return _sbhd(t, cos, sin, transpose_output_memory)
 
 
@@ -79,10 +96,10 @@ def fused_apply_rotary_pos_emb_cached(t: Tensor, cos_: Tensor, sin_: Tensor,
 
 
 def _sbhd(t: Tensor, cos: Tensor, sin: Tensor, transpose_output_memory: bool) -> Tensor:
-    # The op works on (b, s, h, d) views: transposing sbhd is free; the output layout is chosen so
-    # that it is sbhd-contiguous (Apex's default) or bshd-contiguous (transpose_output_memory).
-    layout = "contiguous" if transpose_output_memory else "swap01"
-    return rotary(t.transpose(0, 1), cos, sin, full_table=True, out_layout=layout).transpose(0, 1)
+    # The op reads sbhd directly (seq_first); the output is sbhd-contiguous (Apex's default) or
+    # bshd-contiguous (transpose_output_memory), whatever t's strides.
+    layout = "swap01" if transpose_output_memory else "contiguous"
+    return rotary(t, cos, sin, full_table=True, out_layout=layout, seq_first=True)
 
 
 def fused_apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
@@ -90,7 +107,7 @@ def fused_apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor)
     ``cu_seqlens[i]:cu_seqlens[i+1]`` (``[b + 1]`` int32) and its positions start at 0. ``freqs``
     ``[max_s, 1, 1, d2]`` covers the longest sequence. Differentiable in ``t``."""
     _check_t(t, 3, "[total, h, d]")
-    cos, sin = _cos_sin(_table("freqs", freqs, None, t, t.size(2)))
+    cos, sin = _cos_sin(freqs, _table("freqs", freqs, None, t, t.size(2)))
     return rotary(t, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=cos.shape[0], full_table=True)
 
 

@@ -16,23 +16,22 @@ __all__ = ["backward", "backward_2d", "backward_cached", "backward_thd", "forwar
 
 
 def _sbhd(t: Tensor, cos: Tensor, sin: Tensor, transpose_output: bool, conjugate: bool) -> Tensor:
-    layout = "contiguous" if transpose_output else "swap01"
+    layout = "swap01" if transpose_output else "contiguous"
     with torch.no_grad():
-        return rotary(t.transpose(0, 1), cos, sin, full_table=True, conjugate=conjugate,
-                      out_layout=layout).transpose(0, 1)
+        return rotary(t, cos, sin, full_table=True, conjugate=conjugate, out_layout=layout, seq_first=True)
 
 
 def forward(input: Tensor, freqs: Tensor, transpose_output: bool) -> Tensor:
     """``input`` ``[s, b, h, d]``, ``freqs`` ``[s, 1, 1, d2]`` angles."""
     check_dims("input", input, 4)
-    return _sbhd(input, *_cos_sin(_table("freqs", freqs, input.size(0), input, input.size(3))), transpose_output,
-                 False)
+    return _sbhd(input, *_cos_sin(freqs, _table("freqs", freqs, input.size(0), input, input.size(3))),
+                 transpose_output, False)
 
 
 def backward(output_grads: Tensor, freqs: Tensor, transpose_output: bool) -> Tensor:
     check_dims("output_grads", output_grads, 4)
     tab = _table("freqs", freqs, output_grads.size(0), output_grads, output_grads.size(3))
-    return _sbhd(output_grads, *_cos_sin(tab), transpose_output, True)
+    return _sbhd(output_grads, *_cos_sin(freqs, tab), transpose_output, True)
 
 
 def forward_cached(input: Tensor, cos: Tensor, sin: Tensor, transpose_output: bool) -> Tensor:
@@ -51,7 +50,7 @@ def backward_cached(output_grads: Tensor, cos: Tensor, sin: Tensor, transpose_ou
 
 def _thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, conjugate: bool) -> Tensor:
     check_dims("input", t, 3)
-    cos, sin = _cos_sin(_table("freqs", freqs, None, t, t.size(2)))
+    cos, sin = _cos_sin(freqs, _table("freqs", freqs, None, t, t.size(2)))
     with torch.no_grad():
         return rotary(t, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=cos.shape[0], full_table=True,
                       conjugate=conjugate)
