@@ -118,7 +118,8 @@ def main() -> None:
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
-            print(f"tma={os.environ.get('CULMEN_ATTN_TMA', '0')} {a.kind:5} d{a.d} s{a.seqlen} {'causal' if causal else 'full  '} {str(cfg):18} "
+            tma = os.environ.get("CULMEN_ATTN_TMA", "0")
+            print(f"tma={tma} {a.kind:5} d{a.d} s{a.seqlen} {'causal' if causal else 'full  '} {str(cfg):18} "
                   + (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s diff {row['maxdiff']:.4f}"
                      if "ms" in row else row.get("error", "?")), flush=True)
     if a.json:
