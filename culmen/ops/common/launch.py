@@ -51,6 +51,27 @@ def _launch_hooks():
     return getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None)
 
 
+def compile_entry(kernel, grid, args: tuple, meta: dict, num_warps: int, num_stages: int = 3):
+    """Launch ``kernel`` through Triton once (compiling it if needed) and return ``(compiled, constexpr
+    values in signature order)`` for ``run_compiled``, or ``None`` when the kernel cannot be reused so
+    (the interpreter returns no compiled kernel; ``meta`` must name exactly the trailing constexprs)."""
+    compiled = kernel[grid](*args, **meta, num_warps=num_warps, num_stages=num_stages)
+    names = kernel.arg_names[len(args):]
+    if compiled is None or set(names) != set(meta):
+        return None
+    return compiled, tuple(meta[n] for n in names)
+
+
+def run_compiled(entry: tuple, grid: tuple, stream: int, args: tuple) -> None:
+    """Launch a ``compile_entry`` result directly on ``stream`` (Triton's launch hooks passed on)."""
+    compiled, const_vals = entry
+    g = (*grid, 1, 1)
+    enter, leave = _launch_hooks()
+    metadata = compiled.launch_metadata(g[:3], stream, *args, *const_vals) if enter is not None else None
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args,
+                 *const_vals)
+
+
 class FastLauncher:
     """Launch ``kernel`` with its non-constexpr ``args`` (signature order) and constexpr ``meta``."""
 
@@ -73,22 +94,14 @@ class FastLauncher:
         key = (torch.cuda.current_device(), tuple(meta.values()), num_warps, num_stages, *map(_spec, args))
         entry = self.cache.get(key)
         if entry is None:
-            compiled = self.kernel[grid](*args, **meta, num_warps=num_warps, num_stages=num_stages)
-            names = self.kernel.arg_names[len(args):]
-            if compiled is not None and set(names) == set(meta):
-                self.cache[key] = (compiled, tuple(meta[n] for n in names))
+            entry = compile_entry(self.kernel, grid, args, meta, num_warps, num_stages)
+            if entry is not None:
+                self.cache[key] = entry
             else:
-                self.error = f"cannot map constexprs {names} to {list(meta)}"
+                self.error = f"cannot map constexprs {self.kernel.arg_names[len(args):]} to {list(meta)}"
             return
-        compiled, const_vals = entry
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch.cuda.current_stream().cuda_stream
         try:
-            enter, leave = _launch_hooks()
-            metadata = compiled.launch_metadata(grid, stream, *args, *const_vals) if enter is not None else None
-            compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
-                         *args, *const_vals)
+            run_compiled(entry, grid, torch.cuda.current_stream().cuda_stream, args)
         except Exception as e:
             # An API change in Triton: fall back for good rather than guess.
             self.disabled = True
@@ -105,36 +118,27 @@ class BoundLaunch:
     caller says so), anything else takes ``FastLauncher``'s checked path.
     """
 
-    __slots__ = ("launcher", "grid", "meta", "num_warps", "compiled", "consts")
+    __slots__ = ("launcher", "grid", "meta", "num_warps", "compiled")
 
     def __init__(self, launcher: FastLauncher, grid: tuple[int, ...], meta: dict, num_warps: int):
         self.launcher = launcher
         self.grid = (*grid, 1, 1)[:3]
         self.meta = meta
         self.num_warps = num_warps
-        self.compiled = None
-        self.consts: tuple = ()
+        self.compiled = None  # a compile_entry result
 
     def __call__(self, args: tuple, aligned: bool, stream: int) -> None:
         c = self.compiled
         if c is not None and aligned:
             try:
-                enter, leave = _launch_hooks()
-                md = c.launch_metadata(self.grid, stream, *args, *self.consts) if enter is not None else None
-                c.run(self.grid[0], self.grid[1], self.grid[2], stream, c.function, c.packed_metadata, md, enter,
-                      leave, *args, *self.consts)
+                run_compiled(c, self.grid, stream, args)
                 return
             except Exception as e:  # a Triton API change: the checked path from now on
                 self.launcher.disabled = True
                 self.launcher.error = f"{type(e).__name__}: {e}"
                 self.compiled = None
         if aligned and stream is not None and not self.launcher.disabled and self.launcher._fast_ok():
-            kernel = self.launcher.kernel
-            c = kernel[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=3)
-            names = kernel.arg_names[len(args):]
-            if c is not None and set(names) == set(self.meta):
-                self.compiled = c
-                self.consts = tuple(self.meta[n] for n in names)
+            self.compiled = compile_entry(self.launcher.kernel, self.grid, args, self.meta, self.num_warps)
             return
         self.launcher(self.grid, args, self.meta, num_warps=self.num_warps)
 
@@ -151,4 +155,6 @@ def raw_stream(dev: torch.device):
     """The raw current CUDA stream (``None`` off CUDA: the launch then takes Triton's normal path)."""
     if dev.type != "cuda":
         return None
-    return torch._C._cuda_getCurrentRawStream(dev.index if dev.index is not None else torch.cuda.current_device())
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream

@@ -21,7 +21,7 @@ import triton
 from torch import Tensor
 
 from culmen.ops.backend import device_guard
-from culmen.ops.common.launch import FastLauncher, _launch_hooks
+from culmen.ops.common.launch import FastLauncher, compile_entry, raw_stream, run_compiled
 from culmen.ops.rotary.kernels import _rotary_kernel
 
 _launch = FastLauncher(_rotary_kernel)
@@ -53,16 +53,6 @@ def rotary_blocks(seqlen: int, nheads: int, half: int, rest: int) -> tuple[int, 
     block_s = min(_pow2(seqlen), max(1, target // (row * block_h)))
     warps = _pow2(block_s * block_h * row // (32 * TUNING["elems_per_thread"]))
     return block_s, block_h, block_k, block_p, max(1, min(TUNING["max_warps"], warps))
-
-
-def _stream_fn():
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw
-    return lambda index: torch.cuda.current_stream(index).cuda_stream
-
-
-_raw_stream = _stream_fn()
 
 
 def _aligned(t: Tensor | None):
@@ -138,17 +128,11 @@ class Launch:
         key = (aligned, offset) if offset == 0 else (aligned, offset == 1, offset % 16 == 0, -_I32 <= offset < _I32)
         entry = self.compiled.get(key)
         if entry is None:
-            compiled = _rotary_kernel[self.grid](*args, **self.meta, num_warps=self.warps, num_stages=3)
-            names = _rotary_kernel.arg_names[len(args):]
-            if compiled is not None and set(names) == set(self.meta):
-                self.compiled[key] = (compiled, tuple(self.meta[n] for n in names))
+            entry = compile_entry(_rotary_kernel, self.grid, args, self.meta, self.warps)
+            if entry is not None:
+                self.compiled[key] = entry
             return
-        compiled, const_vals = entry
-        stream = _raw_stream(index)
-        enter, leave = _launch_hooks()
-        metadata = compiled.launch_metadata(self.grid, stream, *args, *const_vals) if enter is not None else None
-        compiled.run(self.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
-                     *args, *const_vals)
+        run_compiled(entry, self.grid, raw_stream(self.device), args)
 
 
 _LAUNCHES: dict = {}
