@@ -6,3 +6,7 @@ and flash_attn's (``culmen.flash_attn``).
 """
 
 __version__ = "0.1.0"
+
+from culmen.ops.backend import deterministic_enabled, set_deterministic  # noqa: E402
+
+__all__ = ["__version__", "deterministic_enabled", "set_deterministic"]

@@ -78,6 +78,27 @@ def choose_backend(device: torch.device | str) -> str:
     return "reference"
 
 
+_DETERMINISTIC = False
+
+
+def set_deterministic(flag: bool) -> None:
+    """Make every culmen backward bitwise reproducible (``True``) or let ops pick their fastest
+    reduction (``False``, the default). ``torch.use_deterministic_algorithms(True)`` has the same effect.
+
+    Ops with a non-reproducible fast path (fp32 atomics): index_mul_2d's gradient of ``in1`` and the
+    attention backward's optional atomic dQ. A per-call ``deterministic=True`` (flash_attn) also wins.
+    """
+    global _DETERMINISTIC
+    if not isinstance(flag, bool):
+        raise TypeError(f"set_deterministic expects a bool, got {type(flag).__name__}")
+    _DETERMINISTIC = flag
+
+
+def deterministic_enabled() -> bool:
+    """Whether backward passes must be bitwise reproducible (``set_deterministic`` or torch's switch)."""
+    return _DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+
+
 _NULL_GUARD = contextlib.nullcontext()
 
 

@@ -19,7 +19,7 @@ from culmen.ops.attention.kernels import (
     _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
 )
-from culmen.ops.backend import device_guard
+from culmen.ops.backend import deterministic_enabled, device_guard
 from culmen.ops.common.launch import FastLauncher
 
 _fwd = FastLauncher(_attn_fwd_kernel)
@@ -267,7 +267,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         _pre((num_pm * g.B * g.H,),
              (out, dout, delta, g.cu_q, *g.strides(out), *g.strides(dout), slb, slh, g.H, g.sq, g.D, num_pm),
              dict(BLOCK_M=pbm, BLOCK_D=block_d, VARLEN=g.varlen), num_warps=4, num_stages=1)
-        atomic = TUNING["atomic_dq"] and not deterministic
+        atomic = TUNING["atomic_dq"] and not deterministic and not deterministic_enabled()
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
         bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", block_d, q.device, q.dtype)
         num_n = triton.cdiv(g.sk, bn)

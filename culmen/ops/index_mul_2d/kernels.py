@@ -9,7 +9,7 @@ The gradient of ``in1`` is a scatter-add over repeated indices. Two ways:
   with ``tl.atomic_add``; fast, but the summation order, so the last bits, vary between runs;
 * the sorted segmented sum (``_index_mul_2d_segment_kernel``): the indices are sorted once (stable)
   and one program per ``in1`` row adds its products in index order; bitwise reproducible. Used when
-  ``torch.are_deterministic_algorithms_enabled()``.
+  ``culmen.set_deterministic(True)`` or ``torch.use_deterministic_algorithms(True)``.
 
 Indices outside ``[0, M)`` never address memory: their output rows are NaN and they scatter nothing
 (the op layer raises on them where it can check values cheaply).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.backend import choose_backend, register_op
+from culmen.ops.backend import choose_backend, deterministic_enabled, register_op
 from culmen.ops.common.checks import check_values_enabled
 from culmen.ops.common.outputs import nothing
 from culmen.ops.index_mul_2d.reference import index_mul_2d_bwd_bwd_ref, index_mul_2d_bwd_ref, index_mul_2d_fwd_ref
@@ -103,7 +103,7 @@ def _(gg1, gg2, gout, in1, in2, idx, need_ggout, need_gin1, need_gin2, determini
 
 
 def _deterministic() -> bool:
-    return torch.are_deterministic_algorithms_enabled()
+    return deterministic_enabled()
 
 
 # ---- autograd of the custom ops (the torch.compile path) -------------------------------------
