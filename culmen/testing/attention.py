@@ -38,3 +38,11 @@ def plain(q: Tensor, k: Tensor, v: Tensor, dtype: torch.dtype, *, causal: bool =
     if keep is not None:
         a = a * keep.to(dtype) / (1 - p)
     return torch.einsum("bhij,bjhd->bihd", a, vv)
+
+
+def grads(out: Tensor, dout: Tensor, inputs: tuple[Tensor, ...]) -> list[Tensor]:
+    """Gradients of ``out`` (seeded with ``dout``) w.r.t. ``inputs``, cloned; earlier grads are dropped."""
+    for t in inputs:
+        t.grad = None
+    out.backward(dout)
+    return [t.grad.clone() for t in inputs]

@@ -14,6 +14,7 @@ import torch
 from culmen.ops.attention import dropout_keep_mask, flash_attn, flash_attn_varlen
 from culmen.ops.attention import op as attn_op
 from culmen.testing import assert_close_tolerance
+from culmen.testing.attention import grads as _grads
 from culmen.testing.attention import plain
 
 pytestmark = pytest.mark.gpu
@@ -25,13 +26,6 @@ def _inputs(B, sq, sk, h, hk, d, dtype):
     dev = torch.device("cuda")
     return tuple(torch.randn(B, s, n, d, device=dev, dtype=dtype).requires_grad_()
                  for s, n in ((sq, h), (sk, hk), (sk, hk)))
-
-
-def _grads(out, dout, ts):
-    for t in ts:
-        t.grad = None
-    out.backward(dout)
-    return [t.grad.clone() for t in ts]
 
 
 def check(B=2, sq=113, sk=203, h=4, hk=4, d=64, dtype=BF16, causal=False, window=(-1, -1), softcap=0.0,

@@ -17,6 +17,7 @@ from culmen.ops.attention import attention_ref, dropout_keep_mask, flash_attn, f
 from culmen.ops.attention import op as attn_op
 from culmen.ops.attention.launch import attention_fwd
 from culmen.testing import assert_close_tolerance
+from culmen.testing.attention import grads as _grads
 from culmen.testing.attention import plain
 
 
@@ -31,13 +32,6 @@ def _inputs(B, sq, sk, h, hk, d, dtype, noncontig=False):
         k = torch.randn(B, sk, hk, d, dtype=dtype)
         v = torch.randn(B, sk, hk, d, dtype=dtype)
     return tuple(t.requires_grad_(True) for t in (q, k, v))
-
-
-def _grads(out, dout, ts):
-    for t in ts:
-        t.grad = None
-    out.backward(dout)
-    return [t.grad.clone() for t in ts]
 
 
 def check(*, B=2, sq=23, sk=29, h=2, hk=2, d=16, dtype=torch.float32, causal=False, window=(-1, -1), softcap=0.0,
