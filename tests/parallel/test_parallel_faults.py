@@ -63,6 +63,9 @@ def _early_exit_worker(rank, world, mode):
         for _ in range(5):
             m.zero_grad()
             ddp(x).sum().backward()
+            # Read the result like a training loop's loss.item(): on NCCL the collectives run on the
+            # GPU, so this is where the host meets a reduction that cannot finish.
+            float(m[0].weight.grad.sum())
         return ("no error", time.monotonic() - t0)
     except RuntimeError as e:
         return ("error", time.monotonic() - t0, str(e)[:200])

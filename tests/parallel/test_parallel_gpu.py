@@ -4,17 +4,22 @@ The same checks as the gloo tests, on CUDA tensors and the Triton kernels: DDP g
 float64 single-process gradients over option cases and dtypes, the exact race test, and SyncBatchNorm
 against BatchNorm on the concatenated batch (uneven batches, channels_last, fuse_relu).
 
-A rank leaving early is tested on gloo only (``test_parallel_faults.py``): with NCCL the survivors'
-pending collectives sit on the GPU, and ending them is PyTorch's NCCL watchdog's job (seen on torch
-2.11: it reports the timeout after the process-group timeout but left the stream blocked).
+A rank leaving early with NCCL: the survivor's pending collectives sit on the GPU, so ending them is
+PyTorch's NCCL watchdog's job (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: abort the communicator and tear
+the process down once the process-group timeout passes). The test asserts what a user sees: the
+survivor fails (a Python error, or its process ends with an error) within the timeout plus a margin,
+and never hangs.
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from dist_harness import run_group
+from dist_harness import RankError, run_group
 from test_ddp import CASES_2, _check_group, _ddp_cases_worker, _race_worker
+from test_parallel_faults import _early_exit_worker
 from test_syncbn import _syncbn_worker
 
 BF16, F16 = torch.bfloat16, torch.float16
@@ -51,3 +56,17 @@ def test_nccl_syncbn():
     results = run_group(_syncbn_worker, 2, cases, backend="nccl")
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures[:30])
+
+
+def test_nccl_rank_leaving_early_fails_the_survivor():
+    pg_timeout = 10.0
+    t0 = time.monotonic()
+    results = run_group(_early_exit_worker, 2, "return", backend="nccl", pg_timeout=pg_timeout,
+                        timeout=pg_timeout + 60, expect_errors=True,
+                        env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    took = time.monotonic() - t0
+    assert results[1] == "left"
+    survivor = results[0]
+    failed = isinstance(survivor, RankError) or (isinstance(survivor, tuple) and survivor[0] == "error")
+    assert failed, f"the survivor of a rank that left reported {survivor!r}"
+    assert took < pg_timeout + 60

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from culmen.ops.backend import choose_backend, register_op
+from culmen.ops.backend import choose_backend, device_guard, register_op
 from culmen.ops.batch_norm.reference import (
     bn_bwd_reduce_ref,
     bn_bwd_ref,
@@ -97,8 +97,11 @@ def _bwd_impl(dy, x, y, mean, invstd, weight, sums, count, fuse_relu, training, 
 
 
 def _fresh(t: Tensor) -> Tensor:
-    """Custom-op outputs may not be views: copy one that is."""
-    return t.clone() if t._base is not None else t
+    """Custom-op outputs may not share memory: copy one that is part of a larger buffer. (Inside a
+    custom op's implementation ``_base`` is not tracked, so the storage itself is compared.)"""
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +155,9 @@ def batch_norm_bwd_reduce_op(dy: Tensor, x: Tensor, y: Tensor | None, mean: Tens
                              store_dz: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(sums (2C,), dweight, dbias, dz)``; absent outputs are empty tensors."""
     sums, dw, db, dz = _bwd_reduce_impl(dy, x, y, mean, invstd, weight, bias, fuse_relu, channel_last, store_dz)
-    return (_fresh(sums), dw if dw is not None else nothing(x.device, x.dtype),
-            db if db is not None else nothing(x.device, x.dtype), dz if dz is not None else nothing(x.device, x.dtype))
+    return (_fresh(sums), _fresh(dw) if dw is not None else nothing(x.device, x.dtype),
+            _fresh(db) if db is not None else nothing(x.device, x.dtype),
+            dz if dz is not None else nothing(x.device, x.dtype))
 
 
 @batch_norm_bwd_reduce_op.register_fake
@@ -183,6 +187,9 @@ def _(dy, x, y, mean, invstd, weight, sums, count, fuse_relu, training, channel_
 # ---------------------------------------------------------------------------------------------
 
 
+_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 class _Layout:
     """How an input maps to a canonical layout and back.
 
@@ -199,7 +206,7 @@ class _Layout:
             self.C = x.shape[-1]
         else:
             self.C = x.shape[1]
-            fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+            fmt = _FORMATS.get(x.dim())
             if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
                 self.cl = True
                 self.perm = (0, *range(2, x.dim()), 1)
@@ -222,6 +229,25 @@ class _Layout:
 
     def count(self, t: Tensor) -> int:
         return t.numel() // self.C if self.C else 0
+
+    def direct(self, t: Tensor) -> bool:
+        """Is ``t``'s memory already in the canonical order (the kernels then take it as it is)?"""
+        if self.perm is not None:
+            return t.is_contiguous(memory_format=_FORMATS[t.dim()])
+        return t.is_contiguous()
+
+    def dims(self, t: Tensor) -> tuple[int, int, int]:
+        """``(N, C, L)`` of the canonical view (``(M, C, 1)`` channel-last)."""
+        if self.cl:
+            return self.count(t), self.C, 1
+        n = self.shape[0]
+        return n, self.C, t.numel() // (n * self.C)
+
+    def same_order(self, t: Tensor) -> Tensor:
+        """``t`` (shaped like the input) with its memory in the canonical order: itself, or a copy."""
+        if self.direct(t):
+            return t
+        return t.contiguous(memory_format=_FORMATS[t.dim()]) if self.perm is not None else t.contiguous()
 
 
 def _group_size(process_group) -> int:
@@ -249,53 +275,99 @@ class SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum, process_group,
                 channel_last, fuse_relu):
         lay = _Layout(x, channel_last)
-        xc = lay.to_canonical(x)
-        zc = lay.to_canonical(z) if z is not None else None
         world = _group_size(process_group) if use_batch_stats else 1
+        if use_batch_stats and world == 1 and lay.count(x) <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
+        # The kernels read raw memory: an input already in the canonical order goes in as it is (no
+        # reshapes, and the output keeps its layout); anything else through a canonical copy.
+        plan = None
+        if _triton(x) and lay.direct(x) and (z is None or lay.direct(z)):
+            from culmen.ops.batch_norm.launch import plan_for
+
+            plan = plan_for(*lay.dims(x), lay.cl, x.device)
+            xc, zc = x, z
+        else:
+            xc = lay.to_canonical(x)
+            zc = lay.to_canonical(z) if z is not None else None
         count = None
         if use_batch_stats:
-            if world == 1 and lay.count(x) <= 1:
-                raise ValueError("Expected more than 1 value per channel when training, got input size "
-                                 f"{tuple(x.shape)}")
-            local = _stats_impl(xc, lay.cl)  # (R, 2C + 2), R the same on every rank
-            if world > 1:
-                gathered = local.new_empty((world * local.numel(),))
-                _all_gather(gathered, local.view(-1), process_group)
-                gathered = gathered.view(world * local.shape[0], -1)
-            else:
-                gathered = local
-            mean, invstd, count = _combine_impl(gathered, running_mean, running_var, float(momentum), float(eps))
+            mean, invstd, count = (_batch_stats_planned if plan is not None else _batch_stats)(
+                plan, xc, lay, world, process_group, running_mean, running_var, float(momentum), float(eps))
         else:
             mean = running_mean.to(stat_dtype(x))
             invstd = torch.rsqrt(running_var.to(stat_dtype(x)) + eps)
-        yc = _fwd_impl(xc, zc, mean, invstd, weight, bias, bool(fuse_relu), lay.cl)
+        if plan is not None:
+            with device_guard(x.device):
+                yc = plan.fwd(xc, zc, mean, invstd, weight, bias, bool(fuse_relu))
+        else:
+            yc = _fwd_impl(xc, zc, mean, invstd, weight, bias, bool(fuse_relu), lay.cl)
         ctx.save_for_backward(xc, weight, bias, mean, invstd, count, yc if fuse_relu else None)
         ctx.layout = lay
+        ctx.plan = plan
         ctx.group = process_group
         ctx.world = world
         ctx.training = bool(use_batch_stats)
         ctx.fuse_relu = bool(fuse_relu)
         ctx.has_z = z is not None
-        return lay.from_canonical(yc)
+        return yc if plan is not None else lay.from_canonical(yc)
 
     @staticmethod
     def backward(ctx, dy):
         xc, weight, bias, mean, invstd, count, yc = ctx.saved_tensors
-        lay = ctx.layout
-        dyc = lay.to_canonical(dy)
+        lay, plan = ctx.layout, ctx.plan
         need_dx = ctx.needs_input_grad[0]
         store_dz = ctx.has_z and ctx.needs_input_grad[1]
-        sums, dw, db, dz = _bwd_reduce_impl(dyc, xc, yc, mean, invstd, weight, bias, ctx.fuse_relu, lay.cl, store_dz)
+        reduce_all = need_dx and ctx.training and ctx.world > 1
         dx = None
-        if need_dx:
-            if ctx.training and ctx.world > 1:
-                dist.all_reduce(sums, group=ctx.group)
-            dx = lay.from_canonical(_bwd_impl(dyc, xc, yc, mean, invstd, weight, sums, count, ctx.fuse_relu,
-                                              ctx.training, lay.cl))
+        if plan is not None:
+            dyc = lay.same_order(dy)
+            with device_guard(dy.device):
+                sums, dw, db, dz = plan.bwd_reduce(dyc, xc, yc, mean, invstd, weight, bias, ctx.fuse_relu, store_dz)
+                if need_dx:
+                    if reduce_all:
+                        dist.all_reduce(sums, group=ctx.group)
+                    dx = plan.bwd(dyc, xc, yc, mean, invstd, weight, sums, count, ctx.fuse_relu, ctx.training)
+        else:
+            dyc = lay.to_canonical(dy)
+            sums, dw, db, dz = _bwd_reduce_impl(dyc, xc, yc, mean, invstd, weight, bias, ctx.fuse_relu, lay.cl,
+                                                store_dz)
+            if need_dx:
+                if reduce_all:
+                    dist.all_reduce(sums, group=ctx.group)
+                dx = lay.from_canonical(_bwd_impl(dyc, xc, yc, mean, invstd, weight, sums, count, ctx.fuse_relu,
+                                                  ctx.training, lay.cl))
+            dz = lay.from_canonical(dz) if store_dz else None
         dw = dw if (weight is not None and ctx.needs_input_grad[2]) else None
         db = db if (bias is not None and ctx.needs_input_grad[3]) else None
-        dz = lay.from_canonical(dz) if store_dz else None
-        return dx, dz, dw, db, None, None, None, None, None, None, None, None
+        return dx, dz if store_dz else None, dw, db, None, None, None, None, None, None, None, None
+
+
+def _batch_stats(plan, xc, lay, world, group, running_mean, running_var, momentum, eps):
+    """``(mean, invstd, count)`` of the whole group's batch, through the ops' implementations."""
+    local = _stats_impl(xc, lay.cl)  # (R, 2C + 2), R the same on every rank
+    if world > 1:
+        gathered = local.new_empty((world * local.numel(),))
+        _all_gather(gathered, local.view(-1), group)
+        local = gathered.view(world * local.shape[0], -1)
+    return _combine_impl(local, running_mean, running_var, momentum, eps)
+
+
+def _batch_stats_planned(plan, xc, lay, world, group, running_mean, running_var, momentum, eps):
+    """``_batch_stats`` on a ``BNPlan``: one workspace holds this rank's rows, every rank's rows and the
+    result ``[mean | invstd | count]``, so a call allocates once."""
+    from culmen.ops.batch_norm.launch import bn_combine_into
+
+    rows, W = plan.rows, plan.width
+    own = plan.stats_numel
+    gathered_numel = (world * rows * W + 3) & ~3 if world > 1 else 0
+    ws = torch.empty((own + gathered_numel + W,), device=xc.device, dtype=torch.float32)
+    with device_guard(xc.device):
+        local = plan.stats(xc, ws)
+        if world > 1:
+            flat = ws[own:own + world * rows * W]
+            _all_gather(flat, local.view(-1), group)
+            local = flat.view(world * rows, W)
+        return bn_combine_into(plan, local, ws[own + gathered_numel:], running_mean, running_var, momentum, eps)
 
 
 def sync_batch_norm(

@@ -143,6 +143,17 @@ class BoundLaunch:
         self.launcher(self.grid, args, self.meta, num_warps=self.num_warps)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (``triton.cdiv`` is a constexpr function: several times slower
+    on the host, and these run on every launch)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``), like ``triton.next_power_of_2``."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def aligned_16(*ts: torch.Tensor) -> bool:
     """Whether every tensor's data pointer is 16-byte aligned."""
     bits = 0
