@@ -36,8 +36,10 @@ iteration rather than whichever ``.grad`` happen to exist; gradients become view
 (with or without ``retain_allreduce_buffers``, whose buffers are those same ones); extra streams are
 extra process groups (an NCCL communicator owns its stream); ``gradient_average_split_factor`` warns
 and acts as ``gradient_predivide_factor``; buffers are not broadcast (as in Apex); the wrapper cannot
-be pickled. Failures of peers surface through ``torch.distributed`` (gloo raises at once; NCCL relies on
-PyTorch's watchdog and the process-group timeout).
+be pickled. Failures of peers surface through ``torch.distributed``: gloo raises at once; with NCCL the
+reductions run on the GPU, so set ``TORCH_NCCL_BLOCKING_WAIT=1`` to make ``backward()`` raise within the
+process-group timeout when a peer is gone (the host then waits for each iteration's reductions at the
+end of backward); without it PyTorch's NCCL watchdog is all that ends a stuck collective.
 """
 
 from __future__ import annotations

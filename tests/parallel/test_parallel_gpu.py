@@ -4,11 +4,11 @@ The same checks as the gloo tests, on CUDA tensors and the Triton kernels: DDP g
 float64 single-process gradients over option cases and dtypes, the exact race test, and SyncBatchNorm
 against BatchNorm on the concatenated batch (uneven batches, channels_last, fuse_relu).
 
-A rank leaving early with NCCL: the survivor's pending collectives sit on the GPU, so ending them is
-PyTorch's NCCL watchdog's job (``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: abort the communicator and tear
-the process down once the process-group timeout passes). The test asserts what a user sees: the
-survivor fails (a Python error, or its process ends with an error) within the timeout plus a margin,
-and never hangs.
+A rank leaving early with NCCL: the survivor's pending collectives sit on the GPU. With
+``TORCH_NCCL_BLOCKING_WAIT=1`` (the documented option, see ``culmen.parallel.distributed``) the
+survivor's ``backward()`` waits for its reductions with the process-group timeout and raises; the test
+asserts the survivor fails (a Python error, or its process ends with an error) within the timeout plus
+a margin, and never hangs. (Without the option, torch 2.11's watchdog was seen to leave it blocked.)
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_nccl_rank_leaving_early_fails_the_survivor():
     t0 = time.monotonic()
     results = run_group(_early_exit_worker, 2, "return", backend="nccl", pg_timeout=pg_timeout,
                         timeout=pg_timeout + 60, expect_errors=True,
-                        env={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+                        env={"TORCH_NCCL_BLOCKING_WAIT": "1"})
     took = time.monotonic() - t0
     assert results[1] == "left"
     survivor = results[0]
