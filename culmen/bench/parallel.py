@@ -471,13 +471,9 @@ def _env(dev) -> dict[str, Any]:
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    try:
-        import subprocess
+    from culmen.bench.runner import _git_commit
 
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=os.path.dirname(__file__)).stdout.strip()
-    except Exception:
-        pass
+    info["commit"], info["dirty"] = _git_commit()
     return info
 
 
