@@ -24,6 +24,7 @@ from culmen.ops.activations.dense import (
     linear_backward,
     linear_forward,
 )
+from culmen.ops.activations.op import apply_function, raw_apply
 
 __all__ = [
     "DenseNoBiasFunc",
@@ -89,19 +90,26 @@ def _half_function(fn):
     return wrapped
 
 
+# C-level ``apply`` of each function (skips ``Function.apply``'s Python wrapper in eager mode).
+_DENSE_APPLY = raw_apply(FusedDenseFunc)
+_NO_BIAS_APPLY = raw_apply(DenseNoBiasFunc)
+_GELU_DENSE_APPLY = raw_apply(FusedDenseGeluDenseFunc)
+
+
 def _fused_dense(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     check_layers(input, [("weight", weight, bias)])
-    return FusedDenseFunc.apply(input, weight, bias)
+    return apply_function(FusedDenseFunc, _DENSE_APPLY, input, weight, bias)
 
 
 def _dense_no_bias(input: Tensor, weight: Tensor) -> Tensor:
     check_layers(input, [("weight", weight, None)])
-    return DenseNoBiasFunc.apply(input, weight)
+    return apply_function(DenseNoBiasFunc, _NO_BIAS_APPLY, input, weight)
 
 
 def _fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor) -> Tensor:
     check_layers(input, [("weight1", weight1, bias1), ("weight2", weight2, bias2)])
-    return FusedDenseGeluDenseFunc.apply(input, weight1, bias1, weight2, bias2)
+    return apply_function(FusedDenseGeluDenseFunc, _GELU_DENSE_APPLY, input, weight1, bias1, weight2,
+                          bias2)
 
 
 fused_dense_function = _half_function(_fused_dense)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
 from culmen.ops.activations.dense import mlp_backward, mlp_forward
+from culmen.ops.activations.op import apply_function, raw_apply
 
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 
@@ -73,14 +74,14 @@ class MlpFunction(torch.autograd.Function):
         if activation not in _ACT_NAMES:
             raise ValueError(f"activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
         _validate(x, weights, biases)
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        x2 = x if (x.dim() == 2 and x.is_contiguous()) else x.reshape(-1, x.shape[-1]).contiguous()
         outs = mlp_forward(x2, weights, biases, _ACT_NAMES[activation])
         ctx.save_for_backward(x2, *weights, *outs)
         ctx.n_layers = len(weights)
         ctx.bias = bool(bias)
         ctx.activation = _ACT_NAMES[activation]
         ctx.x_shape = x.shape
-        return outs[-1].reshape(*x.shape[:-1], outs[-1].shape[-1])
+        return outs[-1] if x.dim() == 2 else outs[-1].reshape(*x.shape[:-1], outs[-1].shape[-1])
 
     @staticmethod
     def backward(ctx, grad_o):
@@ -88,11 +89,14 @@ class MlpFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         x2, weights, outs = saved[0], list(saved[1:1 + n]), list(saved[1 + n:])
         need_x = ctx.needs_input_grad[2]
-        dx, dws, dbs = mlp_backward(grad_o.reshape(-1, grad_o.shape[-1]), x2, weights, outs, ctx.activation,
-                                    ctx.bias, need_x)
-        if dx is not None:
+        g2 = grad_o if grad_o.dim() == 2 else grad_o.reshape(-1, grad_o.shape[-1])
+        dx, dws, dbs = mlp_backward(g2, x2, weights, outs, ctx.activation, ctx.bias, need_x)
+        if dx is not None and len(ctx.x_shape) != 2:
             dx = dx.reshape(ctx.x_shape)
         return (None, None, dx, *dws, *(dbs if ctx.bias else ()))
+
+
+_MLP_APPLY = raw_apply(MlpFunction)
 
 
 def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
@@ -103,7 +107,7 @@ def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
     device_type = args[0].device.type
     args = _cast_if_autocast_enabled(device_type, *args)
     with _autocast_off(device_type):
-        return MlpFunction.apply(bias, activation, *args)
+        return apply_function(MlpFunction, _MLP_APPLY, bias, activation, *args)
 
 
 class MLP(nn.Module):

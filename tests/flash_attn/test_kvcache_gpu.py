@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kvcache_padding import CASES, _expected
 
 from culmen.flash_attn import flash_attn_with_kvcache
-from test_kvcache_padding import CASES, _expected
 
 pytestmark = pytest.mark.gpu
 

@@ -88,6 +88,10 @@ ACT_CASES = [
     ActCase("silu", (5, 123), BF16, F32, "pad"),
     ActCase("none", (3, 63), BF16, BF16),
     ActCase("relu_ge0", (3, 63), F32, None, "pad"),
+    # ReLU's bit mask: rows whose length is not a multiple of 8, a flat launch of 105 elements.
+    ActCase("relu", (37, 45), BF16, BF16),
+    ActCase("relu", (3, 5, 7), F16),
+    ActCase("relu_ge0", (5, 123), F16, F32, "pad"),
 ]
 
 
@@ -179,10 +183,12 @@ def test_gated_act_tolerance(backend, case):
         assert_close_tolerance(a, rh, rl, name=f"{name} [{case}]")
 
 
-def test_bias_grad_multi_split(triton_backend, monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_bias_grad_multi_split(triton_backend, monkeypatch, prefetch):
     """Force the bias-grad kernel into several row splits, several loop steps and several column blocks."""
     monkeypatch.setitem(act_launch.TUNING, "dbias_block_m", 2)
     monkeypatch.setitem(act_launch.TUNING, "dbias_block_n", 16)
+    monkeypatch.setitem(act_launch.TUNING, "dbias_prefetch", prefetch)
     x = randn((37, 40), F32, requires_grad=True)
     b = randn(40, F32, requires_grad=True)
     g = randn((37, 40))
@@ -191,6 +197,37 @@ def test_bias_grad_multi_split(triton_backend, monkeypatch):
     rdx, rdb = torch.autograd.grad(act_ref(xd + bd, "gelu"), [xd, bd], g.double())
     assert_close_tolerance(dx, rdx, None, name="dx")
     assert_close_tolerance(db, rdb, None, atol=1e-5 * 37, name="dbias")
+
+
+@pytest.mark.parametrize("shape,bias,prefetch", [((37, 45), "grad", False), ((37, 45), "grad", True),
+                                                 ((5, 7, 9), None, False), ((11, 16), "const", False)])
+def test_relu_bit_mask(triton_backend, monkeypatch, shape, bias, prefetch):
+    """ReLU saves one bit per element (not x): exact gradients for any g layout, several dbias splits,
+    and the derivative at exactly 0 (0 for relu, 1 for relu_ge0)."""
+    monkeypatch.setitem(act_launch.TUNING, "dbias_block_m", 2)
+    monkeypatch.setitem(act_launch.TUNING, "dbias_block_n", 16)
+    monkeypatch.setitem(act_launch.TUNING, "dbias_prefetch", prefetch)
+    N = shape[-1]
+    b = randn(N, F32, scale=0.5).requires_grad_(bias == "grad") if bias else None
+    x0 = randn(shape, F32, scale=2.0)
+    x0.view(-1, N)[::3, 1] = 0.0 if b is None else -b.detach()[1]  # x + b == 0 exactly
+    for act in ("relu", "relu_ge0"):
+        x = x0.clone().requires_grad_()
+        y = bias_act(x, b, act)
+        (mask,) = y.grad_fn.saved_tensors
+        rows = 1 if (b is None) else x.numel() // N  # no bias, contiguous: one flat row
+        assert mask.dtype == torch.uint8 and mask.shape == (rows, -(-x.numel() // rows // 8))
+        h = x0 + b.detach() if b is not None else x0
+        on = (h >= 0) if act == "relu_ge0" else (h > 0)
+        torch.testing.assert_close(y, torch.where(on, h, 0.0), rtol=0, atol=0)
+        for g in (randn(shape), make_noncontiguous(randn(shape), pad=3), torch.ones(()).expand(shape)):
+            leaves = [x] + ([b] if bias == "grad" else [])
+            grads = torch.autograd.grad(y, leaves, g, retain_graph=True)
+            ref_dx = torch.where(on, g, 0.0)
+            torch.testing.assert_close(grads[0], ref_dx, rtol=0, atol=0)
+            assert grads[0].is_contiguous()
+            if bias == "grad":
+                torch.testing.assert_close(grads[1], ref_dx.reshape(-1, N).sum(0), rtol=1e-6, atol=1e-5)
 
 
 def test_flat_and_row_launches(triton_backend, monkeypatch):
@@ -203,6 +240,7 @@ def test_flat_and_row_launches(triton_backend, monkeypatch):
         return real(grid, args, meta, num_warps, num_stages)
 
     monkeypatch.setattr(act_launch, "_fwd", spy)
+    monkeypatch.setattr(act_launch, "_PLANS", {})  # plans keep the launcher they were built with
     x = randn((6, 50))
     bias_act(x, None, "silu")
     bias_act(x, randn(50), "silu")

@@ -42,6 +42,8 @@ def _check(got, refs, label):
     ("silu", (16384, 4096), BF16, None, ""),
     ("sqrelu", (3, 4097, 1000), F32, F32, ""),
     ("relu", (8192, 4096), BF16, None, "pad"),
+    ("relu", (4099, 5003), F16, F32, ""),  # bit mask + bias grad, rows not a multiple of 8
+    ("relu", (2049, 4097), BF16, None, ""),  # bit mask, one flat row of an odd element count
     ("sigmoid", (4099, 5003), F16, F16, "pad"),
     ("none", (1000, 4096), BF16, BF16, ""),
 ])
@@ -90,6 +92,64 @@ def test_gated_act_real_sizes(act, shape, dtype, packed):
     _check(got, refs, f"glu {act} {shape} {dtype}")
     del refs, got
     _free()
+
+
+@pytest.mark.parametrize("act,bias", [("gelu_tanh", True), ("relu", True), ("relu", False), ("silu", None)])
+def test_repeated_and_misaligned_calls(act, bias):
+    """Cached launch plans: a repeated call reuses the compiled kernel; a misaligned view of the same
+    shape and strides (same plan) must take the checked launch path and still be right."""
+    M, N = 1000, 4096
+    base = randn(M * N + 1, BF16, DEV, scale=2.0)
+    gbase = randn(M * N + 1, BF16, DEV)
+    b = randn(N, BF16, DEV, scale=0.5).requires_grad_() if bias else None
+    for off in (0, 0, 1):  # aligned twice, then 2 bytes off
+        x = base[off:off + M * N].view(M, N).detach().requires_grad_()
+        g = gbase[off:off + M * N].view(M, N)
+        if bias is None:
+            u = randn((M, N), BF16, DEV, requires_grad=True)
+            y = gated_act(x, u, act)
+            leaves, cp_fn = [x, u], (lambda t: act_ref(t[0], act) * t[1])
+        else:
+            y = bias_act(x, b, act)
+            leaves = [x] + ([b] if b is not None else [])
+            cp_fn = (lambda t: act_ref(t[0] + t[1], act)) if b is not None else (lambda t: act_ref(t[0], act))
+        got = (y, *torch.autograd.grad(y, leaves, g))
+        refs = {}
+        for hi in (True, False):
+            cp = [t.detach().to(F64 if hi else t.dtype).requires_grad_() for t in leaves]
+            yr = cp_fn(cp)
+            refs[hi] = (yr, *torch.autograd.grad(yr, cp, g.to(yr.dtype)))
+        _check(got, refs, f"{act} bias={bias} offset={off}")
+
+
+def test_launch_hooks_are_honoured():
+    """Without launch hooks the cached launch skips Triton's hook protocol; once a hook (a profiler) is
+    installed every launch must call it again."""
+    from triton import knobs
+
+    x = randn((512, 1024), BF16, DEV)
+    b = randn(1024, BF16, DEV)
+    bias_act(x, b, "gelu_tanh")  # compile and cache the plan
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+    try:
+        y = bias_act(x, b, "gelu_tanh")
+        torch.cuda.synchronize()
+    finally:
+        if hasattr(chain, "remove"):
+            chain.remove(hook)
+        else:
+            knobs.runtime.launch_enter_hook = chain
+    assert len(seen) == 1
+    torch.testing.assert_close(y, F.gelu(x.float() + b.float(), approximate="tanh").to(BF16), rtol=1.6e-2, atol=1e-2)
 
 
 def test_bias_grad_over_many_rows():

@@ -65,3 +65,23 @@ def test_bound_launch_compiles_once_then_runs_directly(monkeypatch):
     bound(("B", 2), aligned=True, stream=77)
     assert [e[0] for e in k.log] == ["triton", "run"]
     assert k.log[1] == ("run", 4, 1, 1, 77, "fn-handle", "packed", None, None, None, "B", 2, 32, False)
+
+
+def test_run_compiled_skips_empty_hook_chains(monkeypatch):
+    """Triton's ``HookChain`` objects are never ``None``: empty chains take the hook-free launch, a chain
+    with a hook gets the metadata and the chains."""
+
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    k = _Kernel()
+    entry = (k.compiled, (64, True))
+    empty, used = Chain([]), Chain([print])
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (empty, empty))
+    L.run_compiled(entry, (5,), 3, ("X", 7))
+    assert k.log == [("run", 5, 1, 1, 3, "fn-handle", "packed", None, None, None, "X", 7, 64, True)]
+    k.log.clear()
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (used, empty))
+    L.run_compiled(entry, (5,), 3, ("X", 7))
+    assert k.log[0][0] == "metadata" and k.log[1][7:10] == ("md", used, empty)

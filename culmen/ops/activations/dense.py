@@ -16,14 +16,20 @@ backward needs.
 In every backward the activation derivative and the bias gradient come from ONE Triton pass over the
 hidden activations (``act_bwd`` with a fused column reduction), written in place over the GEMM's
 ``dL/d(out)`` buffer: no extra ``(tokens, hidden)`` buffer is allocated.
+
+Host cost matters as much as device time here: an 8192 x 1024-4096-1024 bf16 step is ~0.7 ms of GPU
+work, about what a Python autograd step of these compositions costs on a slow host. So the GEMMs are
+``F.linear`` (the transpose happens in C++), 2-D contiguous inputs are used as they are, the backend is
+chosen once per autograd node (``_fast``), and the activation launchers are called directly in eager mode.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.ops.activations.op import act_bwd, act_fwd
+from culmen.ops.activations.op import _launch, _use_triton, act_bwd, act_fwd, apply_function, raw_apply
 
 TUNING = {
     # Fuse bias + ReLU into the cuBLASLt GEMM epilogue (torch._addmm_activation) instead of a
@@ -37,28 +43,39 @@ def check_layers(x: Tensor, layers: list[tuple[str, Tensor, Tensor | None]], x_n
     ``x (..., in)``: shapes chain, one dtype and one device; errors name the argument."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{x_name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1:
+    shape = x.shape
+    if not shape:
         raise ValueError(f"{x_name} must have at least one dimension")
-    feats = x.shape[-1]
+    feats = shape[-1]
+    dtype, device = x.dtype, x.device
     for name, w, b in layers:
-        if w.dim() != 2 or w.shape[1] != feats:
-            raise ValueError(f"{name} must have shape (out_features, {feats}), got {tuple(w.shape)}")
-        if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"the bias of {name} must have shape ({w.shape[0]},), got {tuple(b.shape)}")
+        ws = w.shape
+        if len(ws) != 2 or ws[1] != feats:
+            raise ValueError(f"{name} must have shape (out_features, {feats}), got {tuple(ws)}")
+        feats = ws[0]
+        if b is not None and (len(b.shape) != 1 or b.shape[0] != feats):
+            raise ValueError(f"the bias of {name} must have shape ({feats},), got {tuple(b.shape)}")
         for t in (w, b):
-            if t is not None and t.dtype != x.dtype:
-                raise TypeError(f"{x_name} is {x.dtype} but {name}'s parameters are {t.dtype}; use one dtype "
+            if t is None:
+                continue
+            if t.dtype != dtype:
+                raise TypeError(f"{x_name} is {dtype} but {name}'s parameters are {t.dtype}; use one dtype "
                                 "(or autocast)")
-            if t is not None and t.device != x.device:
-                raise ValueError(f"{x_name} is on {x.device} but {name}'s parameters are on {t.device}")
-        feats = w.shape[0]
+            if t.device != device:
+                raise ValueError(f"{x_name} is on {device} but {name}'s parameters are on {t.device}")
 
 
 def _mm_bias(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x2 @ weight^T (+ bias)``: ``x2`` ``(M, K)``, ``weight`` ``(N, K)``, ``bias`` ``(N,)``."""
-    if bias is None:
-        return torch.mm(x2, weight.t())
-    return torch.addmm(bias, x2, weight.t())
+    """``x2 @ weight^T (+ bias)``: ``x2`` ``(M, K)``, ``weight`` ``(N, K)``, ``bias`` ``(N,)``. ``F.linear``
+    is cuBLAS(Lt) ``addmm`` with the bias epilogue, transposing in C++ (a Python ``.t()`` costs
+    microseconds of host time)."""
+    return F.linear(x2, weight, bias)
+
+
+def _fast(t: Tensor) -> bool:
+    """Whether the activation launchers can be called directly (eager mode, Triton backend): one
+    backend decision per autograd node instead of one per op-level call."""
+    return not torch.compiler.is_compiling() and _use_triton(t)
 
 
 def _mm_bias_act(x2: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
@@ -72,7 +89,15 @@ def _mm_bias_act(x2: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> T
 
 
 def _rows(t: Tensor) -> Tensor:
+    """``t`` as a contiguous 2-D ``(rows, features)`` tensor (itself when it already is one)."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t
     return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def _unrows(t: Tensor, shape: torch.Size) -> Tensor:
+    """A 2-D result ``t`` back in the caller's leading dims ``shape[:-1]``."""
+    return t if len(shape) == 2 else t.reshape(*shape[:-1], t.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------ linear
@@ -91,7 +116,7 @@ def linear_forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tenso
     ctx.save_for_backward(x2 if weight.requires_grad else None, weight)
     ctx.x_shape = x.shape
     ctx.has_bias = bias is not None
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return _unrows(y, x.shape)
 
 
 def linear_backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -100,7 +125,7 @@ def linear_backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, Tenso
     g2 = _rows(g)
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
-        dx = torch.mm(g2, weight).reshape(ctx.x_shape)
+        dx = _unrows(torch.mm(g2, weight), ctx.x_shape)
     if ctx.needs_input_grad[1]:
         dw = torch.mm(g2.t(), x2)
     if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -120,9 +145,12 @@ class LinearFunction(torch.autograd.Function):
         return linear_backward(ctx, g)
 
 
+_LINEAR_APPLY = raw_apply(LinearFunction)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Differentiable ``x @ weight^T + bias`` (``x`` ``(..., K)``; result ``(..., N)`` in ``x``'s dtype)."""
-    return LinearFunction.apply(x, weight, bias)
+    return apply_function(LinearFunction, _LINEAR_APPLY, x, weight, bias)
 
 
 # ------------------------------------------------------------------------------- linear-act-linear
@@ -133,12 +161,13 @@ def linear_act_linear_forward(ctx, x: Tensor, w1: Tensor, b1: Tensor | None, w2:
     """Forward of ``act(x @ W1^T + b1) @ W2^T + b2``; saves per ``checkpoint_lvl`` on ``ctx``."""
     x2 = _rows(x)
     relu = act == "relu"
+    fast = _fast(x2)
     if relu:
         out1 = _mm_bias_act(x2, w1, b1, "relu")
         pre = None
     else:
         pre = _mm_bias(x2, w1, b1)
-        out1 = act_fwd(pre, None, act)
+        out1 = _launch().act_fwd(pre, None, act) if fast else act_fwd(pre, None, act)
     out2 = _mm_bias(out1, w2, b2)
     if checkpoint_lvl == 2:
         saved = (None, None)
@@ -149,19 +178,16 @@ def linear_act_linear_forward(ctx, x: Tensor, w1: Tensor, b1: Tensor | None, w2:
     else:
         saved = (pre, out1)
     ctx.save_for_backward(x2, w1, b1, w2, *saved)
-    ctx.act = act
-    ctx.x_shape = x.shape
-    ctx.has_b1 = b1 is not None
-    ctx.has_b2 = b2 is not None
-    return out2.reshape(*x.shape[:-1], w2.shape[0])
+    ctx.state = (act, x.shape, b1 is not None, b2 is not None, fast)
+    return _unrows(out2, x.shape)
 
 
 def linear_act_linear_backward(ctx, g: Tensor) -> tuple:
     """``(dx, dW1, db1, dW2, db2, None, None)`` of ``linear_act_linear_forward``."""
     x2, w1, b1, w2, pre, out1 = ctx.saved_tensors
-    act = ctx.act
+    act, x_shape, has_b1, has_b2, fast = ctx.state
     need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-    need_b1 = need_b1 and ctx.has_b1
+    need_b1 = need_b1 and has_b1
     need_first = need_x or need_w1 or need_b1
     g2 = _rows(g)
     if pre is None and out1 is None:  # checkpoint_lvl 2: redo the first GEMM
@@ -172,7 +198,15 @@ def linear_act_linear_backward(ctx, g: Tensor) -> tuple:
     dpre = db1 = None
     if need_first:
         d_out1 = torch.mm(g2, w2)
-        if act == "relu":
+        if fast:
+            # The launcher directly: dL/dpre in place over d_out1 (fresh, contiguous), the bias grad and,
+            # when not saved, act(pre), in one pass.
+            relu = act == "relu"
+            dpre, db1, y = _launch().act_bwd(d_out1, out1 if relu else pre, None, act, relu, need_b1,
+                                             b1.dtype if need_b1 else x2.dtype, out1 is None, d_out1)
+            if out1 is None:
+                out1 = y
+        elif act == "relu":
             dpre, db1, _ = act_bwd(d_out1, out1, None, "relu", from_output=True,
                                    dbias_dtype=b1.dtype if need_b1 else None, inplace=True)
         else:
@@ -184,8 +218,8 @@ def linear_act_linear_backward(ctx, g: Tensor) -> tuple:
     elif out1 is None:
         out1 = act_fwd(pre, None, act)
     dw2 = torch.mm(g2.t(), out1) if need_w2 else None
-    db2 = g2.sum(0) if (need_b2 and ctx.has_b2) else None
-    dx = torch.mm(dpre, w1).reshape(ctx.x_shape) if need_x else None
+    db2 = g2.sum(0) if (need_b2 and has_b2) else None
+    dx = _unrows(torch.mm(dpre, w1), x_shape) if need_x else None
     dw1 = torch.mm(dpre.t(), x2) if need_w1 else None
     return dx, dw1, db1, dw2, db2, None, None
 
@@ -202,6 +236,9 @@ class LinearActLinearFunction(torch.autograd.Function):
         return linear_act_linear_backward(ctx, g)
 
 
+_LAL_APPLY = raw_apply(LinearActLinearFunction)
+
+
 def linear_act_linear(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
                       activation: str, checkpoint_lvl: int = 0) -> Tensor:
     """Differentiable ``act(x @ w1^T + b1) @ w2^T + b2``.
@@ -213,7 +250,7 @@ def linear_act_linear(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: 
 
     Returns ``(..., N)`` in ``x``'s dtype.
     """
-    return LinearActLinearFunction.apply(x, w1, b1, w2, b2, activation, checkpoint_lvl)
+    return apply_function(LinearActLinearFunction, _LAL_APPLY, x, w1, b1, w2, b2, activation, checkpoint_lvl)
 
 
 # ------------------------------------------------------------------------------------ MLP stacks
@@ -237,12 +274,17 @@ def mlp_backward(g: Tensor, x2: Tensor, weights: list[Tensor], outputs: list[Ten
     dbs: list[Tensor] = [None] * n  # type: ignore[list-item]
     g = g.contiguous()
     owned = False  # the first g belongs to autograd: never overwrite it
+    fast = act != "none" and _fast(x2)
     for i in reversed(range(n)):
         bias_dtype = weights[i].dtype if has_bias else None
         if act == "none":
             dpre = g
             if has_bias:
                 dbs[i] = g.sum(0)
+        elif fast:
+            y = outputs[i]
+            dpre, dbs[i], _ = _launch().act_bwd(g, y, None, act, True, has_bias, bias_dtype or y.dtype, False,
+                                                g if owned else None)
         else:
             dpre, dbs[i], _ = act_bwd(g, outputs[i], None, act, from_output=True, dbias_dtype=bias_dtype,
                                       inplace=owned)

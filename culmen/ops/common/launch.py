@@ -62,11 +62,22 @@ def compile_entry(kernel, grid, args: tuple, meta: dict, num_warps: int, num_sta
     return compiled, tuple(meta[n] for n in names)
 
 
+def _no_hooks(enter, leave) -> bool:
+    """Whether no launch hook is installed. Recent Triton keeps its hooks in ``HookChain`` objects that
+    are never ``None`` (empty ``calls`` when unused); older Triton uses ``None``."""
+    return not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave)
+
+
 def run_compiled(entry: tuple, grid: tuple, stream: int, args: tuple) -> None:
-    """Launch a ``compile_entry`` result directly on ``stream`` (Triton's launch hooks passed on)."""
+    """Launch a ``compile_entry`` result directly on ``stream``. Triton's launch hooks are passed on when a
+    profiler installed some; without hooks the launch metadata (a Python dict per launch) is skipped."""
     compiled, const_vals = entry
     g = (*grid, 1, 1)
     enter, leave = _launch_hooks()
+    if _no_hooks(enter, leave):
+        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+                     *const_vals)
+        return
     metadata = compiled.launch_metadata(g[:3], stream, *args, *const_vals) if enter is not None else None
     compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args,
                  *const_vals)
