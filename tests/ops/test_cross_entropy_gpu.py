@@ -25,7 +25,9 @@ pytestmark = pytest.mark.gpu
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 DEV = torch.device("cuda")
-LIGER_FLCE_PEAK_BYTES = 1.38e9  # the issue's measurement of Liger's fused linear CE at T=8192, H=4096, V=128256
+# Liger-Kernel 0.8.5's fused linear CE at T=8192, H=4096, V=128256 bf16, measured on the lent H100 in the
+# same process as culmen (2026-11-22: 1.1835 GB; the issue quotes 1.38 GB from another setup).
+LIGER_FLCE_PEAK_BYTES = 1.1835e9
 
 
 def _peak_extra(fn) -> tuple[int, object]:
@@ -163,7 +165,7 @@ def test_fused_linear_tolerance(t, h, v, dtype, bias, reduction, smoothing, zlos
 
 
 def test_fused_linear_memory_goal():
-    """The issue's goal: peak extra memory of fwd+bwd at T=8192, H=4096, V=128256 bf16 <= Liger's 1.38 GB."""
+    """The issue's goal: peak extra memory of fwd+bwd at T=8192, H=4096, V=128256 bf16 <= Liger's."""
     t, h, v = 8192, 4096, 128256
     hid = randn((t, h), BF16, DEV, requires_grad=True)
     w = randn((v, h), BF16, DEV, h ** -0.5, requires_grad=True)

@@ -25,9 +25,9 @@ BACKENDS = ["reference", "triton"]
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     request.getfixturevalue(f"{request.param}_backend")
-    # Small tiles so that tiles straddle rows and the persistent forward loops several times.
-    monkeypatch.setitem(fl_launch.TUNING, "fwd_block", 64)
-    monkeypatch.setitem(fl_launch.TUNING, "bwd_block", 64)
+    # Small tiles so that the persistent forward loops several times over row tiles and column blocks.
+    monkeypatch.setitem(fl_launch.TUNING, "fwd_tile", 64)
+    monkeypatch.setitem(fl_launch.TUNING, "bwd_tile", 64)
     return request.param
 
 
@@ -76,6 +76,8 @@ CASES = [
     Case((2, 21, 9), 9, BF16, gamma=1.5, smoothing=0.1),
     Case((45, 8), 6, F16, gamma=0.0, alpha=0.6, smoothing=0.05, noncontig=True),
     Case((3, 1000), 997, F32, gamma=3.0, label_dtype=torch.int32),
+    # Enough rows that each persistent forward program walks several row tiles.
+    Case((300, 24), 20, BF16, gamma=2.0),
 ]
 
 

@@ -3,7 +3,8 @@
 Tolerance rule: the op's error against ``fused_linear_cross_entropy_ref`` on float64 copies must be at
 most 2x the error of the same unfused computation done by PyTorch in the inputs' dtype, plus a small
 atol, for the loss, the z-loss and the gradients of hidden, weight and bias. Both CPU paths (reference,
-Triton interpreter); chunk sizes are small so every case walks several chunks.
+Triton interpreter); chunk sizes are small so every case walks several chunks, and every plan of the
+op (vocab-major head in grad_weight's storage, grad_weight by vocab slices or by accumulation) runs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from culmen.flash_attn.losses.cross_entropy import FusedLinearCrossEntropyLoss
+from culmen.ops.cross_entropy import fused_linear as fl
 from culmen.ops.cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 from culmen.ops.cross_entropy import launch as ce_launch
 from culmen.ops.cross_entropy.fused_linear import TUNING, default_chunk_rows
@@ -63,7 +65,16 @@ CASES = [
     Case((20,), 16, 257, F16, bias=True, reduction="none", chunk=6, zloss=1e-2),
     Case((33,), 16, 300, BF16, accum32=True, grads="w", smoothing=0.1),
     Case((13,), 8, 4099, F32, reduction="none", chunk=5, softcap=5.0, grads="h"),
+    # N <= H: the vocab-major head holds every token (n0 < H: the slices must run top-down).
+    Case((21,), 32, 333, F16, bias=True, smoothing=0.1, chunk=8),
+    # Tokens beyond a head of H = 32, more than H of them: with the slices, two chunks of <= 32 rows in
+    # grad_weight's storage before the head.
+    Case((71,), 32, 300, BF16, bias=True, smoothing=0.05, chunk=4),
 ]
+
+# TUNING overrides selecting the stages of fused_linear.py: (vocab_major, recompute_dw).
+PLANS = {"head+slices": (True, True), "head+accumulate": (True, False), "slices": (False, True),
+         "accumulate": (False, False)}
 
 
 def _inputs(c: Case):
@@ -87,8 +98,7 @@ def _ref(c: Case, hid, w, b, y, dtype):
     return ts, loss, zl
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_tolerance_rule(backend, case):
+def check_case(case: Case) -> None:
     hid, w, b, y = _inputs(case)
     loss, zl = fused_linear_cross_entropy(hid, w, y, b, label_smoothing=case.smoothing, lse_square_scale=case.zloss,
                                           softcap=case.softcap, reduction=case.reduction, return_z_loss=True,
@@ -107,6 +117,36 @@ def test_tolerance_rule(backend, case):
             continue
         assert t.grad is not None and t.grad.dtype == t.dtype and t.grad.shape == t.shape, name
         assert_close_tolerance(t.grad, th.grad, tl_.grad, name=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tolerance_rule(backend, case):
+    check_case(case)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[6]], ids=str)
+def test_plans(backend, plan, case, monkeypatch):
+    """Each plan gives the same (tolerance-checked) results; the stages it names are the ones that run,
+    and the token chunks run in grad_weight's storage exactly when the slices write it at the end."""
+    head, slices = PLANS[plan]
+    monkeypatch.setitem(TUNING, "vocab_major", head)
+    monkeypatch.setitem(TUNING, "recompute_dw", slices)
+    monkeypatch.setitem(TUNING, "min_slice_rows", 1)
+    ran = []
+    for name in ("_head", "_head_dw", "_slices_dw", "_chunk_dw", "_chunks"):
+        fn = getattr(fl, name)
+        monkeypatch.setattr(fl, name, lambda *a, _f=fn, _n=name, **k: (ran.append((_n, a)), _f(*a, **k))[1])
+    check_case(case)
+    names = [n for n, _ in ran]
+    assert ("_head" in names) == head and ("_slices_dw" in names) == slices
+    # Without the slices, grad_weight comes from the head's own slices and / or per-chunk accumulation.
+    assert slices != ("_chunk_dw" in names or "_head_dw" in names)
+    for n, a in ran:
+        if n == "_chunks":
+            cx, buf, step = a[:3]
+            in_gw = cx.gw is not None and buf.data_ptr() == cx.gw.data_ptr()
+            assert in_gw == (slices and cx.gw is not None) and step == (case.h if in_gw else case.chunk)
 
 
 def test_no_grad_and_frozen_inputs(backend):
@@ -154,8 +194,9 @@ def test_module_matches_functional_and_backward_once(backend):
 
 
 def test_default_chunk_budget(monkeypatch):
-    """The default chunk comes from a byte budget: 512 tokens at V=128256 bf16 (a 131 MB buffer)."""
-    assert default_chunk_rows(8192, 128256, BF16) == 512
+    """The default chunk comes from a byte budget: 248 tokens at V=128256 bf16 (a 63.6 MB buffer, below
+    the 256 rows of Liger-Kernel's chunk)."""
+    assert default_chunk_rows(8192, 128256, BF16) == 248
     assert default_chunk_rows(100, 128256, BF16) == 100
     monkeypatch.setitem(TUNING, "chunk_bytes", 1000 * 4 * 3)
     assert default_chunk_rows(50, 1000, F32) == 3
@@ -183,3 +224,39 @@ def test_bad_inputs_raise():
         fused_linear_cross_entropy(hid, w, y, softcap=-1.0)
     with pytest.raises(ValueError, match="reduction must be one of"):
         FusedLinearCrossEntropyLoss(reduction="max")
+
+
+@pytest.mark.parametrize("smoothing, zloss, softcap", [(0.0, 0.0, 0.0), (0.1, 1e-3, 8.0)])
+def test_vocab_major_kernels(triton_backend, monkeypatch, smoothing, zloss, softcap):
+    """The strided kernels of ``vocab_major.py`` on a ``(V, N)`` token-contiguous buffer (viewed ``(N, V)``)
+    match the reference launcher semantics: loss / z-loss / LSE over several vocab splits, the gradient of a
+    vocab slice ``[v0, v1)`` written in place, ignored rows zero and a bad label NaN."""
+    from culmen.ops.cross_entropy.reference import cross_entropy_bwd_ref, cross_entropy_fwd_ref
+    from culmen.ops.cross_entropy.vocab_major import TUNING as VM
+    from culmen.ops.cross_entropy.vocab_major import vm_grad, vm_loss_lse
+
+    monkeypatch.setitem(VM, "block_m", 8)
+    monkeypatch.setitem(VM, "block_v", 16)
+    monkeypatch.setitem(VM, "stats_block_m", 8)
+    monkeypatch.setitem(VM, "stats_block_v", 16)
+    N, V = 19, 203
+    buf = randn((V, N + 5), F32, scale=3.0)  # a row stride larger than N
+    lg = buf[:, :N].t()
+    y = torch.randint(0, V, (N,))
+    y[3] = -100
+    y[7] = V + 4  # invalid: NaN loss and gradient
+    args = (smoothing, 1.0, zloss, -100, softcap, 0, V)
+    # With smoothing, the partials go to a caller's bf16 workspace (the fused path's idle scratch).
+    ws = torch.full((4096,), float("nan"), dtype=BF16) if smoothing else None
+    got = vm_loss_lse(lg, y, *args, workspace=ws)
+    want = cross_entropy_fwd_ref(lg, y, None, *args, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+    lse = want[2]
+    dloss = torch.rand(N)
+    v0, v1 = 37, 150
+    expect = cross_entropy_bwd_ref(dloss, lg, lse, y, *args)[:, v0:v1]
+    part = lg[:, v0:v1]
+    vm_grad(dloss, part, lse, y, smoothing, 1.0, zloss, -100, softcap, v0, V, out=part)
+    torch.testing.assert_close(part, expect, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert bool((part[3] == 0).all()) and bool(torch.isnan(part[7]).all())

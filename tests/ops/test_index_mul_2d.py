@@ -27,6 +27,8 @@ def path(request, monkeypatch):
     monkeypatch.setitem(im_launch.TUNING, "tile", 64)
     monkeypatch.setitem(im_launch.TUNING, "max_block_f", 16)
     monkeypatch.setitem(im_launch.TUNING, "segment_block_f", 16)
+    monkeypatch.setitem(im_launch.TUNING, "segment_tile", 64)
+    monkeypatch.setitem(im_launch.TUNING, "scatter", "atomic" if request.param == "atomic" else "segment")
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(request.param == "sorted")
     yield request.param
@@ -131,12 +133,35 @@ def test_deterministic_scatter_matches_atomic(triton_backend, monkeypatch):
     in1, in2 = randn((6, 20), F32), randn((40, 20), F32)
     idx = torch.randint(0, 5, (40,))  # row 5 of in1 is never indexed: its gradient must be zeros
     g = randn((40, 20))
+    monkeypatch.setitem(im_launch.TUNING, "scatter", "atomic")
     atomic = im_launch.index_mul_2d_bwd(g, in1, in2, idx, True, True, deterministic=False)
+    monkeypatch.setitem(im_launch.TUNING, "scatter", "segment")
+    default = im_launch.index_mul_2d_bwd(g, in1, in2, idx, True, True, deterministic=False)
     sorted_a = im_launch.index_mul_2d_bwd(g, in1, in2, idx, True, True, deterministic=True)
     sorted_b = im_launch.index_mul_2d_bwd(g, in1, in2, idx, True, True, deterministic=True)
     assert torch.equal(sorted_a[0], sorted_b[0]) and torch.equal(sorted_a[1], sorted_b[1])
+    assert torch.equal(sorted_a[0], default[0]) and torch.equal(sorted_a[1], default[1])
     torch.testing.assert_close(sorted_a[0], atomic[0], rtol=1e-5, atol=1e-6)
     assert torch.equal(sorted_a[0][5], torch.zeros(20))
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_segment_kernel_out_of_range_indices(triton_backend, monkeypatch, block_m):  # rows per program
+    """Indices outside [0, M) (unchecked on a GPU) touch no memory: NaN rows of grad_in2 (as the forward's
+    output), nothing scattered; the valid rows are exact. Runs of different lengths walk in lockstep."""
+    monkeypatch.setitem(im_launch.TUNING, "segment_tile", 8 * block_m)
+    monkeypatch.setitem(im_launch.TUNING, "segment_block_f", 8)
+    in1, in2, g = randn((7, 12), F32), randn((30, 12), F32), randn((30, 12), F32)
+    idx = torch.randint(0, 7, (30,))
+    idx[:8] = 3  # a long run
+    bad = torch.tensor([2, 11, 17, 29])
+    idx[bad] = torch.tensor([-3, 7, 1 << 40, -1])
+    gin1, gin2 = im_launch.index_mul_2d_bwd(g, in1, in2, idx, True, True, deterministic=False)
+    ok = (idx >= 0) & (idx < 7)
+    want1 = torch.zeros(7, 12, dtype=torch.float64).index_add_(0, idx[ok], (g * in2)[ok].double())
+    torch.testing.assert_close(gin1.double(), want1, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gin2[ok], g[ok] * in1[idx[ok]])
+    assert bool(torch.isnan(gin2[bad]).all())
 
 
 def test_contrib_and_compat(path):

@@ -1,8 +1,8 @@
 """``culmen.ops.index_mul_2d`` on a real GPU at real sizes (run by ``scripts/gpu-check``).
 
 Tolerance rule as in ``test_index_mul_2d.py`` (oracle: ``in1[idx] * in2`` under autograd on float64
-copies), the double backward, and the deterministic scatter (bitwise reproducible under
-``torch.use_deterministic_algorithms(True)``) against the atomic one.
+copies) for both scatters of ``grad_in1`` (sorted segments, fp32 atomics), the double backward, and the
+deterministic scatter (bitwise reproducible under ``torch.use_deterministic_algorithms(True)``).
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float6
 DEV = "cuda"
 
 
-@pytest.fixture(params=[False, True], ids=["atomic", "deterministic"])
-def deterministic(request):
+@pytest.fixture(params=["segment", "atomic", "deterministic"])
+def deterministic(request, monkeypatch):
+    """The scatter of grad_in1: sorted segments, fp32 atomics (L2-blocked), or deterministic mode."""
+    from culmen.ops.index_mul_2d import launch as im_launch
+
+    monkeypatch.setitem(im_launch.TUNING, "scatter", "atomic" if request.param == "atomic" else "segment")
     previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(request.param)
-    yield request.param
+    torch.use_deterministic_algorithms(request.param == "deterministic")
+    yield request.param == "deterministic"
     torch.use_deterministic_algorithms(previous)
 
 

@@ -5,11 +5,14 @@ row, the feature dim contiguous). Row strides are arguments, so row-padded views
 
 The gradient of ``in1`` is a scatter-add over repeated indices. Two ways:
 
-* atomics (``ATOMIC=True``): each tile adds its products into an fp32 (fp64 for fp64 inputs) buffer
-  with ``tl.atomic_add``; fast, but the summation order, so the last bits, vary between runs;
-* the sorted segmented sum (``_index_mul_2d_segment_kernel``): the indices are sorted once (stable)
-  and one program per ``in1`` row adds its products in index order; bitwise reproducible. Used when
-  ``culmen.set_deterministic(True)`` or ``torch.use_deterministic_algorithms(True)``.
+* the sorted segmented sum (the default): the indices are sorted once (stable) and
+  ``_index_mul_2d_bwd_segment_kernel`` gives each program a block of ``in1`` rows; it walks the
+  positions of each row's indices in order, adds the products in fp32 registers and writes ``grad_in1``
+  once, in its dtype; the same pass writes ``grad_in2 = grad_out * in1[idx]`` with each ``in1`` row
+  loaded once. Every byte moves once (an fp32 atomic buffer costs a zero fill, read-modify-writes that
+  miss L2, and a conversion pass) and the result is bitwise reproducible;
+* atomics (``ATOMIC=True``, ``TUNING["scatter"] = "atomic"``, never in deterministic mode): each tile
+  adds its products into an fp32 (fp64 for fp64 inputs) buffer with ``tl.atomic_add``.
 
 Indices outside ``[0, M)`` never address memory: their output rows are NaN and they scatter nothing
 (the op layer raises on them where it can check values cheaply).
@@ -37,15 +40,26 @@ def _cols(F, BLOCK_F: tl.constexpr):
 
 @triton.jit
 def _index_mul_2d_fwd_kernel(OUT, IN1, IN2, IDX, N, M, F, s_out, s_in1, s_in2,
-                             ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
-    """``OUT[n] = IN1[IDX[n]] * IN2[n]``; also the gradient of ``in2`` (``grad * in1[idx]``)."""
+                             ACC: tl.constexpr, HINTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+    """``OUT[n] = IN1[IDX[n]] * IN2[n]``; also the gradient of ``in2`` (``grad * in1[idx]``).
+
+    ``HINTS``: ``in2`` and ``out`` stream through L2 (evict first) so that the gathered ``in1`` rows, read
+    ``N / M`` times each on average, stay there (evict last).
+    """
     rows, row_ok, idx, idx_ok = _rows(IDX, N, M, BLOCK_N)
     cols, col_ok = _cols(F, BLOCK_F)
     m2 = row_ok[:, None] & col_ok[None, :]
     g1 = idx_ok[:, None] & col_ok[None, :]
-    a = tl.load(IN1 + idx[:, None] * s_in1 + cols[None, :], mask=g1, other=float("nan")).to(ACC)
-    b = tl.load(IN2 + rows[:, None] * s_in2 + cols[None, :], mask=m2, other=0.0).to(ACC)
-    tl.store(OUT + rows[:, None] * s_out + cols[None, :], (a * b).to(OUT.dtype.element_ty), mask=m2)
+    if HINTS:
+        a = tl.load(IN1 + idx[:, None] * s_in1 + cols[None, :], mask=g1, other=float("nan"),
+                    eviction_policy="evict_last")
+        b = tl.load(IN2 + rows[:, None] * s_in2 + cols[None, :], mask=m2, other=0.0, eviction_policy="evict_first")
+        y = (a.to(ACC) * b.to(ACC)).to(OUT.dtype.element_ty)
+        tl.store(OUT + rows[:, None] * s_out + cols[None, :], y, mask=m2, eviction_policy="evict_first")
+    else:
+        a = tl.load(IN1 + idx[:, None] * s_in1 + cols[None, :], mask=g1, other=float("nan")).to(ACC)
+        b = tl.load(IN2 + rows[:, None] * s_in2 + cols[None, :], mask=m2, other=0.0).to(ACC)
+        tl.store(OUT + rows[:, None] * s_out + cols[None, :], (a * b).to(OUT.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -107,23 +121,57 @@ def _index_mul_2d_bwd_bwd_kernel(GGOUT, GIN1, GIN2, GOUT, GG1, GG2, IN1, IN2, ID
 
 
 @triton.jit
-def _index_mul_2d_segment_kernel(OUT, A, B, PERM, STARTS, M, F, s_out, s_a, s_b,
-                                 ACC: tl.constexpr, BLOCK_F: tl.constexpr):
-    """``OUT[m] = sum_{k in [STARTS[m], STARTS[m+1])} A[PERM[k]] * B[PERM[k]]`` in order: program ``(m, f)``.
+def _index_mul_2d_bwd_segment_kernel(GIN1, GIN2, GOUT, IN1, IN2, PERM, STARTS, N, M, F,
+                                     s_gin1, s_gin2, s_gout, s_in1, s_in2,
+                                     ACC: tl.constexpr, NEED_GIN1: tl.constexpr, NEED_GIN2: tl.constexpr,
+                                     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Program ``(b, f)``: ``in1`` rows ``[b*BLOCK_M, (b+1)*BLOCK_M)``, features block ``f``.
 
-    ``PERM`` is the stable sort permutation of the indices and ``STARTS`` where each value's run begins,
-    so the sum runs over the rows ``n`` with ``idx[n] == m`` in increasing ``n`` (deterministic). Rows of
-    ``OUT`` no index points at get zeros.
+    ``PERM`` is the stable sort permutation of the indices and ``STARTS`` ``(M + 1,)`` where each value's
+    run begins. Row ``m`` walks its positions ``k`` in order (``n = PERM[k]`` increasing):
+    ``GIN1[m] = sum_n GOUT[n] * IN2[n]`` (in ``ACC``, stored once; zeros for rows no index points at) and
+    ``GIN2[n] = GOUT[n] * IN1[m]``. The rows of a block walk in lockstep, as long as the longest run.
+    Positions of indices outside ``[0, M)`` (sorted to the two ends) get NaN rows in ``GIN2``, as the
+    forward gives them.
     """
-    m = tl.program_id(0)
+    pid = tl.program_id(0)
+    ms = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    k0 = tl.load(STARTS + ms, mask=m_ok, other=0)
+    cnt = tl.load(STARTS + ms + 1, mask=m_ok, other=0) - k0
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     col_ok = cols < F
-    k0 = tl.load(STARTS + m)
-    k1 = tl.load(STARTS + m + 1)
-    acc = tl.zeros([BLOCK_F], dtype=ACC)
-    for k in range(k0, k1):
-        p = tl.load(PERM + k).to(tl.int64)
-        a = tl.load(A + p * s_a + cols, mask=col_ok, other=0.0).to(ACC)
-        b = tl.load(B + p * s_b + cols, mask=col_ok, other=0.0).to(ACC)
-        acc += a * b
-    tl.store(OUT + m.to(tl.int64) * s_out + cols, acc.to(OUT.dtype.element_ty), mask=col_ok)
+    coff = cols[None, :]
+    ms64 = ms.to(tl.int64)[:, None]
+    m2 = m_ok[:, None] & col_ok[None, :]
+    if NEED_GIN2:
+        a = tl.load(IN1 + ms64 * s_in1 + coff, mask=m2, other=0.0).to(ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_F], dtype=ACC)
+    for j in range(0, tl.max(cnt, axis=0)):
+        has = j < cnt
+        p = tl.load(PERM + k0 + j, mask=has, other=0).to(tl.int64)[:, None]
+        msk = has[:, None] & col_ok[None, :]
+        g = tl.load(GOUT + p * s_gout + coff, mask=msk, other=0.0).to(ACC)
+        if NEED_GIN1:
+            acc += g * tl.load(IN2 + p * s_in2 + coff, mask=msk, other=0.0).to(ACC)
+        if NEED_GIN2:
+            tl.store(GIN2 + p * s_gin2 + coff, (g * a).to(GIN2.dtype.element_ty), mask=msk)
+    if NEED_GIN1:
+        tl.store(GIN1 + ms64 * s_gin1 + coff, acc.to(GIN1.dtype.element_ty), mask=m2)
+    if NEED_GIN2:
+        # The first block also writes the positions below STARTS[0], the last those from STARTS[M] on.
+        if pid == 0:
+            _nan_rows(GIN2, PERM, 0, tl.load(STARTS), s_gin2, coff, col_ok, BLOCK_M, BLOCK_F)
+        if pid == tl.num_programs(0) - 1:
+            _nan_rows(GIN2, PERM, tl.load(STARTS + M), N, s_gin2, coff, col_ok, BLOCK_M, BLOCK_F)
+
+
+@triton.jit
+def _nan_rows(GIN2, PERM, lo, hi, s_gin2, coff, col_ok, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """NaN rows ``GIN2[PERM[k]]`` for ``k`` in ``[lo, hi)``."""
+    nan = tl.full([BLOCK_M, BLOCK_F], float("nan"), dtype=GIN2.dtype.element_ty)
+    for k in range(lo, hi, BLOCK_M):
+        kk = k + tl.arange(0, BLOCK_M)
+        k_ok = kk < hi
+        p = tl.load(PERM + kk, mask=k_ok, other=0).to(tl.int64)[:, None]
+        tl.store(GIN2 + p * s_gin2 + coff, nan, mask=k_ok[:, None] & col_ok[None, :])

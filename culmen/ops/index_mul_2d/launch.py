@@ -7,31 +7,38 @@ contiguous 1-D index. ``TUNING`` holds the block rules so a sweep can change the
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 from torch import Tensor
 
 from culmen.ops.backend import device_guard
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import FastLauncher, cdiv, next_pow2
 from culmen.ops.index_mul_2d.kernels import (
     _index_mul_2d_bwd_bwd_kernel,
     _index_mul_2d_bwd_kernel,
+    _index_mul_2d_bwd_segment_kernel,
     _index_mul_2d_fwd_kernel,
-    _index_mul_2d_segment_kernel,
 )
 
 _fwd = FastLauncher(_index_mul_2d_fwd_kernel)
 _bwd = FastLauncher(_index_mul_2d_bwd_kernel)
 _bwd_bwd = FastLauncher(_index_mul_2d_bwd_bwd_kernel)
-_segment = FastLauncher(_index_mul_2d_segment_kernel)
+_segment = FastLauncher(_index_mul_2d_bwd_segment_kernel)
 
 TUNING = {
     # Elements of one (rows x features) tile, and the widest feature block.
     "tile": 4096,
     "max_block_f": 256,
     "num_warps": 4,
-    # Feature block of the deterministic segmented sum (one in1 row per program).
+    # Cache hints of the forward (in1 kept in L2, in2 / out streamed).
+    "fwd_hints": True,
+    # Scatter of grad_in1: "segment" (sorted segmented sums, deterministic) or "atomic" (fp32 atomics,
+    # only outside deterministic mode).
+    "scatter": "segment",
+    # Segmented sum: elements per (in1 rows x features) tile (the rows walk their index runs in
+    # lockstep), widest feature block, warps.
+    "segment_tile": 4096,
     "segment_block_f": 256,
+    "segment_warps": 4,
 }
 
 
@@ -44,9 +51,9 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
 
 
 def _blocks(N: int, F: int) -> tuple[int, int, tuple[int, int]]:
-    bf = min(TUNING["max_block_f"], triton.next_power_of_2(max(F, 1)))
-    bn = max(1, min(TUNING["tile"] // bf, triton.next_power_of_2(max(N, 1))))
-    return bn, bf, (triton.cdiv(N, bn), triton.cdiv(F, bf))
+    bf = min(TUNING["max_block_f"], next_pow2(max(F, 1)))
+    bn = max(1, min(TUNING["tile"] // bf, next_pow2(max(N, 1))))
+    return bn, bf, (cdiv(N, bn), cdiv(F, bf))
 
 
 def index_mul_2d_fwd(in1: Tensor, in2: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
@@ -58,22 +65,49 @@ def index_mul_2d_fwd(in1: Tensor, in2: Tensor, idx: Tensor, out: Tensor | None =
     bn, bf, grid = _blocks(N, F)
     with device_guard(in2.device):
         _fwd(grid, (out, in1, in2, idx, N, in1.shape[0], F, out.stride(0), in1.stride(0), in2.stride(0)),
-             {"ACC": _acc(in2), "BLOCK_N": bn, "BLOCK_F": bf}, num_warps=TUNING["num_warps"])
+             {"ACC": _acc(in2), "HINTS": TUNING["fwd_hints"], "BLOCK_N": bn, "BLOCK_F": bf},
+             num_warps=TUNING["num_warps"])
     return out
 
 
 def _sorted_segments(idx: Tensor, M: int) -> tuple[Tensor, Tensor]:
-    """Stable sort permutation of ``idx`` and the ``(M + 1,)`` start of each value's run (int64)."""
-    vals, perm = torch.sort(idx, stable=True)
+    """Stable sort permutation of ``idx`` and the ``(M + 1,)`` start of each value's run.
+
+    The sort key is int32 (half the radix passes of int64); int64 indices are clamped to ``[-1, M]``
+    first, so an out-of-range index stays out of range instead of wrapping around.
+    """
+    key = idx
+    if M < 2**31 - 1:
+        if idx.dtype != torch.int32:
+            key = idx.clamp(-1, M).to(torch.int32)
+    vals, perm = torch.sort(key, stable=True)
     starts = torch.searchsorted(vals, torch.arange(M + 1, device=idx.device, dtype=vals.dtype))
     return perm, starts
+
+
+def _segment_bwd(gout: Tensor, in1: Tensor, in2: Tensor, idx: Tensor, M: int, gin1: Tensor | None,
+                 gin2: Tensor | None) -> None:
+    """The sorted segmented backward: ``gin1[m] = sum_{idx[n] == m} gout[n] * in2[n]`` (in order, fp32) and
+    ``gin2 = gout * in1[idx]``, either of them ``None``; ``gin1`` is written in full (zeros where no index)."""
+    N, F = gout.shape
+    perm, starts = _sorted_segments(idx, M)
+    bf = min(TUNING["segment_block_f"], next_pow2(max(F, 1)))
+    bm = max(1, min(TUNING["segment_tile"] // bf, next_pow2(max(M, 1))))
+    dummy = gout
+    with device_guard(gout.device):
+        _segment((cdiv(M, bm), cdiv(F, bf)),
+                 (gin1 if gin1 is not None else dummy, gin2 if gin2 is not None else dummy, gout, in1, in2, perm,
+                  starts, N, M, F, gin1.stride(0) if gin1 is not None else 0,
+                  gin2.stride(0) if gin2 is not None else 0, gout.stride(0), in1.stride(0), in2.stride(0)),
+                 {"ACC": _acc(in2), "NEED_GIN1": gin1 is not None, "NEED_GIN2": gin2 is not None,
+                  "BLOCK_M": bm, "BLOCK_F": bf}, num_warps=TUNING["segment_warps"])
 
 
 def segment_mul_add(a: Tensor, b: Tensor, idx: Tensor, M: int, out_dtype: torch.dtype) -> Tensor:
     """``zeros(M, F).index_add_(0, idx, a * b)`` in ``out_dtype`` (``a``/``b`` ``(N, F)``), bitwise reproducible.
 
     The sorted segmented sum: each row of the result adds its products in increasing ``n``, in fp32
-    (fp64 for fp64 inputs). The atomic alternative is fused into the backward kernels.
+    (fp64 for fp64 inputs).
     """
     N, F = a.shape
     out = torch.empty((M, F), device=a.device, dtype=out_dtype)
@@ -81,11 +115,7 @@ def segment_mul_add(a: Tensor, b: Tensor, idx: Tensor, M: int, out_dtype: torch.
         return out
     if N == 0:
         return out.zero_()
-    perm, starts = _sorted_segments(idx, M)
-    bf = min(TUNING["segment_block_f"], triton.next_power_of_2(F))
-    with device_guard(a.device):
-        _segment((M, triton.cdiv(F, bf)), (out, a, b, perm, starts, M, F, out.stride(0), a.stride(0), b.stride(0)),
-                 {"ACC": _acc(a), "BLOCK_F": bf}, num_warps=TUNING["num_warps"])
+    _segment_bwd(a, b, b, idx, M, out, None)
     return out
 
 
@@ -101,7 +131,16 @@ def index_mul_2d_bwd(gout: Tensor, in1: Tensor, in2: Tensor, idx: Tensor, need_g
     dev = in2.device
     gin2 = torch.empty((N, F), device=dev, dtype=in2.dtype) if need_gin2 else None
     gin1 = None
-    atomic = need_gin1 and not deterministic
+    atomic = need_gin1 and not deterministic and TUNING["scatter"] == "atomic"
+    if need_gin1 and not atomic:
+        # One pass writes both gradients (each gout / in2 / in1 row read once, gin1 written once).
+        gin1 = torch.empty((M, F), device=dev, dtype=in1.dtype)
+        if M * F == 0:
+            return gin1, gin2
+        if N == 0:
+            return gin1.zero_(), gin2
+        _segment_bwd(gout, in1, in2, idx, M, gin1, gin2)
+        return gin1, gin2
     if atomic:
         gin1 = _atomic_buffer(M, F, in1)
     if N * F and (need_gin2 or atomic):
@@ -112,9 +151,7 @@ def index_mul_2d_bwd(gout: Tensor, in1: Tensor, in2: Tensor, idx: Tensor, need_g
                         in1.stride(0), in2.stride(0)),
                  {"ACC": _acc(in2), "ATOMIC": atomic, "NEED_GIN1": need_gin1, "NEED_GIN2": need_gin2,
                   "BLOCK_N": bn, "BLOCK_F": bf}, num_warps=TUNING["num_warps"])
-    if need_gin1 and deterministic:
-        gin1 = segment_mul_add(gout, in2, idx, M, in1.dtype)
-    elif atomic and gin1.dtype != in1.dtype:
+    if atomic and gin1.dtype != in1.dtype:
         gin1 = gin1.to(in1.dtype)
     return gin1, gin2
 
@@ -130,7 +167,7 @@ def index_mul_2d_bwd_bwd(gg1: Tensor | None, gg2: Tensor | None, gout: Tensor, i
     gin2 = torch.empty((N, F), device=dev, dtype=in2.dtype) if need_gin2 else None
     gin1 = None
     scatter = need_gin1 and gg2 is not None
-    atomic = scatter and not deterministic
+    atomic = scatter and not deterministic and TUNING["scatter"] == "atomic"
     if atomic:
         gin1 = _atomic_buffer(M, F, in1)
     if N * F and (need_ggout or need_gin2 or atomic):
@@ -151,7 +188,7 @@ def index_mul_2d_bwd_bwd(gg1: Tensor | None, gg2: Tensor | None, gout: Tensor, i
     if need_gin1:
         if not scatter:
             gin1 = torch.zeros_like(in1, memory_format=torch.contiguous_format)
-        elif deterministic:
+        elif not atomic:
             gin1 = segment_mul_add(gg2, gout, idx, M, in1.dtype)
         elif gin1.dtype != in1.dtype:
             gin1 = gin1.to(in1.dtype)

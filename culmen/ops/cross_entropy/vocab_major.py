@@ -1,0 +1,209 @@
+"""Cross-entropy kernels on logits with any ``(token, vocab)`` strides, for the fused linear path.
+
+``fused_linear_cross_entropy`` keeps the logits of its first tokens *vocab-major* (``(V, T)``, tokens
+contiguous) inside the storage of ``grad_weight`` before that gradient is written, and recomputes
+vocab slices of the logits as ``(V_slice, T)`` blocks (see ``fused_linear.py``). The row-major kernels
+of ``kernels.py`` need the vocab contiguous; these take both strides, so the same code serves a
+``(T, V)`` view with strides ``(1, ld)``. The tile is ``(BLOCK_M tokens, BLOCK_V classes)``; Triton
+vectorizes along whichever axis has stride 1 (a stride equal to 1 is specialized), so token-contiguous
+logits are read in 16-byte vectors along the tokens.
+
+* ``_vm_stats_kernel``: program ``(m, s)`` runs an online softmax over the columns of split ``s`` for
+  ``BLOCK_M`` rows and writes partial ``(max, sum exp, sum z)``;
+* ``_vm_finish_kernel``: merges the splits of a block of rows into LSE, loss and z-loss (the formulas
+  of ``kernels.py``: the same helpers);
+* ``_vm_grad_kernel``: ``d loss / d logits`` of one tile from the LSE (optionally in place), with a
+  vocab offset so a slice ``[vocab_start, vocab_start + V)`` of a larger vocabulary can be processed.
+
+The launchers (``vm_loss_lse``, ``vm_grad``) mirror ``launch.cross_entropy_fwd`` / ``cross_entropy_bwd``
+(fp32 outputs, labels int32/int64, ``dloss`` of any stride, 0 included).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from culmen.ops.backend import device_guard, num_programs_hint
+from culmen.ops.common.launch import FastLauncher, cdiv, next_pow2
+from culmen.ops.cross_entropy.kernels import _grad_tile, _row_labels, _softcap
+
+
+@triton.jit
+def _vm_stats_kernel(LOGITS, PART, stride_t, stride_v, N, V, cols_per_split, logit_scale, softcap,
+                     HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Partial ``(max, sum exp(z - max), sum z)`` of rows block ``m`` over the columns of split ``s``."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    # Rows are not clamped: a clamp would hide their contiguity from the vectorizer; masks instead.
+    row_off = rows * stride_t
+    pid_s = tl.program_id(1)
+    c_start = pid_s * cols_per_split
+    c_end = tl.minimum(c_start + cols_per_split, V)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc_l = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    sum_l = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+    for c0 in range(c_start, c_end, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)[None, :]
+        mask = row_ok[:, None] & (cols < c_end)
+        x = tl.load(LOGITS + row_off[:, None] + cols.to(tl.int64) * stride_v, mask=mask, other=0.0).to(tl.float32)
+        z = tl.where(mask, _softcap(x * logit_scale, softcap, HAS_SOFTCAP), float("-inf"))
+        # Rows past the end are all -inf: keep their max finite so no NaN appears (nothing is stored).
+        m_new = tl.maximum(tl.maximum(m, tl.max(z, axis=1)), -3.0e38)
+        acc_l = acc_l * tl.exp(m - m_new)[:, None] + tl.exp(z - m_new[:, None])
+        m = m_new
+        if HAS_SMOOTHING:
+            sum_l += tl.where(mask, z, 0.0)
+    plane = tl.num_programs(1).to(tl.int64) * N
+    part = PART + pid_s.to(tl.int64) * N + rows
+    tl.store(part, m, mask=row_ok)
+    tl.store(part + plane, tl.sum(acc_l, axis=1), mask=row_ok)
+    tl.store(part + 2 * plane, tl.sum(sum_l, axis=1), mask=row_ok)
+
+
+@triton.jit
+def _vm_finish_kernel(LOGITS, LABELS, PART, LOSS, ZLOSS, LSE, stride_t, stride_v, N, V, n_splits, vocab_start,
+                      total_classes, ignore_index, label_smoothing, logit_scale, lse_square_scale, softcap,
+                      HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge the splits of a block of rows; store loss, z-loss and LSE (the formulas of ``_finish_rows``)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    rows_c = tl.minimum(rows, N - 1)
+    sp = tl.arange(0, BLOCK_S)[None, :]
+    sp_ok = sp < n_splits
+    plane = n_splits.to(tl.int64) * N
+    off = sp.to(tl.int64) * N + rows_c[:, None]
+    m_p = tl.load(PART + off, mask=sp_ok, other=float("-inf"))
+    m = tl.max(m_p, axis=1)
+    acc = tl.sum(tl.load(PART + plane + off, mask=sp_ok, other=0.0) * tl.exp(m_p - m[:, None]), axis=1)
+    lse = m + tl.log(acc)
+    valid, local, in_shard, bad = _row_labels(LABELS, rows_c, row_ok, V, vocab_start, total_classes, ignore_index)
+    x_t = tl.load(LOGITS + rows_c * stride_t + tl.where(in_shard, local, 0) * stride_v, mask=in_shard,
+                  other=0.0).to(tl.float32)
+    z_t = tl.where(in_shard, _softcap(x_t * logit_scale, softcap, HAS_SOFTCAP), 0.0)
+    if HAS_SMOOTHING:
+        sum_z = tl.sum(tl.load(PART + 2 * plane + off, mask=sp_ok, other=0.0), axis=1)
+        loss = -(1.0 - label_smoothing) * z_t - label_smoothing * (sum_z / total_classes)
+    else:
+        loss = -z_t
+    zl = lse_square_scale * lse * lse
+    loss = loss + lse + zl
+    tl.store(ZLOSS + rows, tl.where(valid, zl, 0.0), mask=row_ok)
+    loss = tl.where(valid, loss, 0.0)
+    tl.store(LOSS + rows, tl.where(bad, float("nan"), loss), mask=row_ok)
+    tl.store(LSE + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _vm_grad_kernel(DLOGITS, DLOSS, LOGITS, LSE, LABELS, stride_t, stride_v, stride_dt, stride_dv, stride_dloss,
+                    N, V, vocab_start, total_classes, ignore_index, label_smoothing, logit_scale, lse_square_scale,
+                    softcap, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Program ``(m, v)``: the gradient of rows block ``m``, columns block ``v`` (may write in place)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    rows_c = tl.minimum(rows, N - 1)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    mask = row_ok[:, None] & (cols < V)
+    valid, local, _, bad = _row_labels(LABELS, rows_c, row_ok, V, vocab_start, total_classes, ignore_index)
+    dloss = tl.load(DLOSS + rows_c * stride_dloss).to(tl.float32)
+    coef = tl.where(valid, dloss * logit_scale, 0.0)
+    lse = tl.load(LSE + rows_c).to(tl.float32)
+    zfac = 1.0 + 2.0 * lse_square_scale * lse
+    c64 = cols.to(tl.int64)
+    x = tl.load(LOGITS + rows[:, None] * stride_t + c64 * stride_v, mask=mask, other=0.0).to(tl.float32)
+    z = _softcap(x * logit_scale, softcap, HAS_SOFTCAP)
+    g = _grad_tile(z, cols, lse, zfac, coef, local, bad, label_smoothing, total_classes, softcap,
+                   HAS_SMOOTHING, HAS_SOFTCAP)
+    tl.store(DLOGITS + rows[:, None] * stride_dt + c64 * stride_dv, g.to(DLOGITS.dtype.element_ty), mask=mask)
+
+
+_stats = FastLauncher(_vm_stats_kernel)
+_finish = FastLauncher(_vm_finish_kernel)
+_grad = FastLauncher(_vm_grad_kernel)
+
+TUNING = {
+    # Gradient tiles: rows (tokens) x columns (classes); 64 x 64 bf16 = 8 KiB, 16-byte vectors along the
+    # tokens.
+    "block_m": 64,
+    "block_v": 64,
+    "num_warps": 4,
+    # Statistics tiles: 1024 tokens x 4 classes puts every warp along the tokens (8 per thread, 32 threads,
+    # 4 warps), so the per-step max over the classes stays inside a thread: no shuffles, no barriers.
+    "stats_block_m": 1024,
+    "stats_block_v": 4,
+    # The statistics pass splits the vocab until it has this many programs per multiprocessor.
+    "programs_per_sm": 4,
+    "finish_block_m": 64,
+}
+
+
+def _flags(label_smoothing: float, softcap: float) -> dict:
+    return dict(HAS_SMOOTHING=label_smoothing > 0.0, HAS_SOFTCAP=softcap > 0.0)
+
+
+def _block_m(N: int, key: str = "block_m") -> int:
+    return max(1, min(TUNING[key], next_pow2(N)))
+
+
+def vm_loss_lse(logits: Tensor, labels: Tensor, label_smoothing: float, logit_scale: float, lse_square_scale: float,
+                ignore_index: int, softcap: float, vocab_start: int, total_classes: int,
+                workspace: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 ``(loss, z_loss, lse)`` ``(N,)`` of ``logits (N, V)`` with any strides (the full vocab here).
+
+    ``workspace``: a free contiguous buffer (any dtype) for the per-split partials when it is large enough
+    (the fused linear path passes its idle scratch: no allocation beyond the outputs)."""
+    N, V = logits.shape
+    dev = logits.device
+    loss = torch.empty((N,), device=dev, dtype=torch.float32)
+    zloss = torch.empty((N,), device=dev, dtype=torch.float32)
+    lse = torch.empty((N,), device=dev, dtype=torch.float32)
+    if N == 0:
+        return loss, zloss, lse
+    bm, bv = _block_m(N, "stats_block_m"), TUNING["stats_block_v"]
+    row_programs = cdiv(N, bm)
+    want = max(1, min(cdiv(V, bv), cdiv(num_programs_hint(dev) * TUNING["programs_per_sm"], row_programs)))
+    cols_per_split = cdiv(cdiv(V, want), bv) * bv
+    n_splits = cdiv(V, cols_per_split)
+    need = 3 * n_splits * N
+    per = 4 // workspace.element_size() if workspace is not None and workspace.element_size() <= 4 else 0
+    if per and workspace.is_contiguous() and workspace.numel() >= need * per:
+        part = workspace.view(-1)[: need * per].view(torch.float32).view(3, n_splits, N)
+    else:
+        part = torch.empty((3, n_splits, N), device=dev, dtype=torch.float32)
+    flags = _flags(label_smoothing, softcap)
+    s_t, s_v = logits.stride()
+    with device_guard(dev):
+        _stats((row_programs, n_splits), (logits, part, s_t, s_v, N, V, cols_per_split, logit_scale, softcap),
+               dict(**flags, BLOCK_M=bm, BLOCK_V=bv), TUNING["num_warps"])
+        fm = max(1, min(TUNING["finish_block_m"], next_pow2(N)))
+        _finish((cdiv(N, fm),),
+                (logits, labels, part, loss, zloss, lse, s_t, s_v, N, V, n_splits, vocab_start, total_classes,
+                 ignore_index, label_smoothing, logit_scale, lse_square_scale, softcap),
+                dict(**flags, BLOCK_M=fm, BLOCK_S=next_pow2(n_splits)), 4)
+    return loss, zloss, lse
+
+
+def vm_grad(dloss: Tensor, logits: Tensor, lse: Tensor, labels: Tensor, label_smoothing: float, logit_scale: float,
+            lse_square_scale: float, ignore_index: int, softcap: float, vocab_start: int, total_classes: int,
+            out: Tensor) -> Tensor:
+    """``d loss / d logits`` of ``logits (N, V)`` (any strides; columns ``[vocab_start, vocab_start + V)`` of
+    ``total_classes``) into ``out`` (any strides, ``logits`` itself allowed), for ``dloss (N,)`` of any stride."""
+    N, V = logits.shape
+    if N == 0 or V == 0:
+        return out
+    bm, bv = _block_m(N), TUNING["block_v"]
+    with device_guard(logits.device):
+        _grad((cdiv(N, bm), cdiv(V, bv)),
+              (out, dloss, logits, lse, labels, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
+               dloss.stride(0), N, V, vocab_start, total_classes, ignore_index, label_smoothing, logit_scale,
+               lse_square_scale, softcap),
+              dict(**_flags(label_smoothing, softcap), BLOCK_M=bm, BLOCK_V=bv), TUNING["num_warps"])
+    return out
+
+
+__all__ = ["TUNING", "vm_grad", "vm_loss_lse"]
