@@ -2,15 +2,29 @@
 """Sweep the GroupNorm launch rules on a GPU (run on the lent machine).
 
     python3 scripts/tune_group_norm.py [--mode fwd,bwd] [--configs "name:key=val,key=val name2:..."]
-                                       [--shapes 8x512x64x64,...] [--layouts nchw,nhwc] [--peers]
+                                       [--shapes 8x512x64x64,...] [--layouts nchw,nhwc] [--peers] [--warm]
+    python3 scripts/tune_group_norm.py --wall
+    python3 scripts/tune_group_norm.py --select SWEEP_LOG > choice.json
+    python3 scripts/tune_group_norm.py --tuning choice.json --bench [--json out.json]
 
 For each (shape, layout) and config it sets ``culmen.ops.group_norm.launch.TUNING`` and times the
-launchers themselves (``group_norm_fwd`` / ``group_norm_bwd``, GroupNorm(32) + SiLU, bf16) as CUDA-graph
-replays: device time only, no host cost. It checks ``y`` against ``F.group_norm`` + ``F.silu`` and prints
-GB/s (fewest bytes: fwd reads x and writes y; bwd reads dy and x and writes dx) and the percentage of
-the measured copy bandwidth. The fastest config per case is marked. ``--peers`` adds torch eager
-(device time of the same work, fwd and fwd+bwd through autograd). Configs (``TUNING`` keys) by
-default: the current rules, bigger and smaller tiles, no L2 cap, and the split schedule forced.
+launchers themselves (``group_norm_fwd_packed`` / ``group_norm_bwd``, GroupNorm(32) + SiLU, bf16) with
+``triton.testing.do_bench``: the L2 is flushed before every run and the flush (a 256 MB memset) covers
+the host cost of the launch, so the times are device times with cold caches. It checks ``y`` and the
+gradients against an fp32 PyTorch computation (``err``: max abs difference, largest over the outputs)
+and prints GB/s (fewest bytes: fwd reads x and writes y; bwd reads dy and x and writes dx) and the
+percentage of the measured copy bandwidth. The fastest config per case is marked. ``--peers`` adds
+torch eager (fwd, and the backward as (fwd+bwd) - fwd). ``--warm`` runs every config once without
+timing (to fill Triton's compile cache from several processes at once). ``--wall`` times the
+``culmen bench group_norm`` cases (host cost included) against torch eager and Liger, without the
+``torch.compile`` peer.
+
+Config keys ``tile``, ``chunk`` and ``warps`` set that knob for both kernel families and directions
+(``tile``, ``bwd_tile``, ``cl_tile``, ``cl_bwd_tile`` ...); full ``TUNING`` names set one key. ``--select``
+reads a sweep log and prints, as JSON, the ``TUNING`` entries of the fastest config per kernel family
+(NCHW cases: rows kernels; NHWC: channels-last kernels) and direction (geometric mean over the shapes of
+the time relative to ``base``; configs with a wrong result are left out). ``--tuning`` applies such a
+JSON file first; ``--bench`` then runs ``culmen bench group_norm`` with it (the table of the notes).
 """
 
 from __future__ import annotations
@@ -25,9 +39,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = "8x512x64x64,8x1280x32x32,16x320x128x128,1x640x64x64"
-DEFAULT_CONFIGS = ("base: few8:num_warps_few=8 all16:num_warps=16 t2048:tile=2048 bt1:bwd_tile_mult=1 "
-                   "bt4:bwd_tile_mult=4 l2cap:fused_l2_budget=33554432 "
-                   "split8:fused_min_groups_per_sm=1e9,split_programs_per_sm=8,max_splits=128")
+DEFAULT_CONFIGS = ("base: c8k:chunk=8192 c32k:chunk=32768 c64k:chunk=65536 t8k:tile=8192,warps=8,chunk=32768 "
+                   "t8kw16:tile=8192,warps=16,chunk=32768 t2kw4:tile=2048,warps=4,chunk=8192 "
+                   "t4kw8:tile=4096,warps=8 t4kw4:tile=4096,warps=4 nogather:gather=0")
+_FAMILIES = ("", "bwd_", "cl_", "cl_bwd_")
+_SHORT = {"tile": "tile", "chunk": "chunk", "warps": "num_warps"}
+# (layout, mode) of the sweep -> the TUNING prefix of the kernels that ran
+_PREFIX = {("nchw", "fwd"): "", ("nchw", "bwd"): "bwd_", ("nhwc", "fwd"): "cl_", ("nhwc", "bwd"): "cl_bwd_"}
 
 
 def copy_gbps() -> float:
@@ -46,9 +64,42 @@ def parse_configs(text: str) -> list[tuple[str, dict]]:
         cfg = {}
         for kv in filter(None, body.split(",")):
             k, v = kv.split("=")
-            cfg[k] = float(v) if "." in v or "e" in v else int(v)
+            val = float(v) if "." in v or "e" in v else int(v)
+            for key in ([f + _SHORT[k] for f in _FAMILIES] if k in _SHORT else [k]):
+                cfg[key] = val
         out.append((name, cfg))
     return out
+
+
+def select(log_path: str, configs: str = DEFAULT_CONFIGS, tolerance: float = 0.05) -> dict:
+    """The ``TUNING`` entries of the fastest config per (kernel family, direction) in a sweep log."""
+    import math
+    import re
+
+    cfgs = dict(parse_configs(configs))
+    times: dict = {}  # (layout, mode) -> config -> {shape: us}
+    pat = re.compile(r"^\s*(\S+) (nchw|nhwc) (fwd|bwd)\s+(\S+): +([0-9.]+) us .* err=([0-9.e+-]+|nan)")
+    for line in open(log_path):
+        m = pat.match(line)
+        if m and m.group(4) in cfgs and float(m.group(6)) <= tolerance:
+            times.setdefault((m.group(2), m.group(3)), {}).setdefault(m.group(4), {})[m.group(1)] = float(m.group(5))
+    choice: dict = {}
+    for (layout, mode), per_cfg in sorted(times.items()):
+        base = per_cfg.get("base")
+        if not base:
+            continue
+        scores = {}
+        for name, t in per_cfg.items():
+            if set(t) >= set(base):
+                scores[name] = math.exp(sum(math.log(t[k] / base[k]) for k in base) / len(base))
+        best = min(scores, key=scores.get)
+        pre = _PREFIX[(layout, mode)]
+        print(f"# {layout} {mode}: best {best} ({scores[best]:.3f} of base); "
+              + ", ".join(f"{k} {v:.3f}" for k, v in sorted(scores.items(), key=lambda kv: kv[1])), file=sys.stderr)
+        choice.update({k: v for k, v in cfgs[best].items() if k.startswith(pre) and k[len(pre):] in _SHORT.values()})
+        if layout == "nhwc" and "nogather" in scores and scores["nogather"] < 0.97:
+            choice["gather"] = 0
+    return choice
 
 
 def wall(roof: float) -> None:
@@ -90,8 +141,13 @@ def wall(roof: float) -> None:
               flush=True)
 
 
+def _err(got, ref) -> float:
+    """Largest max-abs error over the outputs, each relative to max(1, the output's largest magnitude)."""
+    return max(float((a.float() - r.float()).abs().max()) / max(1.0, float(r.abs().max())) for a, r in zip(got, ref))
+
+
 def main() -> None:
-    from triton.testing import do_bench_cudagraph
+    from triton.testing import do_bench
 
     from culmen.ops.group_norm import launch
 
@@ -101,28 +157,51 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--layouts", default="nchw,nhwc")
     ap.add_argument("--peers", action="store_true")
-    ap.add_argument("--rep", type=int, default=30)
+    ap.add_argument("--warm", action="store_true", help="run every config once, no timing (compile only)")
+    ap.add_argument("--rep", type=int, default=60)
     ap.add_argument("--wall", action="store_true", help="only the wall-time comparison of the bench cases")
+    ap.add_argument("--select", metavar="LOG", help="print the best TUNING entries of a sweep log as JSON")
+    ap.add_argument("--tuning", metavar="JSON", help="TUNING entries to apply first")
+    ap.add_argument("--bench", action="store_true", help="run `culmen bench group_norm` (with --tuning)")
+    ap.add_argument("--json", metavar="PATH", help="--bench: the JSON output")
     args = ap.parse_args()
+    if args.select:
+        import json
+
+        print(json.dumps(select(args.select, args.configs)))
+        return
+    if args.tuning:
+        import json
+
+        launch.TUNING.update(json.load(open(args.tuning)))
+        print(f"TUNING overrides: {json.load(open(args.tuning))}", flush=True)
+    if args.bench:
+        from culmen.cli import main as cli_main
+
+        sys.exit(cli_main(["bench", "group_norm", *(["--json", args.json] if args.json else [])]))
     dtype = torch.bfloat16
-    roof = copy_gbps()
+    roof = 0.0 if args.warm else copy_gbps()
     if args.wall:
         wall(roof)
         return
-    print(f"copy bandwidth {roof:.0f} GB/s; bf16; GroupNorm(32) + SiLU; device time (CUDA-graph replay)", flush=True)
+    if not args.warm:
+        print(f"copy bandwidth {roof:.0f} GB/s; bf16; GroupNorm(32) + SiLU; device time (do_bench, L2 flushed)",
+              flush=True)
     base = dict(launch.TUNING)
     configs = parse_configs(args.configs)
-    G = 32
+    G, eps = 32, 1e-5
     for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
         for layout in args.layouts.split(","):
             x = torch.randn(shape, device="cuda", dtype=dtype)
             if layout == "nhwc":
                 x = x.contiguous(memory_format=torch.channels_last)
             C = shape[1]
-            w = torch.randn(C, device="cuda", dtype=dtype)
-            b = torch.randn(C, device="cuda", dtype=dtype)
+            w = 1.0 + 0.1 * torch.randn(C, device="cuda", dtype=dtype)
+            b = 0.1 * torch.randn(C, device="cuda", dtype=dtype)
             dy = torch.randn_like(x)
-            ref = F.silu(F.group_norm(x.float(), G, w.float(), b.float(), 1e-5))
+            xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+            yr = F.silu(F.group_norm(xr, G, wr, br, eps))
+            refs = {"fwd": (yr.detach(),), "bwd": torch.autograd.grad(yr, (xr, wr, br), dy.float())}
             label = f"{'x'.join(map(str, shape)):>15} {layout}"
             for mode in args.mode.split(","):
                 nbytes = x.numel() * x.element_size() * (2 if mode == "fwd" else 3)
@@ -131,33 +210,36 @@ def main() -> None:
                     launch.TUNING.clear()
                     launch.TUNING.update(base, **cfg)
                     try:
-                        y, mean, rstd = launch.group_norm_fwd(x, w, b, G, 1e-5, True)
-                        err = (y.float() - ref).abs().max().item()
+                        y, ws = launch.group_norm_fwd_packed(x, w, b, G, eps, True)
                         if mode == "fwd":
-                            fn = lambda: launch.group_norm_fwd(x, w, b, G, 1e-5, True)  # noqa: E731
+                            fn = lambda: launch.group_norm_fwd_packed(x, w, b, G, eps, True)  # noqa: E731
+                            got = (y,)
                         else:
-                            fn = lambda: launch.group_norm_bwd(dy, x, w, b, mean, rstd, G, True, True)  # noqa: E731
-                        fn()
-                        ms = do_bench_cudagraph(fn, rep=args.rep, return_mode="median")
+                            fn = lambda: launch.group_norm_bwd(dy, x, w, b, ws, ws, G, True, True, True)  # noqa: E731
+                            got = fn()
+                        err = _err(got, refs[mode])
+                        if args.warm:
+                            continue
+                        ms = do_bench(fn, warmup=10, rep=args.rep, return_mode="median")
                         results.append((ms, name, err))
                     except Exception as exc:  # report and go on with the next config
                         print(f"{label} {mode} {name} failed: {type(exc).__name__}: {exc}", flush=True)
-                if args.peers:
+                if args.peers and not args.warm:
+                    xq = x.detach().requires_grad_()
+                    wq = w.detach().requires_grad_()
+                    bq = b.detach().requires_grad_()
+
                     def eager_fwd():
-                        return F.silu(F.group_norm(x, G, w, b, 1e-5))
-                    xr = x.detach().requires_grad_()
-                    wr = w.detach().requires_grad_()
-                    br = b.detach().requires_grad_()
+                        return F.silu(F.group_norm(x, G, w, b, eps))
 
                     def eager_fb():
-                        yy = F.silu(F.group_norm(xr, G, wr, br, 1e-5))
-                        return torch.autograd.grad(yy, (xr, wr, br), dy)
+                        yy = F.silu(F.group_norm(xq, G, wq, bq, eps))
+                        return torch.autograd.grad(yy, (xq, wq, bq), dy)
+                    fw = do_bench(eager_fwd, warmup=10, rep=args.rep, return_mode="median")
                     if mode == "fwd":
-                        ms = do_bench_cudagraph(eager_fwd, rep=args.rep, return_mode="median")
-                        results.append((ms, "torch", 0.0))
-                    else:  # eager backward = (fwd+bwd) - fwd
-                        fb = do_bench_cudagraph(eager_fb, rep=args.rep, return_mode="median")
-                        fw = do_bench_cudagraph(eager_fwd, rep=args.rep, return_mode="median")
+                        results.append((fw, "torch", 0.0))
+                    else:
+                        fb = do_bench(eager_fb, warmup=10, rep=args.rep, return_mode="median")
                         results.append((fb - fw, "torch(fb-f)", 0.0))
                 best = min(r[0] for r in results) if results else None
                 for ms, name, err in results:

@@ -23,18 +23,27 @@ F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float6
 EPS = 1e-5
 
 
+# TUNING overrides of the Triton paths (interpreter): tiny tiles so that every loop takes several trips.
+CONFIGS = {
+    # Chunks of two tiles: many chunks per row, merges in several steps, several tail programs and row steps.
+    "many": {**{f"{f}{k}": v for f in ("", "bwd_", "cl_", "cl_bwd_") for k, v in (("tile", 32), ("chunk", 64))},
+             "merge_block": 4, "tail_block_c": 4, "tail_block_r": 2},
+    # Chunks of several tiles (loops inside a chunk); the cl kernels regroup through scratch, not tl.gather.
+    "few": {**{f"{f}{k}": v for f in ("", "bwd_", "cl_", "cl_bwd_") for k, v in (("tile", 16), ("chunk", 64))},
+            "min_programs_per_sm": 0, "gather": False},
+    # Every layout through the rows kernels, channel blocks of a group split across chunks.
+    "rows": {"max_block_c": 0, "tile": 32, "bwd_tile": 32, "chunk": 96, "bwd_chunk": 96, "min_programs_per_sm": 0},
+}
+
+
 def use_path(path: str, monkeypatch) -> None:
-    """The reference, or the Triton kernels (interpreter) with tiny tiles and a forced schedule."""
+    """The reference, or the Triton kernels (interpreter) with one of the ``CONFIGS``."""
     monkeypatch.setenv("CULMEN_BACKEND", "reference" if path == "reference" else "triton")
-    if path != "reference":
-        monkeypatch.setitem(gn_launch.TUNING, "tile", 128)
-        monkeypatch.setitem(gn_launch.TUNING, "bwd_tile_mult", 1)
-        monkeypatch.setitem(gn_launch.TUNING, "max_block_d_cl", 4)
-        monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0 if path == "fused" else 1e9)
-        monkeypatch.setitem(gn_launch.TUNING, "max_splits", 3)
+    for key, value in CONFIGS.get(path, {}).items():
+        monkeypatch.setitem(gn_launch.TUNING, key, value)
 
 
-@pytest.fixture(params=["reference", "fused", "split"])
+@pytest.fixture(params=["reference", "many", "rows"])
 def path(request, monkeypatch):
     use_path(request.param, monkeypatch)
     return request.param
@@ -146,9 +155,10 @@ def check_case(case: Case) -> None:
         assert_close_tolerance(g, ghi, glo, name=f"d{name} [{case}]")
 
 
-# Every case on the reference and the fused kernels; the split schedule (slower under the interpreter:
-# one program per chunk) on the cases that vary layout, dtype and activation.
-PATH_CASES = [(p, c) for p in ("reference", "fused") for c in CASES] + [("split", CASES[i]) for i in (1, 2, 5, 6)]
+# Every case on the reference and on the "many" config; the other configs on the cases that vary layout,
+# dtype, activation and affine-ness.
+PATH_CASES = ([("reference", c) for c in CASES] + [("many", CASES[i]) for i in (0, 1, 2, 4, 6, 7, 8)]
+              + [(p, CASES[i]) for p in ("few", "rows") for i in (1, 3, 5, 6)])
 
 
 @pytest.mark.parametrize("path_name, case", PATH_CASES, ids=lambda v: str(v))
@@ -157,35 +167,63 @@ def test_tolerance_rule(path_name, case, monkeypatch):
     check_case(case)
 
 
-def test_schedules_agree_and_cover_chunks(triton_backend, monkeypatch):
-    """Fused and split schedules agree; the split one really cuts groups into several chunks."""
-    monkeypatch.setitem(gn_launch.TUNING, "tile", 16)
-    x = randn((1, 4, 50), F32)
-    w, b = randn(4), randn(4)
-    monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0)
-    fused = group_norm(x, 2, w, b, EPS, "silu", return_stats=True)
-    monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 1e9)
-    assert gn_launch._plan(1, 2, 50, 16, x.device)[0] > 1
-    split = group_norm(x, 2, w, b, EPS, "silu", return_stats=True)
-    for a, c in zip(fused, split):
-        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+def test_layouts_split_rows_into_chunks():
+    """The test configs really cut rows into several chunks, channel blocks included."""
+    cpu = torch.device("cpu")
+    bd, bl, dc, lc, S, sl = gn_launch.rows_layout(2, 3, 4, 35, 16, 48, cpu)
+    assert (bd, bl) == (1, 16) and S == (4 // dc) * sl and dc < 4 and sl == 3
+    bp, bc, lc, S = gn_launch.cl_layout(2, 12, 35, 32, 32, cpu)
+    assert (bp, bc) == (2, 16) and lc == 2 and S == 18
+    # GPU-like sizes: 132 multiprocessors' worth of programs, chunks never below one tile
+    bd, bl, dc, lc, S, sl = gn_launch.rows_layout(8, 32, 16, 4096, 4096, 16384, cpu)
+    assert (bd, bl, dc, lc, S) == (1, 4096, 4, 4096, 4)
 
 
-def test_fused_programs_loop_over_groups(triton_backend, monkeypatch):
-    """With the L2 budget capping the programs (4 on CPU) each fused program handles several groups."""
-    monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0)
-    x = randn((3, 12, 5, 3), F32, requires_grad=True)
-    w, b = randn(12, requires_grad=True), randn(12, requires_grad=True)
-    dy = randn((3, 12, 5, 3))
+def test_configs_agree_and_counters_reset(triton_backend, monkeypatch):
+    """Every config gives the same results (to rounding), and the kernels leave their counters zeroed."""
+    x = randn((2, 6, 3, 5), F32, requires_grad=True)
+    w, b = randn(6, requires_grad=True), randn(6, requires_grad=True)
+    dy = randn((2, 6, 3, 5))
     runs = []
-    for budget in (0, 1):
-        monkeypatch.setitem(gn_launch.TUNING, "fused_l2_budget", budget)
-        y = group_norm(x, 6, w, b, EPS, "silu")
-        runs.append((y, *torch.autograd.grad(y, (x, w, b), dy)))
-    assert gn_launch._fused_programs(18, 1000, x.device) == 4
-    for a, c in zip(*runs):
-        assert torch.equal(a, c)
-    torch.testing.assert_close(runs[0][0], group_norm_ref(x, 6, w, b, EPS, True), rtol=1e-5, atol=1e-5)
+    for name, cfg in CONFIGS.items():
+        for layout in ("nchw", "cl"):
+            with monkeypatch.context() as m:
+                for k, v in cfg.items():
+                    m.setitem(gn_launch.TUNING, k, v)
+                xx = x if layout == "nchw" else x.contiguous(memory_format=torch.channels_last)
+                y = group_norm(xx, 3, w, b, EPS, "silu")
+                runs.append((name, layout, y, *torch.autograd.grad(y, (x, w, b), dy)))
+    for name, layout, *got in runs[1:]:
+        for a, c in zip(got, runs[0][2:]):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=f"{name} {layout}")
+    assert gn_launch._COUNTERS and all(int(buf.abs().sum()) == 0 for buf in gn_launch._COUNTERS.values())
+
+
+def test_tuning_change_rebuilds_plans(triton_backend, monkeypatch):
+    """Changing TUNING drops the cached plans: the next call runs with the new tiles."""
+    x = randn((2, 8, 6, 6), F32)
+    group_norm(x, 4)
+    version = gn_launch.VERSION[0]
+    monkeypatch.setitem(gn_launch.TUNING, "tile", 8)
+    assert gn_launch.VERSION[0] > version and not gn_launch._PLANS
+    y = group_norm(x, 4)
+    assert any(getattr(p, "version", None) == gn_launch.VERSION[0] for p in gn_launch._PLANS.values())
+    torch.testing.assert_close(y, group_norm_ref(x, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_general_path_parameters(triton_backend):
+    """Parameters the fast path does not take (a (C, 1) view, a non-contiguous slice) go the general way."""
+    x = randn((2, 6, 4, 4), F32, requires_grad=True)
+    w2 = randn((6, 2))
+    w = w2[:, 0].requires_grad_()  # non-contiguous (C,)
+    b = randn((6, 1), requires_grad=True)
+    y = group_norm(x, 3, w, b, EPS, "SiLU")
+    ref = group_norm_ref(x, 3, w, b.reshape(6), EPS, True)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    gx, gw, gb = torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
+    rx, rw, rb = torch.autograd.grad(ref, (x, w, b), torch.ones_like(y))
+    for a, c in ((gx, rx), (gw, rw), (gb, rb)):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
 def test_stats_are_fp32_and_match(path):

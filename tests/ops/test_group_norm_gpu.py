@@ -2,7 +2,9 @@
 
 Same tolerance rule as ``test_group_norm.py``: against ``group_norm_ref`` (``F.group_norm`` + SiLU) on
 float64 copies, the op's error must be at most 2x PyTorch's own in the input dtype, plus a small atol,
-for ``y`` and every gradient. Both schedules (one program per group; groups split into chunks) run.
+for ``y`` and every gradient. Both kernel families (rows, channels-last) under several chunkings run; the
+look-back schedule's counters are checked to reset themselves, across two concurrent streams and
+inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ CASES = [
     ((3, 96, 33, 17), 24, F16, "crop", True),  # odd sizes, strided view
     ((5, 60, 7, 9, 3), 6, BF16, "nchw", True),  # 5-D
     ((64, 512), 16, F32, "nchw", False),  # (N, C): one position per channel
+    ((1, 128, 256, 256), 32, BF16, "nchw", True),  # large groups: many chunks per group
+    ((2, 2560, 16, 16), 32, BF16, "nhwc", True),  # wide channels-last rows (4096-channel tiles)
 ]
 
 
@@ -80,11 +84,80 @@ def test_mixed_dtypes_and_no_affine():
     check((4, 256, 24, 24), 32, BF16, "nhwc", True, affine=False)
 
 
-@pytest.mark.parametrize("schedule", ["fused", "split"])
-def test_forced_schedules(schedule, monkeypatch):
-    monkeypatch.setitem(gn_launch.TUNING, "fused_min_groups_per_sm", 0 if schedule == "fused" else 1e9)
+# TUNING overrides: every layout through the rows kernels; tiny chunks (many chunks per row, merges in
+# several steps, many tail programs); the scratch regroup instead of tl.gather; huge chunks (one per row).
+FORCED = {
+    "rows": {"max_block_c": 0},
+    "tiny": {**{f"{f}{k}": 1024 for f in ("", "bwd_", "cl_", "cl_bwd_") for k in ("tile", "chunk")},
+             "max_chunks": 4096, "merge_block": 64, "tail_block_c": 16, "tail_block_r": 4},
+    "scratch": {"gather": False},
+    "huge": {**{f"{f}chunk": 1 << 30 for f in ("", "bwd_", "cl_", "cl_bwd_")}, "min_programs_per_sm": 0},
+}
+
+
+@pytest.mark.parametrize("config", list(FORCED))
+def test_forced_configs(config, monkeypatch):
+    for key, value in FORCED[config].items():
+        monkeypatch.setitem(gn_launch.TUNING, key, value)
     check((2, 320, 64, 64), 32, BF16, "nhwc", True)
     check((2, 320, 64, 64), 32, BF16, "nchw", True)
+    check((3, 96, 33, 17), 24, F16, "crop", False)
+
+
+def test_counters_left_zeroed():
+    """The look-back counters reset themselves: after fwd+bwd every counter buffer is zero again."""
+    for layout in ("nchw", "nhwc"):
+        x = _x((4, 320, 32, 32), BF16, layout)
+        w = randn(320, BF16, DEV).requires_grad_()
+        b = randn(320, BF16, DEV).requires_grad_()
+        y = group_norm(x, 32, w, b, EPS, "silu")
+        torch.autograd.grad(y, (x, w, b), torch.randn_like(y))
+    torch.cuda.synchronize()
+    assert gn_launch._COUNTERS and all(int(c.abs().sum()) == 0 for c in gn_launch._COUNTERS.values())
+
+
+def test_two_streams_at_once():
+    """Launches on two streams run concurrently with separate counter buffers and give the same results."""
+    xs = [_x((8, 512, 32, 32), BF16, "nhwc"), _x((8, 512, 32, 32), BF16, "nchw")]
+    w = randn(512, BF16, DEV)
+    b = randn(512, BF16, DEV)
+    expected = [group_norm(x.detach(), 32, w, b, EPS, "silu") for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    outs = [[], []]
+    for _ in range(20):
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                outs[i].append(group_norm(xs[i].detach(), 32, w, b, EPS, "silu"))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for y in outs[i]:
+            assert torch.equal(y, expected[i])
+
+
+def test_cuda_graph_capture():
+    """fwd+bwd captured as CUDA graphs (``torch.cuda.make_graphed_callables``: the counters come from a
+    zeroed buffer inside the graph) and replayed with new data, equal to eager bitwise."""
+    shape = (4, 320, 32, 32)
+    x = _x(shape, BF16, "nhwc")
+    w = randn(320, BF16, DEV).requires_grad_()
+    b = randn(320, BF16, DEV).requires_grad_()
+
+    def fn(x, w, b):
+        return group_norm(x, 32, w, b, EPS, "silu")
+
+    graphed = torch.cuda.make_graphed_callables(fn, (x, w, b))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        xs = _x(shape, BF16, "nhwc")
+        dy = randn(shape, BF16, DEV).contiguous(memory_format=torch.channels_last)
+        ye = fn(xs, w, b)
+        eager = (ye, *torch.autograd.grad(ye, (xs, w, b), dy))
+        yg = graphed(xs, w, b)
+        got = (yg, *torch.autograd.grad(yg, (xs, w, b), dy))
+        torch.cuda.synchronize()
+        for a, e in zip(got, eager):
+            assert torch.equal(a, e)
 
 
 def test_bitwise_reproducible():

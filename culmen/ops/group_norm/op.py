@@ -2,6 +2,11 @@
 
 ``group_norm`` is the op-level entry point of ``culmen.contrib.group_norm`` (Apex's NHWC GroupNorm
 with fused SiLU), for NCHW and channels-last inputs alike.
+
+Eager calls on the Triton backend take a lean path (host time decides the wall time of small
+activations): the arguments of each call signature are validated once (``_fast_entry``), and one
+``autograd.Function`` with a single output keeps the statistics in the forward's workspace on ``ctx``.
+``torch.compile``, ``return_stats`` and unusual arguments go through the custom ops.
 """
 
 from __future__ import annotations
@@ -13,6 +18,17 @@ from culmen.ops.backend import choose_backend, register_op
 from culmen.ops.common.outputs import nothing
 from culmen.ops.group_norm.reference import group_norm_bwd_ref, group_norm_fwd_ref, spatial_strides, stats_dtype
 
+_launch = None  # culmen.ops.group_norm.launch, imported at the first Triton call (it imports triton)
+
+
+def _launcher():
+    global _launch
+    if _launch is None:
+        from culmen.ops.group_norm import launch
+
+        _launch = launch
+    return _launch
+
 register_op("group_norm_fwd", "normalization", "GroupNorm (+ SiLU), NCHW or channels-last, fp32 statistics")
 register_op("group_norm_bwd", "normalization", "backward of group_norm_fwd (dx, dweight, dbias)")
 
@@ -23,17 +39,13 @@ _ACTS = {None: False, "": False, "none": False, "silu": True, "swish": True}
 
 def _fwd_impl(x, weight, bias, G, eps, silu):
     if choose_backend(x.device) == "triton":
-        from culmen.ops.group_norm.launch import group_norm_fwd
-
-        return group_norm_fwd(x, weight, bias, G, eps, silu)
+        return _launcher().group_norm_fwd(x, weight, bias, G, eps, silu)
     return group_norm_fwd_ref(x, weight, bias, G, eps, silu)
 
 
 def _bwd_impl(dy, x, weight, bias, mean, rstd, G, silu, need_dw):
     if choose_backend(x.device) == "triton":
-        from culmen.ops.group_norm.launch import group_norm_bwd
-
-        return group_norm_bwd(dy, x, weight, bias, mean, rstd, G, silu, need_dw)
+        return _launcher().group_norm_bwd(dy, x, weight, bias, mean, rstd, G, silu, need_dw)
     return group_norm_bwd_ref(dy, x, weight, bias, mean, rstd, G, silu, need_dw)
 
 
@@ -128,6 +140,99 @@ def _param(name: str, t: Tensor | None, x: Tensor, C: int) -> Tensor | None:
     return t.reshape(C).contiguous()
 
 
+class _Entry:
+    """What ``group_norm`` validated once for one call signature (shapes, strides, dtypes, devices, groups,
+    eps, act): the normalized arguments and the Triton plans (rebuilt when ``TUNING`` changes)."""
+
+    __slots__ = ("G", "eps", "silu", "fplan", "bplans")
+
+    def __init__(self, G: int, eps: float, silu: bool):
+        self.G, self.eps, self.silu = G, eps, silu
+        self.fplan = None
+        self.bplans: dict = {}
+
+    def fwd_plan(self, x, weight, bias):
+        launch = _launcher()
+        if x.numel() == 0:
+            return None
+        plan = self.fplan
+        if plan is None or plan.version != launch.VERSION[0]:
+            plan = self.fplan = launch.fwd_plan(x, weight, bias, self.G, self.silu, packed=True)
+        return plan
+
+
+_FRONT: dict = {}
+
+
+def _param_key(t):
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _fast_entry(x, num_groups, weight, bias, eps, act) -> _Entry | None:
+    """The cached ``_Entry`` of this call signature, made (after full validation) on first sight; ``None``
+    when the arguments need the general path (parameters to reshape, tensor subclasses, bad arguments:
+    the general path raises the errors)."""
+    try:
+        key = (type(x), x.shape, x.stride(), x.dtype, x.device, num_groups, eps, act, _param_key(weight),
+               _param_key(bias))
+        e = _FRONT.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments
+        return None
+    if e is not None:
+        return e
+    if not (type(x) is Tensor and x.dtype in _FLOATS and x.dim() >= 2 and spatial_strides(x) is not None):
+        return None
+    C = x.shape[1]
+    G = num_groups
+    if type(G) is not int or G <= 0 or C % G != 0 or type(eps) not in (int, float) or eps < 0:
+        return None
+    try:
+        silu = parse_act(act)
+    except ValueError:
+        return None
+    for t in (weight, bias):
+        if t is not None and not (type(t) in _PARAM_TYPES and t.dtype in _FLOATS and t.dim() == 1 and t.shape[0] == C
+                                  and t.is_contiguous() and t.device == x.device):
+            return None
+    if len(_FRONT) > 1024:
+        _FRONT.clear()
+    e = _FRONT[key] = _Entry(G, float(eps), silu)
+    return e
+
+
+class _GroupNormPackedFn(torch.autograd.Function):
+    """The eager fast path: one output, the statistics in one workspace kept on ``ctx``, plans from the entry."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, e):
+        y, ws = _launcher().group_norm_fwd_packed(x, weight, bias, e.G, e.eps, e.silu, e.fwd_plan(x, weight, bias))
+        ctx.save_for_backward(x, weight, bias)
+        ctx.ws = ws
+        ctx.e = e
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias = ctx.saved_tensors
+        e = ctx.e
+        need = ctx.needs_input_grad
+        need_dw = bool(need[1] or need[2])
+        launch = _launcher()
+        key = (dy.stride(), dy.dtype, need_dw)
+        plan = e.bplans.get(key)
+        if x.numel() == 0:
+            plan = None
+        elif plan is None or plan.version != launch.VERSION[0]:
+            if spatial_strides(dy) is None:
+                dy = dy.contiguous()
+                plan = launch.bwd_plan(dy, x, weight, bias, e.G, e.silu, need_dw, True)
+            else:
+                plan = e.bplans[key] = launch.bwd_plan(dy, x, weight, bias, e.G, e.silu, need_dw, True)
+        ws = ctx.ws
+        dx, dw, db = launch.group_norm_bwd(dy, x, weight, bias, ws, ws, e.G, e.silu, need_dw, True, plan)
+        return dx if need[0] else None, dw if need[1] else None, db if need[2] else None, None
+
+
 def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5, act: str | None = "", return_stats: bool = False
                ) -> Tensor | tuple[Tensor, Tensor, Tensor]:
@@ -147,6 +252,14 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: T
         Statistics are fp32 (fp64 for fp64 ``x``); gradients for ``x``, ``weight`` and ``bias`` (in their
         own dtypes).
     """
+    if not return_stats and not torch.compiler.is_compiling():
+        e = _fast_entry(x, num_groups, weight, bias, eps, act)
+        if e is not None and choose_backend(x.device) == "triton":
+            if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                            or (bias is not None and bias.requires_grad)):
+                return _GroupNormPackedFn.apply(x, weight, bias, e)
+            plan = e.fwd_plan(x, weight, bias)
+            return _launcher().group_norm_fwd_packed(x, weight, bias, e.G, e.eps, e.silu, plan)[0]
     if not isinstance(x, Tensor) or x.dtype not in _FLOATS:
         got = x.dtype if isinstance(x, Tensor) else type(x).__name__
         raise TypeError(f"group_norm: x must be a float16/bfloat16/float32/float64 tensor, got {got}")
