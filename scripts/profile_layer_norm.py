@@ -4,23 +4,18 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from culmen.bench.tuning import host_us  # noqa: E402
 from culmen.ops.layer_norm import launch, layer_norm  # noqa: E402
 
 
 def wall(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e3
+    """Milliseconds per call."""
+    return host_us(fn, n, warmup=1) / 1e3
 
 
 def main():

@@ -13,27 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from culmen.bench.registry import BenchConfig, load_benchmarks, select_benchmarks  # noqa: E402
+from culmen.bench.tuning import host_us  # noqa: E402
 from culmen.ops.rotary import launch as rotary_launch  # noqa: E402
 
 SWEEP = {"elems": [2048, 8192, 16384], "elems_per_thread": [4, 16], "max_warps": [4, 16]}
-
-
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 def trace(fn):

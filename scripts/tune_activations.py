@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from culmen.bench.tuning import sweep_tuning  # noqa: E402
+from culmen.bench.tuning import host_us, sweep_tuning  # noqa: E402
 from culmen.ops.activations import launch  # noqa: E402
 
 GRID = {
@@ -64,17 +64,6 @@ DBIAS_GRID = {
 }
 DBIAS_SHAPES = [(8192, 16384, "gelu_tanh"), (16384, 4096, "gelu_tanh"), (8192, 4096, "gelu_tanh"),
                 (16384, 4096, "gelu")]
-
-
-def host_us(fn, n: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 def trace(fn) -> str:

@@ -17,6 +17,21 @@ from culmen.bench.registry import BenchConfig, load_benchmarks, select_benchmark
 from culmen.bench.runner import default_device, time_ms
 
 
+def host_us(fn, n: int = 200, warmup: int = 10) -> float:
+    """Microseconds per call of ``fn`` over ``n`` back-to-back calls, the GPU drained before and after
+    (wall time per call: the host cost when the kernels are short, the device time when they are long)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
 def sweep_tuning(tuning: dict[str, Any], grid: dict[str, Sequence[Any]], names: Sequence[str],
                  timer: str = "graph") -> None:
     """For every case of benchmarks ``names``: time each ``tuning[key] = value`` of ``grid`` (others at

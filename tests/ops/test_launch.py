@@ -85,3 +85,18 @@ def test_run_compiled_skips_empty_hook_chains(monkeypatch):
     monkeypatch.setattr(L, "_launch_hooks", lambda: (used, empty))
     L.run_compiled(entry, (5,), 3, ("X", 7))
     assert k.log[0][0] == "metadata" and k.log[1][7:10] == ("md", used, empty)
+
+
+def test_plan_tuning_reports_every_change():
+    seen = []
+    t = L.PlanTuning({"a": 1}, lambda: seen.append(1))
+    t["a"] = 2
+    t.update(b=3)
+    del t["b"]
+    t.clear()
+    assert len(seen) == 4 and t == {}
+
+
+def test_host_integer_helpers():
+    assert [L.cdiv(a, 4) for a in (0, 1, 4, 5)] == [0, 1, 1, 2]
+    assert [L.next_pow2(n) for n in (0, 1, 2, 3, 17, 64)] == [1, 1, 2, 4, 32, 64]

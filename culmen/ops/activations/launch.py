@@ -28,7 +28,7 @@ from culmen.ops.activations.kernels import (
     _relu_mask_fwd_kernel,
 )
 from culmen.ops.backend import device_guard, num_programs_hint
-from culmen.ops.common.launch import BoundLaunch, FastLauncher, cdiv, next_pow2, raw_stream
+from culmen.ops.common.launch import BoundLaunch, FastLauncher, PlanTuning, cdiv, next_pow2, raw_stream
 
 ACT_CODES: dict[str, int] = {
     "none": 0, "relu": 1, "sigmoid": 2, "gelu": 3, "gelu_tanh": 4, "sqrelu": 5, "silu": 6, "relu_ge0": 7,
@@ -45,27 +45,10 @@ _mask_bwd = FastLauncher(_relu_mask_bwd_kernel)
 _mask_bwd_dbias = FastLauncher(_relu_mask_bwd_dbias_kernel)
 
 
-class _Tuning(dict):
-    """``TUNING``'s type: any change drops the cached plans (which hold blocks and grids derived from it),
-    so plan keys need not carry the settings."""
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        _PLANS.clear()
-
-    def __delitem__(self, key):
-        super().__delitem__(key)
-        _PLANS.clear()
-
-    def update(self, *args, **kwargs):
-        super().update(*args, **kwargs)
-        _PLANS.clear()
-
-
 _PLANS: dict = {}
 _MAX_PLANS = 1024
 
-TUNING = _Tuning({
+TUNING = PlanTuning({
     # Elements per program of the elementwise kernels, and their warps.
     "block_elems": 4096,
     "warps": 4,
@@ -84,7 +67,7 @@ TUNING = _Tuning({
     # The final sum of the bias-grad partials (one program per column block).
     "dbias_sum_block_n": 256,
     "dbias_sum_block_s": 8,
-})
+}, _PLANS.clear)
 
 
 def _empty(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Tensor:

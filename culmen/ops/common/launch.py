@@ -154,6 +154,31 @@ class BoundLaunch:
         self.launcher(self.grid, args, self.meta, num_warps=self.num_warps)
 
 
+class PlanTuning(dict):
+    """A ``TUNING`` dict whose every change runs ``on_change`` (dropping the plans built from the old
+    settings), so cached plan keys need not carry the settings. Sweeps and tests set entries at run time."""
+
+    def __init__(self, values: dict, on_change):
+        super().__init__(values)
+        self._on_change = on_change
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._on_change()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._on_change()
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self._on_change()
+
+    def clear(self):
+        super().clear()
+        self._on_change()
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host integers (``triton.cdiv`` is a constexpr function: several times slower
     on the host, and these run on every launch)."""

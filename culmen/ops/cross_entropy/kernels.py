@@ -82,14 +82,15 @@ def _grad_tile(z, cols, lse, zfac, coef, local, bad, label_smoothing, total_clas
 
 
 @triton.jit
-def _finish_rows(LOGITS, LABELS, LOSS, ZLOSS, LSE, rows, rows_c, row_ok, row_off, lse, sum_z,
+def _finish_rows(LOGITS, LABELS, LOSS, ZLOSS, LSE, rows, rows_c, row_ok, row_off, stride_v, lse, sum_z,
                  V, vocab_start, total_classes, ignore_index, label_smoothing, logit_scale, lse_square_scale,
                  softcap, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ADD_LSE: tl.constexpr,
                  STORE_LSE: tl.constexpr):
-    """Loss (and z-loss, LSE) of a block of rows from their LSE and sum of z; returns the label info."""
+    """Loss (and z-loss, LSE) of a block of rows from their LSE and sum of z; returns the label info.
+    ``row_off``: each row's offset in ``LOGITS``, ``stride_v`` the class stride (1 row-major)."""
     valid, local, in_shard, bad = _row_labels(LABELS, rows_c, row_ok, V, vocab_start, total_classes, ignore_index)
     # One scalar load per row for the target logit instead of a compare in every tile of the sweep.
-    x_t = tl.load(LOGITS + row_off + tl.where(in_shard, local, 0), mask=in_shard, other=0.0).to(tl.float32)
+    x_t = tl.load(LOGITS + row_off + tl.where(in_shard, local, 0) * stride_v, mask=in_shard, other=0.0).to(tl.float32)
     z_t = tl.where(in_shard, _softcap(x_t * logit_scale, softcap, HAS_SOFTCAP), 0.0)
     if HAS_SMOOTHING:
         loss = -(1.0 - label_smoothing) * z_t - label_smoothing * (sum_z / total_classes)
@@ -155,7 +156,7 @@ def _cross_entropy_fwd_kernel(
         lse = m + tl.log(acc)
     if not SPLIT:
         valid, local, bad = _finish_rows(
-            LOGITS, LABELS, LOSS, ZLOSS, LSE, rows, rows_c, row_ok, row_off, lse, sum_z, V, vocab_start,
+            LOGITS, LABELS, LOSS, ZLOSS, LSE, rows, rows_c, row_ok, row_off, 1, lse, sum_z, V, vocab_start,
             total_classes, ignore_index, label_smoothing, logit_scale, lse_square_scale, softcap,
             HAS_SMOOTHING, HAS_SOFTCAP, ADD_LSE, not PRECOMPUTED_LSE)
         if WRITE_GRAD:
@@ -175,12 +176,13 @@ def _cross_entropy_fwd_kernel(
 @triton.jit
 def _cross_entropy_combine_kernel(
     LOGITS, LABELS, PART, LOSS, ZLOSS, LSE,
-    stride_row, N, V, n_splits, vocab_start, total_classes, ignore_index,
+    stride_row, stride_v, N, V, n_splits, vocab_start, total_classes, ignore_index,
     label_smoothing, logit_scale, lse_square_scale, softcap,
     HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ADD_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Merge the per-split ``(max, sum exp, sum z)`` of a block of rows and finish their loss."""
+    """Merge the per-split ``(max, sum exp, sum z)`` of a block of rows and finish their loss (logits of any
+    ``(stride_row, stride_v)``: the vocab-major path of ``vocab_major.py`` shares it)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     rows_c = tl.minimum(rows, N - 1)
@@ -193,7 +195,7 @@ def _cross_entropy_combine_kernel(
     acc = tl.sum(tl.load(PART + plane + off, mask=sp_ok, other=0.0) * tl.exp(m_p - m[:, None]), axis=1)
     lse = m + tl.log(acc)
     sum_z = tl.sum(tl.load(PART + 2 * plane + off, mask=sp_ok, other=0.0), axis=1)
-    _finish_rows(LOGITS, LABELS, LOSS, ZLOSS, LSE, rows, rows_c, row_ok, rows_c * stride_row, lse, sum_z, V,
+    _finish_rows(LOGITS, LABELS, LOSS, ZLOSS, LSE, rows, rows_c, row_ok, rows_c * stride_row, stride_v, lse, sum_z, V,
                  vocab_start, total_classes, ignore_index, label_smoothing, logit_scale, lse_square_scale, softcap,
                  HAS_SMOOTHING, HAS_SOFTCAP, ADD_LSE, True)
 

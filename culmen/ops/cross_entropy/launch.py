@@ -99,7 +99,7 @@ def cross_entropy_fwd(logits: Tensor, labels: Tensor, lse_in: Tensor | None, lab
             block_s = triton.next_power_of_2(n_splits)
             cm = max(1, min(64, 2048 // block_s, triton.next_power_of_2(N)))
             _combine((triton.cdiv(N, cm),),
-                     (logits, labels, part, loss, zloss, lse, logits.stride(0), N, V, n_splits, *common),
+                     (logits, labels, part, loss, zloss, lse, logits.stride(0), 1, N, V, n_splits, *common),
                      dict(**flags, ADD_LSE=add_lse, BLOCK_M=cm, BLOCK_S=block_s), 4)
     return loss, zloss, lse
 

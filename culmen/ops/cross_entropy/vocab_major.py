@@ -10,8 +10,8 @@ logits are read in 16-byte vectors along the tokens.
 
 * ``_vm_stats_kernel``: program ``(m, s)`` runs an online softmax over the columns of split ``s`` for
   ``BLOCK_M`` rows and writes partial ``(max, sum exp, sum z)``;
-* ``_vm_finish_kernel``: merges the splits of a block of rows into LSE, loss and z-loss (the formulas
-  of ``kernels.py``: the same helpers);
+* ``kernels._cross_entropy_combine_kernel`` (shared, it takes both strides) merges the splits of a block
+  of rows into LSE, loss and z-loss;
 * ``_vm_grad_kernel``: ``d loss / d logits`` of one tile from the LSE (optionally in place), with a
   vocab offset so a slice ``[vocab_start, vocab_start + V)`` of a larger vocabulary can be processed.
 
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from culmen.ops.backend import device_guard, num_programs_hint
 from culmen.ops.common.launch import FastLauncher, cdiv, next_pow2
-from culmen.ops.cross_entropy.kernels import _grad_tile, _row_labels, _softcap
+from culmen.ops.cross_entropy.kernels import _cross_entropy_combine_kernel, _grad_tile, _row_labels, _softcap
 
 
 @triton.jit
@@ -65,40 +65,6 @@ def _vm_stats_kernel(LOGITS, PART, stride_t, stride_v, N, V, cols_per_split, log
 
 
 @triton.jit
-def _vm_finish_kernel(LOGITS, LABELS, PART, LOSS, ZLOSS, LSE, stride_t, stride_v, N, V, n_splits, vocab_start,
-                      total_classes, ignore_index, label_smoothing, logit_scale, lse_square_scale, softcap,
-                      HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge the splits of a block of rows; store loss, z-loss and LSE (the formulas of ``_finish_rows``)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
-    rows_c = tl.minimum(rows, N - 1)
-    sp = tl.arange(0, BLOCK_S)[None, :]
-    sp_ok = sp < n_splits
-    plane = n_splits.to(tl.int64) * N
-    off = sp.to(tl.int64) * N + rows_c[:, None]
-    m_p = tl.load(PART + off, mask=sp_ok, other=float("-inf"))
-    m = tl.max(m_p, axis=1)
-    acc = tl.sum(tl.load(PART + plane + off, mask=sp_ok, other=0.0) * tl.exp(m_p - m[:, None]), axis=1)
-    lse = m + tl.log(acc)
-    valid, local, in_shard, bad = _row_labels(LABELS, rows_c, row_ok, V, vocab_start, total_classes, ignore_index)
-    x_t = tl.load(LOGITS + rows_c * stride_t + tl.where(in_shard, local, 0) * stride_v, mask=in_shard,
-                  other=0.0).to(tl.float32)
-    z_t = tl.where(in_shard, _softcap(x_t * logit_scale, softcap, HAS_SOFTCAP), 0.0)
-    if HAS_SMOOTHING:
-        sum_z = tl.sum(tl.load(PART + 2 * plane + off, mask=sp_ok, other=0.0), axis=1)
-        loss = -(1.0 - label_smoothing) * z_t - label_smoothing * (sum_z / total_classes)
-    else:
-        loss = -z_t
-    zl = lse_square_scale * lse * lse
-    loss = loss + lse + zl
-    tl.store(ZLOSS + rows, tl.where(valid, zl, 0.0), mask=row_ok)
-    loss = tl.where(valid, loss, 0.0)
-    tl.store(LOSS + rows, tl.where(bad, float("nan"), loss), mask=row_ok)
-    tl.store(LSE + rows, lse, mask=row_ok)
-
-
-@triton.jit
 def _vm_grad_kernel(DLOGITS, DLOSS, LOGITS, LSE, LABELS, stride_t, stride_v, stride_dt, stride_dv, stride_dloss,
                     N, V, vocab_start, total_classes, ignore_index, label_smoothing, logit_scale, lse_square_scale,
                     softcap, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -123,7 +89,7 @@ def _vm_grad_kernel(DLOGITS, DLOSS, LOGITS, LSE, LABELS, stride_t, stride_v, str
 
 
 _stats = FastLauncher(_vm_stats_kernel)
-_finish = FastLauncher(_vm_finish_kernel)
+_finish = FastLauncher(_cross_entropy_combine_kernel)
 _grad = FastLauncher(_vm_grad_kernel)
 
 TUNING = {
@@ -184,7 +150,7 @@ def vm_loss_lse(logits: Tensor, labels: Tensor, label_smoothing: float, logit_sc
         _finish((cdiv(N, fm),),
                 (logits, labels, part, loss, zloss, lse, s_t, s_v, N, V, n_splits, vocab_start, total_classes,
                  ignore_index, label_smoothing, logit_scale, lse_square_scale, softcap),
-                dict(**flags, BLOCK_M=fm, BLOCK_S=next_pow2(n_splits)), 4)
+                dict(**flags, ADD_LSE=True, BLOCK_M=fm, BLOCK_S=next_pow2(n_splits)), 4)
     return loss, zloss, lse
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from culmen.ops.backend import device_guard, num_programs_hint
 from culmen.ops.common.launch import BoundLaunch as _Launch
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import FastLauncher, PlanTuning, cdiv, next_pow2
 from culmen.ops.common.launch import aligned_16 as _aligned
 from culmen.ops.common.launch import raw_stream as _stream
 from culmen.ops.group_norm.kernels import (
@@ -47,31 +47,12 @@ _PLANS: dict = {}
 VERSION = [0]
 
 
-class _Tuning(dict):
-    """``TUNING``: a dict that drops every cached plan when an entry changes (sweeps and tests set entries)."""
-
-    def _changed(self) -> None:
-        _PLANS.clear()
-        VERSION[0] += 1
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self._changed()
-
-    def __delitem__(self, key):
-        super().__delitem__(key)
-        self._changed()
-
-    def update(self, *args, **kwargs):
-        super().update(*args, **kwargs)
-        self._changed()
-
-    def clear(self):
-        super().clear()
-        self._changed()
+def _tuning_changed() -> None:
+    _PLANS.clear()
+    VERSION[0] += 1
 
 
-TUNING = _Tuning({
+TUNING = PlanTuning({
     # Per kernel family (rows: no prefix; channels-last: ``cl_``) and direction (backward: ``bwd_``):
     # elements of one tile (rows: BLOCK_D x BLOCK_L; cl: BLOCK_P positions x BLOCK_C channels), elements of one
     # chunk (one program's share of a row; chunks shrink, never below one tile, until there are
@@ -107,17 +88,7 @@ TUNING = _Tuning({
     # The weight/bias-gradient tail (sums the per-sample partials): channels per tail program, samples per step.
     "tail_block_c": 64,
     "tail_block_r": 64,
-})
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for ``n <= 1``); plain ints (``triton.next_power_of_2`` costs
-    microseconds of host time per call)."""
-    return 1 << (n - 1).bit_length() if n > 1 else 1
+}, _tuning_changed)
 
 
 def _acc(dtype: torch.dtype):
@@ -137,9 +108,9 @@ def _strides(t: Tensor) -> tuple[int, int, int]:
 
 def _even(total: int, size: int, unit: int) -> tuple[int, int]:
     """``(pieces, piece size)``: ``total`` cut into pieces of at most ``size`` (a multiple of ``unit``), evened out."""
-    pieces = _cdiv(total, size)
-    size = _cdiv(_cdiv(total, pieces), unit) * unit
-    return _cdiv(total, size), size
+    pieces = cdiv(total, size)
+    size = cdiv(cdiv(total, pieces), unit) * unit
+    return cdiv(total, size), size
 
 
 def _target(total: int, chunk: int, tile: int, dev: torch.device) -> int:
@@ -152,11 +123,11 @@ def rows_layout(N: int, G: int, D: int, L: int, tile: int, chunk: int, dev: torc
                 ) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_D, BLOCK_L, Dc, Lc, S, Sl)`` of the rows kernels: tiles, chunk size (``Dc`` channels x ``Lc``
     positions), chunks per group ``S`` and position chunks ``Sl`` (``S = Sd * Sl``)."""
-    bl = min(_pow2(L), tile)
-    bd = min(_pow2(D), max(1, tile // bl))
+    bl = min(next_pow2(L), tile)
+    bd = min(next_pow2(D), max(1, tile // bl))
     while bd > 1 and D % bd:  # a divisor of D: no half-masked channel blocks
         bd //= 2
-    target = max(_target(N * G * D * L, chunk, bd * bl, dev), _cdiv(D * L, TUNING["max_chunks"]))
+    target = max(_target(N * G * D * L, chunk, bd * bl, dev), cdiv(D * L, TUNING["max_chunks"]))
     if D * bl <= target:  # every channel of the group, several position tiles
         dc, lc = D, bl * max(1, target // (D * bl))
     else:
@@ -168,15 +139,15 @@ def rows_layout(N: int, G: int, D: int, L: int, tile: int, chunk: int, dev: torc
 
 def cl_layout(N: int, C: int, L: int, tile: int, chunk: int, dev: torch.device) -> tuple[int, int, int, int]:
     """``(BLOCK_P, BLOCK_C, Lc, S)`` of the cl kernels: tile, positions per chunk, chunks per sample."""
-    bc = _pow2(C)
-    bp = min(max(1, tile // bc), _pow2(L))
-    lc = max(bp * max(1, _target(N * C * L, chunk, bp * C, dev) // (C * bp)), _cdiv(L, TUNING["max_chunks"]))
+    bc = next_pow2(C)
+    bp = min(max(1, tile // bc), next_pow2(L))
+    lc = max(bp * max(1, _target(N * C * L, chunk, bp * C, dev) // (C * bp)), cdiv(L, TUNING["max_chunks"]))
     s, lc = _even(L, lc, bp)
     return bp, bc, lc, s
 
 
 def _use_cl(sx: tuple[int, int, int], C: int, L: int) -> bool:
-    return sx[1] == 1 and L > 1 and _pow2(C) <= TUNING["max_block_c"]
+    return sx[1] == 1 and L > 1 and next_pow2(C) <= TUNING["max_block_c"]
 
 
 # ---------------------------------------------------------------------------------------------- counters
@@ -225,19 +196,19 @@ class FwdPlan:
         tile, chunk, nw = TUNING[pre + "tile"], TUNING[pre + "chunk"], TUNING[pre + "num_warps"]
         if self.cl:
             bp, bc, lc, S = cl_layout(N, C, L, tile, chunk, dev)
-            bg = _pow2(G)
+            bg = next_pow2(G)
             gather = bool(TUNING["gather"])
             self.part_numel = N * S * G * 2 + (0 if gather else N * S * bc)
             rows = N
-            meta.update(USE_GATHER=gather, BLOCK_P=bp, BLOCK_C=bc, BLOCK_G=bg, BLOCK_D=_pow2(D),
-                        BLOCK_M=max(1, min(_pow2(S), TUNING["merge_block"] // bg)))
+            meta.update(USE_GATHER=gather, BLOCK_P=bp, BLOCK_C=bc, BLOCK_G=bg, BLOCK_D=next_pow2(D),
+                        BLOCK_M=max(1, min(next_pow2(S), TUNING["merge_block"] // bg)))
             self.launch = _Launch(_fwd_cl, ((N + 1) * S,), meta, nw)
             self.ints = (N, G, C, L, lc, S, *sx, *sy)
         else:
             bd, bl, dc, lc, S, sl = rows_layout(N, G, D, L, tile, chunk, dev)
             self.part_numel = N * G * S * 2
             rows = N * G
-            meta.update(BLOCK_D=bd, BLOCK_L=bl, FOLD=_fold(x, bl), BLOCK_M=min(_pow2(S), TUNING["merge_block"]))
+            meta.update(BLOCK_D=bd, BLOCK_L=bl, FOLD=_fold(x, bl), BLOCK_M=min(next_pow2(S), TUNING["merge_block"]))
             self.launch = _Launch(_fwd_rows, ((rows + 1) * S,), meta, nw)
             self.ints = (rows, G, L, lc, dc, sl, S, *sx, *sy)
         self.cnt_numel = 2 + rows
@@ -285,25 +256,25 @@ class BwdPlan:
         tile, chunk, nw = TUNING[pre + "tile"], TUNING[pre + "chunk"], TUNING[pre + "num_warps"]
         if self.cl:
             bp, bc, lc, S = cl_layout(N, C, L, tile, chunk, dev)
-            bg = _pow2(G)
+            bg = next_pow2(G)
             gather = bool(TUNING["gather"])
             rows, rw = N, N * S
             pc = N * S * G * 2 + N * G * 2 + (0 if gather else N * S * bc)
-            meta.update(USE_GATHER=gather, BLOCK_P=bp, BLOCK_C=bc, BLOCK_G=bg, BLOCK_D=_pow2(D),
-                        BLOCK_M=max(1, min(_pow2(S), TUNING["merge_block"] // bg)))
+            meta.update(USE_GATHER=gather, BLOCK_P=bp, BLOCK_C=bc, BLOCK_G=bg, BLOCK_D=next_pow2(D),
+                        BLOCK_M=max(1, min(next_pow2(S), TUNING["merge_block"] // bg)))
         else:
             bd, bl, dc, lc, S, sl = rows_layout(N, G, D, L, tile, chunk, dev)
             rows, rw = N * G, N * sl
             pc = rows * S * 2 + rows * 2
-            meta.update(BLOCK_D=bd, BLOCK_L=bl, FOLD=_fold(x, bl), BLOCK_M=min(_pow2(S), TUNING["merge_block"]))
+            meta.update(BLOCK_D=bd, BLOCK_L=bl, FOLD=_fold(x, bl), BLOCK_M=min(next_pow2(S), TUNING["merge_block"]))
         E = 0
         if store_dw:
             # the readers of a row each sum a slice of its partial rows: (partial rows, slice width)
             nrows, ncols = (S, C) if self.cl else (sl, D)
-            bct = min(TUNING["tail_block_c"], _pow2(C))
-            E = _cdiv(C, bct)
-            meta.update(BLOCK_RR=_pow2(nrows), BLOCK_CC=_pow2(_cdiv(ncols, S)),
-                        BLOCK_R=min(TUNING["tail_block_r"], _pow2(N)), BLOCK_CT=bct)
+            bct = min(TUNING["tail_block_c"], next_pow2(C))
+            E = cdiv(C, bct)
+            meta.update(BLOCK_RR=next_pow2(nrows), BLOCK_CC=next_pow2(cdiv(ncols, S)),
+                        BLOCK_R=min(TUNING["tail_block_r"], next_pow2(N)), BLOCK_CT=bct)
         else:
             meta.update(BLOCK_RR=1, BLOCK_CC=1, BLOCK_R=1, BLOCK_CT=1)
         self.ws_numel = (2 * (rw + N) * C if store_dw else 0) + pc
