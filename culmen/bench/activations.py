@@ -11,13 +11,12 @@ so Liger gets its own copies of the (same-valued) inputs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.bench.norms import _compile
+from culmen.bench.providers import compile_peer, grad_provider
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 from culmen.testing import randn
 
@@ -26,25 +25,6 @@ QUICK_SHAPES: list[tuple[int, int]] = [(64, 256), (33, 1000)]
 DTYPE = torch.bfloat16
 MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
 _DT_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def _provider(fn: Callable[[], Tensor], mode: str, leaves: dict[str, Tensor], dy: Tensor | None
-              ) -> Callable[[], Any]:
-    """``fn() -> y`` as a timed provider; ``fwd+bwd`` adds ``y.backward(dy)`` and returns every grad."""
-    if mode == "fwd":
-        def run_fwd():
-            with torch.no_grad():
-                return fn()
-        return run_fwd
-
-    def run_fwd_bwd():
-        for t in leaves.values():
-            t.grad = None
-        y = fn()
-        y.backward(dy)
-        return {"y": y.detach(), **{f"d{k}": t.grad for k, t in leaves.items()}}
-
-    return run_fwd_bwd
 
 
 def _leaf(t: Tensor, grad: bool) -> Tensor:
@@ -81,8 +61,8 @@ def _unary_cases(cfg: BenchConfig, kind: str, act: str, eager: Callable[..., Ten
             dy = randn((M, N), DTYPE, dev) if grad else None
             leaves = {"x": x, **({"b": b} if bias else {})}
             notes: list[str] = []
-            fns = {CULMEN: lambda x, b: bias_act(x, b, act), "torch": eager, "compile": _compile(eager, dev, notes)}
-            providers = {name: _provider(lambda f=f, x=x, b=b: f(x, b), mode, leaves, dy)
+            fns = {CULMEN: lambda x, b: bias_act(x, b, act), "torch": eager, "compile": compile_peer(eager, dev, notes)}
+            providers = {name: grad_provider(lambda f=f, x=x, b=b: f(x, b), mode, leaves, dy)
                          for name, f in fns.items() if f is not None}
             es = x.element_size()
             fwd = 2 * M * N * es + (N * es if bias else 0)  # read x (+ b), write y
@@ -102,13 +82,15 @@ def _gated_cases(cfg: BenchConfig, kind: str, act: str, eager: Callable[..., Ten
             u = randn((M, N), DTYPE, dev, requires_grad=grad)
             dy = randn((M, N), DTYPE, dev) if grad else None
             notes: list[str] = []
-            fns = {CULMEN: lambda x, u: gated_act(x, u, act), "torch": eager, "compile": _compile(eager, dev, notes)}
-            providers = {name: _provider(lambda f=f, x=x, u=u: f(x, u), mode, {"x": x, "u": u}, dy)
+            fns = {CULMEN: lambda x, u: gated_act(x, u, act), "torch": eager,
+                   "compile": compile_peer(eager, dev, notes)}
+            providers = {name: grad_provider(lambda f=f, x=x, u=u: f(x, u), mode, {"x": x, "u": u}, dy)
                          for name, f in fns.items() if f is not None}
             liger = _liger(kind, dev, notes)
             if liger is not None:
                 lx, lu = _leaf(x, grad), _leaf(u, grad)  # Liger's backward overwrites its inputs
-                providers["liger"] = _provider(lambda lx=lx, lu=lu, f=liger: f(lx, lu), mode, {"x": lx, "u": lu}, dy)
+                providers["liger"] = grad_provider(lambda lx=lx, lu=lu, f=liger: f(lx, lu), mode,
+                                                   {"x": lx, "u": lu}, dy)
             es = x.element_size()
             fwd = 3 * M * N * es  # read x, u; write y
             bwd = 5 * M * N * es  # read dy, x, u; write dx, du

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from culmen.bench.providers import compile_peer
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 from culmen.testing import randn
 
@@ -67,18 +68,6 @@ def _fwd_bwd(loss_fn: Callable[[], Tensor], grads: dict[str, Tensor]) -> Callabl
     return run
 
 
-def _compile(fn: Callable[..., Any], device: torch.device, notes: list[str]) -> Callable[..., Any] | None:
-    if device.type != "cuda":
-        notes.append("compile: not timed on CPU (inductor's CPU build is slow and not a peer there)")
-        return None
-    try:
-        torch._dynamo.reset()
-        return torch.compile(fn, dynamic=False)
-    except Exception as exc:
-        notes.append(f"compile: skipped ({type(exc).__name__}: {exc})")
-        return None
-
-
 def _liger(kind: str, device: torch.device, notes: list[str], **kwargs: Any) -> Any:
     """A Liger-Kernel loss module (CUDA only), or ``None`` when it does not import."""
     if device.type != "cuda":
@@ -123,7 +112,7 @@ def cross_entropy_bench(cfg: BenchConfig) -> Iterator[Case]:
         def low(x, y, smoothing=smoothing):
             return F.cross_entropy(x, y, ignore_index=IGNORE, label_smoothing=smoothing)
 
-        comp = _compile(upcast, dev, notes)
+        comp = compile_peer(upcast, dev, notes)
         providers: dict[str, Callable[[], Any]] = {
             CULMEN: _fwd_bwd(lambda x=x, y=y, f=ours: f(x, y), {"x": x}),
             "torch": _fwd_bwd(lambda x=x, y=y: upcast(x, y), {"x": x}),
@@ -168,7 +157,7 @@ def fused_linear_cross_entropy_bench(cfg: BenchConfig) -> Iterator[Case]:
             return F.cross_entropy(hid @ w.t(), y, ignore_index=IGNORE)
 
         grads = {"h": hid, "W": w}
-        comp = _compile(unfused, dev, notes)
+        comp = compile_peer(unfused, dev, notes)
         providers: dict[str, Callable[[], Any]] = {
             CULMEN: _fwd_bwd(lambda f=ours, a=hid, b=w, c=y: f(a, b, c), grads),
             "torch": _fwd_bwd(lambda a=hid, b=w, c=y: unfused(a, b, c), grads),

@@ -13,13 +13,12 @@ channels-last (``nhwc``); the issue's goal is at least 85% of the copy roofline 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.bench.norms import _compile
+from culmen.bench.providers import compile_peer, grad_provider
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 from culmen.testing import randn
 
@@ -39,27 +38,6 @@ GN_CASES: list[tuple[tuple[int, int, int, int], str, torch.dtype, bool, str]] = 
 ]
 GN_QUICK_CASES = [((2, 64, 8, 8), layout, torch.bfloat16, True, mode)
                   for layout in ("nchw", "nhwc") for mode in ("fwd", "fwd+bwd")]
-
-
-def _provider(fn: Callable[[], Tensor], mode: str, leaves: dict[str, Tensor], dy: Tensor | None) -> Callable[[], Any]:
-    """``fn() -> y`` as a timed provider; ``fwd+bwd`` adds ``y.backward(dy)`` and returns every grad.
-
-    Grads are reset to ``None`` before each run so that every run writes them fresh (no accumulation).
-    """
-    if mode == "fwd":
-        def run_fwd():
-            with torch.no_grad():
-                return fn()
-        return run_fwd
-
-    def run_fwd_bwd():
-        for t in leaves.values():
-            t.grad = None
-        y = fn()
-        y.backward(dy)
-        return {"y": y.detach(), **{f"d{k}": t.grad for k, t in leaves.items()}}
-
-    return run_fwd_bwd
 
 
 def _liger_group_norm(device: torch.device, notes: list[str]) -> Callable[..., Tensor] | None:
@@ -110,12 +88,12 @@ def group_norm_bench(cfg: BenchConfig) -> Iterator[Case]:
         fns: dict[str, Callable[..., Tensor] | None] = {
             CULMEN: ours,
             "torch": eager,
-            "compile": _compile(eager, dev, notes),
+            "compile": compile_peer(eager, dev, notes),
             "liger": (lambda x, w, b, f=liger, silu=silu: F.silu(f(x, w, b)) if silu else f(x, w, b))
             if liger is not None else None,
         }
         leaves = {"x": x, "w": w, "b": b}
-        providers = {name: _provider(lambda f=f, x=x, w=w, b=b: f(x, w, b), mode, leaves, dy)
+        providers = {name: grad_provider(lambda f=f, x=x, w=w, b=b: f(x, w, b), mode, leaves, dy)
                      for name, f in fns.items() if f is not None}
         nbytes = x.numel() * x.element_size() * (2 if mode == "fwd" else 5)
         label = f"{'x'.join(map(str, shape))} {layout} {_DT_NAME[dtype]}{' silu' if silu else ''} {mode}"
@@ -166,8 +144,8 @@ def focal_loss_bench(cfg: BenchConfig) -> Iterator[Case]:
                 return focal_loss(x, labels, nps, num_real, FL_ALPHA, FL_GAMMA)
 
             notes: list[str] = ["liger: no focal loss"]
-            fns = {CULMEN: ours, "torch": eager, "compile": _compile(eager, dev, notes)}
-            providers = {name: _provider(lambda f=f, x=x, lab=labels, n=nps: f(x, lab, n), mode, {"x": x}, dy)
+            fns = {CULMEN: ours, "torch": eager, "compile": compile_peer(eager, dev, notes)}
+            providers = {name: grad_provider(lambda f=f, x=x, lab=labels, n=nps: f(x, lab, n), mode, {"x": x}, dy)
                          for name, f in fns.items() if f is not None}
             es = x.element_size()
             nbytes = R * C * es + R * 8 + (2 * R * C * es + R * 8 if grad else 0)
@@ -196,8 +174,8 @@ def index_mul_2d_bench(cfg: BenchConfig) -> Iterator[Case]:
                     return a[i] * b
 
                 notes: list[str] = ["liger: no index_mul_2d"]
-                fns = {CULMEN: index_mul_2d, "torch": eager, "compile": _compile(eager, dev, notes)}
-                providers = {name: _provider(lambda f=f, a=in1, b=in2, i=idx: f(a, b, i), mode,
+                fns = {CULMEN: index_mul_2d, "torch": eager, "compile": compile_peer(eager, dev, notes)}
+                providers = {name: grad_provider(lambda f=f, a=in1, b=in2, i=idx: f(a, b, i), mode,
                                              {"in1": in1, "in2": in2}, dy)
                              for name, f in fns.items() if f is not None}
                 es = in1.element_size()

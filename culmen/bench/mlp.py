@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.bench.activations import _provider
-from culmen.bench.norms import _compile
+from culmen.bench.providers import compile_peer, grad_provider
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 from culmen.testing import randn
 
@@ -81,8 +80,8 @@ def _mlp_cases(cfg: BenchConfig, act: str, ours: Callable[..., Tensor], n_layers
 
         notes: list[str] = []
         flat = [t for wb in params for t in wb]
-        fns = {CULMEN: ours, "torch": eager, "compile": _compile(eager, dev, notes)}
-        providers = {name: _provider(lambda f=f, x=x, flat=flat: f(x, *flat), mode, leaves, dy)
+        fns = {CULMEN: ours, "torch": eager, "compile": compile_peer(eager, dev, notes)}
+        providers = {name: grad_provider(lambda f=f, x=x, flat=flat: f(x, *flat), mode, leaves, dy)
                      for name, f in fns.items() if f is not None}
         informational: tuple[str, ...] = ()
         if act == "relu":

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from culmen.bench.providers import compile_peer
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 from culmen.testing import randn
 
@@ -60,20 +61,6 @@ def _provider(fn: Callable[[], Any], mode: str, grads: dict[str, Tensor], dy: Te
         return result
 
     return run_fwd_bwd
-
-
-def _compile(fn: Callable[..., Any], device: torch.device, notes: list[str]) -> Callable[..., Any] | None:
-    """``torch.compile(fn)`` for CUDA; a fresh dynamo cache per case so shapes never share a graph."""
-    if device.type != "cuda":
-        notes.append("compile: not timed on CPU (inductor's CPU build is slow and not a peer there)")
-        return None
-    try:
-        torch._dynamo.reset()
-        # dynamic=False: each case gets a graph specialised to its shape, as a user's model would.
-        return torch.compile(fn, dynamic=False)
-    except Exception as exc:
-        notes.append(f"compile: skipped ({type(exc).__name__}: {exc})")
-        return None
 
 
 def _liger(kind: str, device: torch.device, notes: list[str]) -> Callable[..., Any] | None:
@@ -157,7 +144,7 @@ def _norm_cases(cfg: BenchConfig, rms: bool) -> Iterator[Case]:
                 fns: dict[str, Callable[..., Any] | None] = {
                     CULMEN: ours,
                     "torch": eager,
-                    "compile": _compile(eager, dev, notes),
+                    "compile": compile_peer(eager, dev, notes),
                     "liger": _liger(kind, dev, notes),
                     "apex": _apex(kind, dev, notes),
                 }
@@ -218,7 +205,7 @@ def dropout_add_norm_bench(cfg: BenchConfig) -> Iterator[Case]:
             return o.y, o.residual_out
 
         notes: list[str] = ["liger / apex: no fused dropout+add+LayerNorm to compare"]
-        fns = {CULMEN: ours, "torch": eager, "compile": _compile(eager, dev, notes)}
+        fns = {CULMEN: ours, "torch": eager, "compile": compile_peer(eager, dev, notes)}
         providers = {name: _provider(lambda f=f, x=x, r=res, w=w, b=b: f(x, r, w, b), mode, grads, dy)
                      for name, f in fns.items() if f is not None}
         es = x.element_size()

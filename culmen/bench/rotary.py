@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from culmen.bench.norms import _compile
+from culmen.bench.providers import compile_peer, grad_provider
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 from culmen.testing import randn
 
@@ -26,25 +26,6 @@ MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
 # (batch, seqlen, q heads, kv heads, head dim)
 SHAPE = (4, 4096, 32, 8, 128)
 QUICK_SHAPE = (2, 64, 4, 2, 32)
-
-
-def _provider(fn: Callable[[], tuple[Tensor, ...]], mode: str, leaves: dict[str, Tensor],
-              grads: tuple[Tensor, ...] | None) -> Callable[[], Any]:
-    """``fn() -> outputs`` as a timed provider; ``fwd+bwd`` back-propagates ``grads`` into ``leaves``."""
-    if mode == "fwd":
-        def run_fwd():
-            with torch.no_grad():
-                return fn()
-        return run_fwd
-
-    def run_fwd_bwd():
-        for t in leaves.values():
-            t.grad = None
-        outs = fn()
-        torch.autograd.backward(outs, grads)
-        return {**{f"y{i}": o.detach() for i, o in enumerate(outs)}, **{f"d{k}": t.grad for k, t in leaves.items()}}
-
-    return run_fwd_bwd
 
 
 def _rotate_half(x: Tensor, interleaved: bool) -> Tensor:
@@ -115,12 +96,12 @@ def rotary_bench(cfg: BenchConfig) -> Iterator[Case]:
 
             notes: list[str] = []
             fns: dict[str, Callable[[], Any] | None] = {CULMEN: ours, "torch": eager}
-            comp = _compile(_eager_rope, dev, notes)
+            comp = compile_peer(_eager_rope, dev, notes)
             if comp is not None:
                 fns["compile"] = lambda q=q, k=k, c=cos_f, s=sin_f, il=interleaved, f=comp: (f(q, c, s, il),
                                                                                               f(k, c, s, il))
             liger = _liger(dev, notes) if style == "neox" else None
-            providers = {n: _provider(f, mode, leaves, grads) for n, f in fns.items() if f is not None}
+            providers = {n: grad_provider(f, mode, leaves, grads) for n, f in fns.items() if f is not None}
             if liger is not None:
                 # Liger works in place on (b, h, s, d) views: its own copies of the inputs.
                 ql, kl = q.detach().clone().requires_grad_(grad), k.detach().clone().requires_grad_(grad)
@@ -130,7 +111,7 @@ def rotary_bench(cfg: BenchConfig) -> Iterator[Case]:
                     qo, ko = f(ql.transpose(1, 2), kl.transpose(1, 2), cl, sl)[:2]
                     return qo.transpose(1, 2), ko.transpose(1, 2)
 
-                providers["liger"] = _provider(lig, mode, {"q": ql, "k": kl}, grads)
+                providers["liger"] = grad_provider(lig, mode, {"q": ql, "k": kl}, grads)
             elif style != "neox":
                 notes.append("liger: GPT-NeoX full rotary only")
             es = q.element_size()
@@ -161,10 +142,10 @@ def rotary_apex_bench(cfg: BenchConfig) -> Iterator[Case]:
         grads = (randn(t.shape, DTYPE, dev),) if grad else None
         notes: list[str] = []
         fns = {CULMEN: lambda t=t: (fused_apply_rotary_pos_emb(t, freqs),), "torch": lambda t=t: (eager(t, freqs),)}
-        comp = _compile(eager, dev, notes)
+        comp = compile_peer(eager, dev, notes)
         if comp is not None:
             fns["compile"] = lambda t=t, comp=comp: (comp(t, freqs),)
         notes.append("liger: no sbhd / per-column-angle RoPE")
-        providers = {n: _provider(fn, mode, {"t": t}, grads) for n, fn in fns.items()}
+        providers = {n: grad_provider(fn, mode, {"t": t}, grads) for n, fn in fns.items()}
         io = 2 * t.numel() * t.element_size() + freqs.numel() * 4
         yield Case(f"{S}x{B}x{H}x{D} sbhd {mode}", providers, bytes=io if not grad else 2 * io, notes=notes)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from culmen.bench.norms import _compile
+from culmen.bench.providers import compile_peer
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 from culmen.testing import randn
 
@@ -82,7 +82,7 @@ def softmax_plain_bench(cfg: BenchConfig) -> Iterator[Case]:
 
         notes: list[str] = []
         fns = {CULMEN: lambda x: scaled_masked_softmax(x, None, 1.0), "torch": eager,
-               "compile": _compile(eager, dev, notes), "liger": _liger_softmax(dev, notes)}
+               "compile": compile_peer(eager, dev, notes), "liger": _liger_softmax(dev, notes)}
         providers = {n: _provider(f, x, mode, dy) for n, f in fns.items() if f is not None}
         io = 2 * x.numel() * x.element_size()
         yield Case(f"{B}x{NP}x{SQ}x{SK} plain {_DT_NAME[DTYPE]} {mode}", providers,
@@ -118,7 +118,7 @@ def _cases(cfg: BenchConfig, shapes: list[tuple[int, int, int, int]], causal: bo
                 return _megatron_eager(x, mask)
 
             notes: list[str] = ["liger: no scaled masked softmax"]
-            fns = {CULMEN: ours, "torch": eager, "compile": _compile(_megatron_eager, dev, notes)}
+            fns = {CULMEN: ours, "torch": eager, "compile": compile_peer(_megatron_eager, dev, notes)}
             if fns["compile"] is not None:
                 fns["compile"] = lambda x, mask=mask, f=fns["compile"]: f(x, mask)
             providers = {n: _provider(f, x, mode, dy) for n, f in fns.items() if f is not None}

@@ -5,7 +5,14 @@ PyTorch's own low-precision error, poison outputs, use odd shapes, non-contiguou
 random data.
 """
 
-from culmen.testing.tensors import make_noncontiguous, make_strided_lastdim, odd_shapes, poison_, randn
+from culmen.testing.tensors import (
+    make_noncontiguous,
+    make_strided_lastdim,
+    odd_shapes,
+    poison_,
+    poisoned_allocations,
+    randn,
+)
 from culmen.testing.tolerance import DEFAULT_ATOL, ToleranceResult, assert_close_tolerance, default_atol
 
 __all__ = [
@@ -17,5 +24,6 @@ __all__ = [
     "make_strided_lastdim",
     "odd_shapes",
     "poison_",
+    "poisoned_allocations",
     "randn",
 ]

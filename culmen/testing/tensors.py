@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -30,6 +31,19 @@ def poison_(t: Tensor) -> Tensor:
         else:
             t.fill_(torch.iinfo(t.dtype).max)
     return t
+
+
+@contextlib.contextmanager
+def poisoned_allocations() -> Iterator[None]:
+    """Every ``torch.empty`` / ``torch.empty_like`` inside is poisoned (``poison_``), so an element a kernel
+    leaves unwritten shows."""
+    empty, empty_like = torch.empty, torch.empty_like
+    torch.empty = lambda *a, **k: poison_(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison_(empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
 
 
 def randn(

@@ -8,7 +8,6 @@ input's dtype, plus a small atol, for the loss and for the gradient.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 from culmen.ops.focal_loss import focal_loss, focal_loss_ref
 from culmen.ops.focal_loss import launch as fl_launch
-from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
+from culmen.testing import assert_close_tolerance, make_noncontiguous, poisoned_allocations, randn
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 BACKENDS = ["reference", "triton"]
@@ -29,18 +28,6 @@ def backend(request, monkeypatch):
     monkeypatch.setitem(fl_launch.TUNING, "fwd_tile", 64)
     monkeypatch.setitem(fl_launch.TUNING, "bwd_tile", 64)
     return request.param
-
-
-@contextlib.contextmanager
-def poisoned_allocations():
-    """Every ``torch.empty`` / ``torch.empty_like`` inside is NaN-filled, so an unwritten element shows."""
-    empty, empty_like = torch.empty, torch.empty_like
-    torch.empty = lambda *a, **k: poison_(empty(*a, **k))
-    torch.empty_like = lambda *a, **k: poison_(empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
 
 
 def make_labels(shape, num_real: int, p_ignore=0.15, p_background=0.5) -> torch.Tensor:

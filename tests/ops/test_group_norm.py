@@ -9,7 +9,6 @@ position blocks, chunks) takes several trips; ``fused`` and ``split`` force the 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from culmen.ops.group_norm import group_norm, group_norm_ref
 from culmen.ops.group_norm import launch as gn_launch
-from culmen.testing import assert_close_tolerance, poison_, randn
+from culmen.testing import assert_close_tolerance, poisoned_allocations, randn
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 EPS = 1e-5
@@ -47,18 +46,6 @@ def use_path(path: str, monkeypatch) -> None:
 def path(request, monkeypatch):
     use_path(request.param, monkeypatch)
     return request.param
-
-
-@contextlib.contextmanager
-def poisoned_allocations():
-    """Every ``torch.empty`` / ``torch.empty_like`` inside is NaN-filled, so an unwritten element shows."""
-    empty, empty_like = torch.empty, torch.empty_like
-    torch.empty = lambda *a, **k: poison_(empty(*a, **k))
-    torch.empty_like = lambda *a, **k: poison_(empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ scatter both run.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from culmen.ops.index_mul_2d import index_mul_2d, index_mul_2d_ref
 from culmen.ops.index_mul_2d import launch as im_launch
-from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
+from culmen.testing import assert_close_tolerance, make_noncontiguous, poisoned_allocations, randn
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
@@ -33,18 +32,6 @@ def path(request, monkeypatch):
     torch.use_deterministic_algorithms(request.param == "sorted")
     yield request.param
     torch.use_deterministic_algorithms(previous)
-
-
-@contextlib.contextmanager
-def poisoned_allocations():
-    """Every ``torch.empty`` / ``torch.empty_like`` inside is NaN-filled, so an unwritten element shows."""
-    empty, empty_like = torch.empty, torch.empty_like
-    torch.empty = lambda *a, **k: poison_(empty(*a, **k))
-    torch.empty_like = lambda *a, **k: poison_(empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
 
 
 @dataclass(frozen=True)

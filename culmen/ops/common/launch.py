@@ -190,6 +190,12 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def warps_for(elems: int, elems_per_thread: int, max_warps: int) -> int:
+    """Warps for a program of ``elems`` elements: one more warp per ``32 * elems_per_thread`` elements,
+    a power of two in ``[1, max_warps]``."""
+    return max(1, min(max_warps, next_pow2(elems // (32 * elems_per_thread))))
+
+
 def aligned_16(*ts: torch.Tensor) -> bool:
     """Whether every tensor's data pointer is 16-byte aligned."""
     bits = 0

@@ -11,7 +11,7 @@ import triton
 from torch import Tensor
 
 from culmen.ops.backend import device_guard, num_programs_hint
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import FastLauncher, warps_for
 from culmen.ops.cross_entropy.kernels import (
     _cross_entropy_bwd_kernel,
     _cross_entropy_combine_kernel,
@@ -47,8 +47,7 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _warps(elems: int) -> int:
-    w = triton.next_power_of_2(max(1, elems // (32 * TUNING["elems_per_thread"])))
-    return max(1, min(TUNING["max_warps"], w))
+    return warps_for(elems, TUNING["elems_per_thread"], TUNING["max_warps"])
 
 
 def _blocks(N: int, V: int, max_block_v: int, elems: int) -> tuple[int, int]:

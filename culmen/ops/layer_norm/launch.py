@@ -11,7 +11,7 @@ import triton
 from torch import Tensor
 
 from culmen.ops.backend import device_guard, num_programs_hint
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import FastLauncher, warps_for
 from culmen.ops.layer_norm.kernels import (
     _layer_norm_bwd_chunked_kernel,
     _layer_norm_bwd_dw_kernel,
@@ -45,8 +45,7 @@ TUNING = {
 
 
 def _warps(elems: int) -> int:
-    w = triton.next_power_of_2(max(1, elems // (32 * TUNING["elems_per_thread"])))
-    return max(1, min(TUNING["max_warps"], w))
+    return warps_for(elems, TUNING["elems_per_thread"], TUNING["max_warps"])
 
 
 def _row_blocks(N: int, M: int, target: int) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import triton
 from torch import Tensor
 
 from culmen.ops.backend import device_guard
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import FastLauncher, warps_for
 from culmen.ops.softmax.kernels import (
     _softmax_bwd_chunked_kernel,
     _softmax_bwd_kernel,
@@ -44,8 +44,7 @@ def _empty(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> 
 
 
 def _warps(elems: int) -> int:
-    w = triton.next_power_of_2(max(1, elems // (32 * TUNING["elems_per_thread"])))
-    return max(1, min(TUNING["max_warps"], w))
+    return warps_for(elems, TUNING["elems_per_thread"], TUNING["max_warps"])
 
 
 def _blocks(SK: int, rows: int, target: int) -> tuple[int, int]:
