@@ -30,18 +30,34 @@ def _seed_everything():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _restore_backend():
+    """Tests may call ``culmen.ops.backend.set_backend``; every test starts from the session's backend."""
+    from culmen.ops import backend
+
+    mode = backend._MODE
+    yield
+    if backend._MODE != mode:
+        backend._MODE = mode
+        backend._plans_changed()
+
+
 @pytest.fixture
-def triton_backend(monkeypatch):
+def triton_backend():
     """Run culmen ops through their Triton kernels (the interpreter on CPU)."""
-    monkeypatch.setenv("CULMEN_BACKEND", "triton")
-    yield
+    from culmen.ops.backend import use_backend
+
+    with use_backend("triton"):
+        yield
 
 
 @pytest.fixture
-def reference_backend(monkeypatch):
+def reference_backend():
     """Force the pure-PyTorch reference path."""
-    monkeypatch.setenv("CULMEN_BACKEND", "reference")
-    yield
+    from culmen.ops.backend import use_backend
+
+    with use_backend("reference"):
+        yield
 
 
 @pytest.fixture

@@ -8,50 +8,84 @@ from culmen.ops import backend
 
 @pytest.mark.parametrize("value, expected", [(None, "auto"), ("", "auto"), ("auto", "auto"), ("triton", "triton"),
                                              ("reference", "reference"), (" Triton ", "triton")])
-def test_backend_mode_values(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("CULMEN_BACKEND", raising=False)
-    else:
-        monkeypatch.setenv("CULMEN_BACKEND", value)
-    assert backend.backend_mode() == expected
+def test_parse_backend_values(value, expected):
+    assert backend.parse_backend(value) == expected
 
 
-def test_invalid_mode_raises_and_names_choices(monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", "cuda")
+def test_invalid_mode_raises_and_names_choices():
     with pytest.raises(ValueError, match="CULMEN_BACKEND must be one of"):
-        backend.backend_mode()
-    with pytest.raises(ValueError):
-        backend.choose_backend("cpu")
+        backend.parse_backend("cuda")
+    with pytest.raises(ValueError, match="CULMEN_BACKEND must be one of"):
+        backend.set_backend("cuda")
 
 
-def test_cpu_defaults_to_reference(monkeypatch):
-    monkeypatch.delenv("CULMEN_BACKEND", raising=False)
+def test_environment_is_read_once_at_import(monkeypatch):
+    """CULMEN_BACKEND gives the initial backend; later changes of the variable do nothing (the setter does)."""
+    import importlib
+
+    monkeypatch.setenv("CULMEN_BACKEND", "reference")
+    fresh = importlib.reload(backend)
+    try:
+        assert fresh.backend_mode() == "reference"
+        monkeypatch.setenv("CULMEN_BACKEND", "triton")
+        assert fresh.backend_mode() == "reference"
+        monkeypatch.setenv("CULMEN_BACKEND", "bogus")
+        assert fresh._initial_mode() is None  # a bad variable never breaks the import itself
+    finally:
+        monkeypatch.delenv("CULMEN_BACKEND", raising=False)
+        importlib.reload(backend)
+
+
+def test_setter_drops_cached_plans():
+    from culmen.ops.common.plans import PlanCache
+
+    cache = PlanCache("test")
+    cache.put("k", object())
+    backend.set_backend("reference")
+    assert "k" not in cache
+    with backend.use_backend("auto"):
+        assert backend.backend_mode() == "auto"
+    assert backend.backend_mode() == "reference"
+
+
+def test_plan_cache_is_bounded():
+    from culmen.ops.common.plans import PlanCache
+
+    cache = PlanCache("bounded", maxsize=3)
+    for i in range(3):
+        cache.put(i, i)
+    cache.put(3, 3)
+    assert list(cache) == [3]
+
+
+def test_cpu_defaults_to_reference():
+    backend.set_backend("auto")
     assert backend.choose_backend("cpu") == "reference"
     assert backend.choose_backend(torch.device("cpu")) == "reference"
 
 
-def test_reference_forced_everywhere(monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", "reference")
+def test_reference_forced_everywhere():
+    backend.set_backend("reference")
     assert backend.choose_backend("cpu") == "reference"
     # A CUDA device type needs no GPU for the decision itself.
     assert backend.choose_backend("cuda") == "reference"
 
 
 def test_cuda_tensors_use_triton(monkeypatch):
-    monkeypatch.delenv("CULMEN_BACKEND", raising=False)
+    backend.set_backend("auto")
     monkeypatch.setattr(backend, "triton_available", lambda: True)
     assert backend.choose_backend("cuda:0") == "triton"
 
 
 def test_cuda_without_triton_is_an_error(monkeypatch):
-    monkeypatch.delenv("CULMEN_BACKEND", raising=False)
+    backend.set_backend("auto")
     monkeypatch.setattr(backend, "triton_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs triton"):
         backend.choose_backend("cuda")
 
 
 def test_triton_on_cpu_with_interpreter(monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", "triton")
+    backend.set_backend("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert backend.interpreter_enabled()
     assert backend.choose_backend("cpu") == "triton"
@@ -59,7 +93,7 @@ def test_triton_on_cpu_with_interpreter(monkeypatch):
 
 @pytest.mark.parametrize("interp", ["0", "", "false"])
 def test_triton_forced_on_cpu_without_interpreter_raises(monkeypatch, interp):
-    monkeypatch.setenv("CULMEN_BACKEND", "triton")
+    backend.set_backend("triton")
     monkeypatch.setenv("TRITON_INTERPRET", interp)
     assert not backend.interpreter_enabled()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -67,10 +101,21 @@ def test_triton_forced_on_cpu_without_interpreter_raises(monkeypatch, interp):
 
 
 def test_triton_forced_on_other_device_type_raises(monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", "triton")
+    backend.set_backend("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="cannot run on device type"):
         backend.choose_backend("meta")
+
+
+def test_check_values_switch():
+    prev = backend.check_values_on()
+    try:
+        backend.set_check_values(True)
+        assert backend.check_values_on()
+        with pytest.raises(TypeError, match="bool"):
+            backend.set_check_values(1)
+    finally:
+        backend.set_check_values(prev)
 
 
 def test_fixtures_set_the_mode(triton_backend):

@@ -24,13 +24,19 @@ def test_info_prints_versions_and_ops(capsys, monkeypatch):
 
 
 def test_info_reports_backend_errors_without_crashing(capsys, monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", "triton")
+    from culmen.ops.backend import set_backend
+
+    set_backend("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert main(["info"]) == 0
     assert "error: CULMEN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1" in capsys.readouterr().out
 
 
 def test_info_invalid_mode_exit_code(capsys, monkeypatch):
+    from culmen.ops import backend
+
+    # As if the process had started with a bad variable (it is read once, at import).
+    monkeypatch.setattr(backend, "_MODE", None)
     monkeypatch.setenv("CULMEN_BACKEND", "bogus")
     assert main(["info"]) == 2
     assert "CULMEN_BACKEND invalid" in capsys.readouterr().out

@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
+from culmen.ops.common.plans import PlanCache
 from culmen.ops.layer_norm import layer_norm
 
 __all__ = [
@@ -135,6 +136,9 @@ def _rows_view(fn: str, input: Tensor, shape: tuple[int, ...]) -> Tensor:
     return input.reshape(*input.shape[: input.dim() - k], math.prod(shape))
 
 
+_CHECKED = PlanCache("apex_normalization")
+
+
 def _norm(
     fn: str,
     input: Tensor,
@@ -147,7 +151,30 @@ def _norm(
     rms: bool,
     mixed: bool,
 ) -> Tensor:
-    """The one body behind every functional of this module."""
+    """The one body behind every functional of this module. The checks run once per call signature
+    (and on every call under autocast, which casts first); later calls go straight to the op."""
+    try:
+        key = (fn, input.shape, input.dtype, None if weight is None else (weight.shape, weight.dtype),
+               None if bias is None else (bias.shape, bias.dtype), normalized_shape, rms, mixed)
+        if torch.is_autocast_enabled(input.device.type):  # casts first: never cached
+            entry, key = None, None
+        else:
+            entry = _CHECKED.get(key)
+    except (AttributeError, TypeError):  # not a tensor, an unhashable normalized_shape: the checks say why
+        entry, key = None, None
+    if entry is None:
+        return _norm_checked(fn, input, weight, bias, normalized_shape, eps, memory_efficient, rms=rms, mixed=mixed,
+                             key=key)
+    out_dtype, folded = entry
+    if folded is not None:
+        return layer_norm(input.reshape(folded), weight, bias, eps=eps, is_rms_norm=rms, out_dtype=out_dtype,
+                          memory_efficient=memory_efficient).y.reshape(input.shape)
+    return layer_norm(input, weight, bias, eps=eps, is_rms_norm=rms, out_dtype=out_dtype,
+                      memory_efficient=memory_efficient).y
+
+
+def _norm_checked(fn, input, weight, bias, normalized_shape, eps, memory_efficient, *, rms, mixed, key):
+    """``_norm`` with every check (and autocast's casts); records the signature in ``_CHECKED``."""
     _check_input(fn, input)
     shape = _to_shape(normalized_shape)
     device_type = input.device.type
@@ -165,6 +192,8 @@ def _norm(
                 )
     out_dtype = weight.dtype if (mixed and weight is not None) else input.dtype
     x = _rows_view(fn, input, shape)
+    if key is not None:
+        _CHECKED.put(key, (out_dtype, None if len(shape) == 1 else x.shape))
     with _autocast_off(device_type):
         y = layer_norm(x, weight, bias, eps=eps, is_rms_norm=rms, out_dtype=out_dtype,
                        memory_efficient=bool(memory_efficient)).y

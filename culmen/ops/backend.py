@@ -1,11 +1,13 @@
-"""Where an op runs: the one dispatch decision of culmen.
+"""Where an op runs: the one dispatch decision of culmen, and the process-wide switches.
 
 * CUDA / ROCm tensors run the Triton kernel.
-* CPU tensors run the pure-PyTorch reference, unless ``CULMEN_BACKEND=triton``, which runs the
+* CPU tensors run the pure-PyTorch reference, unless the backend is ``"triton"``, which runs the
   Triton kernel on CPU (this needs ``TRITON_INTERPRET=1`` set before triton is imported).
-* ``CULMEN_BACKEND=reference`` forces the reference everywhere.
+* The backend ``"reference"`` forces the reference everywhere.
 
-The environment variable is read at every call, so tests and users can flip it at run time.
+The backend starts from the environment variable ``CULMEN_BACKEND`` (read once, at import) and is
+changed with ``set_backend`` / ``use_backend``. Ops decide their backend when they build a cached call
+plan, never per call, so every setter here drops the cached plans (``culmen.ops.common.plans``).
 Nothing here compiles, autotunes or touches the GPU at import.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,29 +40,69 @@ def triton_available() -> bool:
 
 
 def interpreter_enabled() -> bool:
-    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
+    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``). Read at plan-building
+    time only: Triton itself reads the variable once, when it is imported."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
-def backend_mode() -> str:
-    """The value of ``CULMEN_BACKEND`` (``auto`` when unset), validated."""
-    mode = os.environ.get("CULMEN_BACKEND", "auto").strip().lower() or "auto"
+def parse_backend(value: str | None) -> str:
+    """Validate a backend name (``None`` / empty means ``auto``); raises ``ValueError`` naming the choices."""
+    mode = (value or "auto").strip().lower() or "auto"
     if mode not in _VALID:
-        raise ValueError(f"CULMEN_BACKEND must be one of {_VALID}, got {mode!r}")
+        raise ValueError(f"CULMEN_BACKEND must be one of {_VALID}, got {value!r}")
     return mode
+
+
+def _initial_mode() -> str | None:
+    """The backend named by ``CULMEN_BACKEND`` at import; ``None`` (an error at the first op) when invalid,
+    so a bad variable never breaks ``import culmen`` itself."""
+    try:
+        return parse_backend(os.environ.get("CULMEN_BACKEND"))
+    except ValueError:
+        return None
+
+
+_MODE: str | None = _initial_mode()
+
+
+def backend_mode() -> str:
+    """The current backend: ``auto``, ``triton`` or ``reference``."""
+    if _MODE is None:
+        return parse_backend(os.environ.get("CULMEN_BACKEND"))  # raises with the bad value
+    return _MODE
+
+
+def set_backend(mode: str) -> None:
+    """Choose where culmen's ops run from now on: ``"auto"`` (CUDA/ROCm tensors on the Triton kernels,
+    CPU tensors on the reference), ``"triton"`` (the kernels everywhere; CPU needs ``TRITON_INTERPRET=1``)
+    or ``"reference"`` (the pure-PyTorch path everywhere). Drops every cached call plan."""
+    global _MODE
+    _MODE = parse_backend(mode)
+    _plans_changed()
+
+
+@contextlib.contextmanager
+def use_backend(mode: str) -> Iterator[None]:
+    """``set_backend(mode)`` for the duration of a ``with`` block, then the previous backend again."""
+    prev = _MODE
+    set_backend(mode)
+    try:
+        yield
+    finally:
+        globals()["_MODE"] = prev
+        _plans_changed()
+
+
+def _plans_changed() -> None:
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
 
 
 def choose_backend(device: torch.device | str) -> str:
     """Return ``"triton"`` or ``"reference"`` for an op whose tensors live on ``device``."""
     if not isinstance(device, torch.device):
         device = torch.device(device)
-    raw = os.environ.get("CULMEN_BACKEND")
-    if raw is None or raw == "auto":
-        # The common case, kept cheap: this runs on every op call.
-        if device.type == "cuda" and triton_available():
-            return "triton"
-        if device.type != "cuda":
-            return "reference"
     mode = backend_mode()
     if mode == "reference":
         return "reference"
@@ -76,6 +119,26 @@ def choose_backend(device: torch.device | str) -> str:
             )
         return "triton"
     return "reference"
+
+
+_CHECK_VALUES = os.environ.get("CULMEN_CHECK_VALUES", os.environ.get("CULMEN_CHECK_LABELS", "0")) not in ("", "0")
+
+
+def set_check_values(flag: bool) -> None:
+    """Check the *values* of index-like inputs (labels, ``cu_seqlens``, page tables, indices) on GPUs
+    too, at the cost of a device-to-host sync per call (CPU tensors are always checked). Starts from
+    ``CULMEN_CHECK_VALUES=1`` (``CULMEN_CHECK_LABELS`` is its old name). Kernels stay memory-safe on bad
+    values either way; the check turns silent garbage into a clear error."""
+    global _CHECK_VALUES
+    if not isinstance(flag, bool):
+        raise TypeError(f"set_check_values expects a bool, got {type(flag).__name__}")
+    _CHECK_VALUES = flag
+    _plans_changed()
+
+
+def check_values_on() -> bool:
+    """The value-checking switch (see ``set_check_values``)."""
+    return _CHECK_VALUES
 
 
 _DETERMINISTIC = False

@@ -16,6 +16,7 @@ import torch
 from culmen.ops.attention import attention_ref, dropout_keep_mask, flash_attn, flash_attn_varlen
 from culmen.ops.attention import op as attn_op
 from culmen.ops.attention.launch import attention_fwd
+from culmen.ops.backend import set_backend
 from culmen.testing import assert_close_tolerance
 from culmen.testing.attention import grads as _grads
 from culmen.testing.attention import plain
@@ -210,7 +211,7 @@ def test_varlen_kernels_match_float64(triton_backend, monkeypatch, case):
     dout = torch.randn(q.shape)
     out, lse, grads = run(torch.float32)  # the kernels
     assert lse.shape == (h, sum(lq)) and lse.dtype == torch.float32
-    monkeypatch.setenv("CULMEN_BACKEND", "reference")
+    set_backend("reference")
     hi = run(torch.float64)
     lo = run(torch.float32)
     assert_close_tolerance(out, hi[0], lo[0], name="out")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from culmen.ops.backend import set_backend
 from culmen.ops.batch_norm import launch as bn_launch
 from culmen.ops.batch_norm import op as bn_op
 from culmen.ops.batch_norm import sync_batch_norm, sync_batch_norm_ref
@@ -270,7 +271,7 @@ def test_paths_agree(monkeypatch):
     w, b = torch.rand(5) + 0.5, torch.randn(5)
     outs = []
     for be in BACKENDS:
-        monkeypatch.setenv("CULMEN_BACKEND", be)
+        set_backend(be)
         outs.append(sync_batch_norm(x, w, b, None, None).float())
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
 

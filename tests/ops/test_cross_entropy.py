@@ -22,6 +22,7 @@ import torch
 from culmen.flash_attn.losses.cross_entropy import CrossEntropyLoss
 from culmen.flash_attn.ops.triton.cross_entropy import CrossEntropyLoss as CrossEntropyFn
 from culmen.flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+from culmen.ops.backend import set_backend
 from culmen.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from culmen.ops.cross_entropy import launch as ce_launch
 from culmen.ops.cross_entropy.op import NO_IGNORE, bwd_impl, fwd_impl
@@ -303,7 +304,7 @@ def test_torch_compile_fullgraph(compile_backend, monkeypatch):
     """Both custom-op families trace without graph breaks and match eager (forward and gradients)."""
     from culmen.ops.cross_entropy import fused_linear_cross_entropy
 
-    monkeypatch.setenv("CULMEN_BACKEND", compile_backend)
+    set_backend(compile_backend)
     torch._dynamo.reset()
     x = randn((6, 50), requires_grad=True)
     y = torch.tensor([1, 2, -100, 49, 0, 7])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from culmen.ops.backend import set_backend
 from culmen.ops.group_norm import group_norm, group_norm_ref
 from culmen.ops.group_norm import launch as gn_launch
 from culmen.testing import assert_close_tolerance, poisoned_allocations, randn
@@ -37,7 +38,7 @@ CONFIGS = {
 
 def use_path(path: str, monkeypatch) -> None:
     """The reference, or the Triton kernels (interpreter) with one of the ``CONFIGS``."""
-    monkeypatch.setenv("CULMEN_BACKEND", "reference" if path == "reference" else "triton")
+    set_backend("reference" if path == "reference" else "triton")
     for key, value in CONFIGS.get(path, {}).items():
         monkeypatch.setitem(gn_launch.TUNING, key, value)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import pytest
 import torch
 
+from culmen.ops.backend import set_backend
 from culmen.ops.layer_norm import LayerNormOutput, layer_norm, layer_norm_ref
 from culmen.ops.layer_norm import launch as ln_launch
 from culmen.testing import assert_close_tolerance, make_noncontiguous, randn
@@ -287,24 +288,22 @@ def test_tolerance_rule_chunked_kernels(triton_backend, chunked, case):
 
 def test_chunked_kernels_are_used(triton_backend, chunked, monkeypatch):
     """The ``chunked`` fixture really routes through the chunked kernels (and the default does not)."""
-    used = []
-    for name in ("_fwd", "_fwd_chunked", "_bwd", "_bwd_chunked", "_bwd_dw"):
-        launcher = getattr(ln_launch, name)
+    from culmen.ops.layer_norm import kernels as k
 
-        def spy(*a, _launcher=launcher, _name=name, **k):
-            used.append(_name)
-            return _launcher(*a, **k)
+    def kernels_of_last_plan():
+        plan = next(reversed(ln_launch.PLANS.values()))
+        b = plan._bwd[False]
+        return [plan.fwd_kernel, b.main.fn] + ([b.dw.fn] if b.dw is not None else [])
 
-        monkeypatch.setattr(ln_launch, name, spy)
     x = randn((3, 40), requires_grad=True)
     w = randn(40, requires_grad=True)
     layer_norm(x, w, None).y.sum().backward()
-    assert used == ["_fwd_chunked", "_bwd_chunked", "_bwd_dw"]
-    used.clear()
+    assert kernels_of_last_plan() == [k._layer_norm_fwd_chunked_kernel, k._layer_norm_bwd_chunked_kernel,
+                                      k._layer_norm_bwd_dw_kernel]
     monkeypatch.setitem(ln_launch.TUNING, "fwd_max_resident", 64)
     monkeypatch.setitem(ln_launch.TUNING, "bwd_max_resident", 64)
     layer_norm(x, w, None).y.sum().backward()
-    assert used == ["_fwd", "_bwd"]
+    assert kernels_of_last_plan() == [k._layer_norm_fwd_kernel, k._layer_norm_bwd_kernel]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +365,7 @@ def test_dropout_paths_agree_given_mask(monkeypatch):
     res = randn((6, 200), F32)
     w, b = randn(200, BF16), randn(200, BF16)
     for be in BACKENDS:
-        monkeypatch.setenv("CULMEN_BACKEND", be)
+        set_backend(be)
         o = layer_norm(x, w, b, residual=res, dropout_p=0.25, return_dropout_mask=True, return_residual=True)
         ref, pre = layer_norm_ref(x.float(), w.float(), b.float(), res, eps=EPS, dropout_p=0.25,
                                   dropout_mask=o.dropout_mask, prenorm=True)
@@ -375,7 +374,7 @@ def test_dropout_paths_agree_given_mask(monkeypatch):
     # Without dropout the two paths compute the same function in fp32: equal up to rounding of y.
     outs = []
     for be in BACKENDS:
-        monkeypatch.setenv("CULMEN_BACKEND", be)
+        set_backend(be)
         outs.append(layer_norm(x, w, b, residual=res).y.float())
     torch.testing.assert_close(outs[0], outs[1], rtol=8e-3, atol=8e-3)
 
@@ -484,7 +483,7 @@ def test_backward_is_deterministic(triton_backend, rms):
 
 @pytest.mark.parametrize("compile_backend", BACKENDS)
 def test_torch_compile_fullgraph(compile_backend, monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", compile_backend)
+    set_backend(compile_backend)
     torch._dynamo.reset()
     M, N = 6, 48
 

@@ -183,19 +183,24 @@ def test_more_than_2_31_elements():
     torch.cuda.empty_cache()
 
 
-LAUNCHERS = ("_fwd", "_fwd_chunked", "_bwd", "_bwd_chunked", "_bwd_dw")
+def _all_launches():
+    """Every ``Launch`` of every cached norm plan."""
+    out = []
+    for plan in ln_launch.PLANS.values():
+        out += list(plan._fwd.values())
+        for b in plan._bwd.values():
+            out += [la for la in (b.main, b.dw, b.finish) if la is not None]
+    return out
 
 
 @pytest.fixture
-def fresh_launchers(monkeypatch):
-    """The op's launchers with an empty fast-path cache and the fast path enabled (restored afterwards),
-    so what an earlier test did to them cannot leak into this one."""
-    launchers = [getattr(ln_launch, name) for name in LAUNCHERS]
-    for launcher in launchers:
-        monkeypatch.setattr(launcher, "cache", {})
-        monkeypatch.setattr(launcher, "disabled", False)
-        monkeypatch.setattr(launcher, "error", None)
-    return launchers
+def fresh_plans():
+    """No cached plans before and after (what an earlier test cached cannot leak into this one)."""
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
+    yield
+    clear_plans()
 
 
 def _fwd_bwd(inp, dropout_p, seed):
@@ -210,7 +215,7 @@ def _fwd_bwd(inp, dropout_p, seed):
 SHAPES = ((513, 3000), (9, 70000))  # row-resident and chunked kernels
 
 
-def test_non_current_device(fresh_launchers):
+def test_non_current_device(fresh_plans):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     assert torch.cuda.current_device() == 0
@@ -225,30 +230,65 @@ def test_non_current_device(fresh_launchers):
         for a, c in zip(r0, r1):
             assert c.device == torch.device("cuda", 1)
             assert torch.equal(a, c.to("cuda:0"))
-    # Both devices keep the fast launch path: a kernel handle loaded for one device must not be launched
-    # on the other (that fails, and turns the fast path off for the rest of the process).
-    for launcher in fresh_launchers:
-        assert not launcher.disabled, f"{launcher.kernel.fn.__name__}: fast path turned off: {launcher.error}"
+    # Both devices' plans took the direct launch path (a handle loaded for one device is never launched on
+    # the other: each plan belongs to one device, and another current device takes Triton's own launch).
+    for la in _all_launches():
+        assert la._run is not None, f"{la.fn.fn.__name__}: no direct launch: {la.error}"
 
 
-def test_fast_launch_bitwise(monkeypatch, fresh_launchers):
-    """The fast launch path (second call of a specialization) gives what Triton's normal launch gives."""
+def test_fast_launch_bitwise(fresh_plans):
+    """The direct launch path (second call of a plan) gives what Triton's own launch gives."""
+    from culmen.ops.common.launch import set_fast_launch
+
     results = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("CULMEN_FAST_LAUNCH", mode)
-        for launcher in fresh_launchers:
-            launcher.cache.clear()
-        for shape in SHAPES:
-            if mode == "0":
-                results[shape, "inp"] = _make_inputs(shape, BF16, residual=F32, x1=True, weight1=True,
-                                                     rowscale=True, requires_grad=True)
-            results[shape, mode] = [_fwd_bwd(results[shape, "inp"], 0.1, seed=11) for _ in range(2)][-1]
-        if mode == "0":  # the normal launch path only
-            assert all(not launcher.cache for launcher in fresh_launchers)
-        else:
-            for launcher in fresh_launchers:
-                assert not launcher.disabled, launcher.error
-                assert launcher.cache, f"{launcher.kernel.fn.__name__} never took the fast path"
+    try:
+        for mode in (False, True):
+            set_fast_launch(mode)
+            for shape in SHAPES:
+                if not mode:
+                    results[shape, "inp"] = _make_inputs(shape, BF16, residual=F32, x1=True, weight1=True,
+                                                         rowscale=True, requires_grad=True)
+                results[shape, mode] = [_fwd_bwd(results[shape, "inp"], 0.1, seed=11) for _ in range(2)][-1]
+            launches = _all_launches()
+            assert launches
+            if not mode:
+                assert all(la._run is None for la in launches)
+            else:
+                for la in launches:
+                    assert la._run is not None, f"{la.fn.fn.__name__} never took the direct path: {la.error}"
+    finally:
+        set_fast_launch(True)
     for shape in SHAPES:
-        for a, c in zip(results[shape, "0"], results[shape, "1"]):
+        for a, c in zip(results[shape, False], results[shape, True]):
             assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_inductor(dynamic):
+    """Under torch.compile (Inductor) the kernels are traced (triton_op + wrap_triton): results and
+    gradients equal eager's, no graph break, and with dynamic shapes new row counts do not recompile."""
+    torch._dynamo.reset()
+    dev = torch.device("cuda")
+    N = 1000
+    w = torch.randn(N, device=dev, dtype=BF16, requires_grad=True)
+    b = torch.randn(N, device=dev, dtype=BF16, requires_grad=True)
+
+    def fn(x, res):
+        o = layer_norm(x, w, b, residual=res, return_residual=True, eps=EPS, is_rms_norm=False)
+        return o.y, o.residual_out
+
+    compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+    for M in (64, 77, 130):
+        x = torch.randn(M, N, device=dev, dtype=BF16, requires_grad=True)
+        res = torch.randn(M, N, device=dev, dtype=F32, requires_grad=True)
+        gy, gr = torch.randn(M, N, device=dev, dtype=BF16), torch.randn(M, N, device=dev, dtype=F32)
+        outs = []
+        for f in (fn, compiled):
+            y, r = f(x, res)
+            grads = torch.autograd.grad((y.float() * gy).sum() + (r * gr).sum(), [x, res, w, b])
+            outs.append((y, r, *grads))
+        for e, c in zip(*outs):
+            assert c.dtype == e.dtype and c.shape == e.shape
+            torch.testing.assert_close(c, e, rtol=2e-2, atol=2e-2)
+    if dynamic:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1

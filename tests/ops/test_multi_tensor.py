@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
+from culmen.ops.backend import set_backend
 from culmen.ops.multi_tensor import adam, common
 from culmen.testing import assert_close_tolerance, make_strided_lastdim
 
@@ -29,7 +30,7 @@ def flag(device, value=0):
 
 @pytest.fixture(params=["triton", "reference"])
 def backend(request, monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", request.param)
+    set_backend(request.param)
     return request.param
 
 

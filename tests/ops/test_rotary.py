@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from culmen.ops.backend import set_backend
 from culmen.ops.rotary import op as rotary_op_mod
 from culmen.ops.rotary import rotary, rotary_emb_ref
 from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
@@ -281,7 +282,7 @@ def test_empty(backend):
 
 @pytest.mark.parametrize("compile_backend", ["reference", "triton"])
 def test_torch_compile_fullgraph(compile_backend, monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", compile_backend)
+    set_backend(compile_backend)
     torch._dynamo.reset()
     B, S, H, D = 2, 5, 2, 12
     cos, sin = _tables(S + 2, 4)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from culmen.ops.backend import set_backend
 from culmen.ops.softmax import launch as sm_launch
 from culmen.ops.softmax import scaled_masked_softmax, scaled_masked_softmax_ref, softmax_backward, softmax_forward
 from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
@@ -149,7 +150,7 @@ def test_empty(backend):
 
 @pytest.mark.parametrize("compile_backend", ["reference", "triton"])
 def test_torch_compile_fullgraph(compile_backend, monkeypatch):
-    monkeypatch.setenv("CULMEN_BACKEND", compile_backend)
+    set_backend(compile_backend)
     torch._dynamo.reset()
     mask = torch.rand(2, 1, 5, 13) < 0.3
 

@@ -41,26 +41,31 @@ def _mul_hi_lo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     return hi, lo
 
 
-def philox_rand(seed: Tensor | int, offset: Tensor) -> Tensor:
-    """Uniform float32 in ``[0, 1)``, bit-equal to Triton's ``tl.rand(seed, offset)``.
+def philox_rand(seed: Tensor | int, offset: Tensor, n_rounds: int = _N_ROUNDS) -> Tensor:
+    """Uniform float32 in ``[0, 1)``, bit-equal to Triton's ``tl.rand(seed, offset, n_rounds)``.
 
     Args:
-        seed: non-negative int64 scalar (Python int or 0-d / 1-element tensor).
+        seed: non-negative int64 scalar (Python int or 0-d / 1-element tensor), or an int64 tensor
+            that broadcasts against ``offset`` (one key per element, as ``tl.rand`` with a tensor seed).
         offset: int64 tensor of any shape (the Philox counters).
+        n_rounds: Philox rounds (Triton's default is 10).
 
     Returns:
-        float32 tensor of ``offset``'s shape, on ``offset``'s device.
+        float32 tensor of the broadcast shape, on ``offset``'s device. Pure tensor ops: traceable.
     """
     offset = offset.to(torch.int64)
     if isinstance(seed, Tensor):
-        seed = seed.to(device=offset.device, dtype=torch.int64).reshape(())
+        seed = seed.to(device=offset.device, dtype=torch.int64)
+        if seed.numel() == 1:
+            seed = seed.reshape(())
     k0 = seed & _MASK32
     k1 = (seed >> 32) & _MASK32
     c0 = offset & _MASK32
     c1 = (offset >> 32) & _MASK32
-    c2 = torch.zeros_like(offset)
-    c3 = torch.zeros_like(offset)
-    for _ in range(_N_ROUNDS):
+    c0, c1 = torch.broadcast_tensors(c0, c1 + (k0 * 0 if isinstance(k0, Tensor) else 0))
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(n_rounds):
         hi_b, lo_b = _mul_hi_lo(_ROUND_B, c2)
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a

@@ -15,12 +15,163 @@ first call of each key, the interpreter and any error take Triton's normal path;
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
 
 _I32 = 2**31
+
+
+# ------------------------------------------------------------------------------------------ Launch
+#
+# ``Launch`` is the one way culmen's op plans launch a kernel. A plan fixes everything Triton
+# specializes a kernel on (argument dtypes, integer values seen through ``== 1`` / ``% 16``, constexprs,
+# warps, stages) except the 16-byte alignment of pointers, which the caller checks per call; so after
+# the first call a ``Launch`` calls the compiled kernel's C launcher directly, with no per-call key,
+# binding or dict. Integer arguments that change per call (row counts, offsets) must be listed in the
+# kernel's ``do_not_specialize``.
+
+_FAST = os.environ.get("CULMEN_FAST_LAUNCH", "1") != "0"
+_FAKE_RUN = None  # culmen.testing.hostcost installs a recorder here (CPU host-cost tests)
+# Triton versions whose launcher's C entry point culmen calls directly (its argument order is
+# checked against these); other versions go through ``CompiledKernel.run``, one Python frame more.
+_DIRECT_VERSIONS = ("3.5.", "3.6.")
+
+
+def set_fast_launch(flag: bool) -> None:
+    """Turn the direct launches off (``False``: every launch goes through Triton's own dispatch, the
+    slow but always-valid path; for bisecting a suspected launch bug). Starts from ``CULMEN_FAST_LAUNCH``."""
+    global _FAST
+    _FAST = bool(flag)
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
+
+
+def _no_hooks_installed() -> bool:
+    enter, leave = _launch_hooks()
+    return _no_hooks(enter, leave)
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+class Launch:
+    """One configuration of one Triton kernel: grid, constexprs, warps and stages, fixed by a plan.
+
+    ``launch(stream, aligned, *args)`` runs it with the kernel's non-constexpr arguments in signature
+    order on the raw CUDA ``stream`` (``None`` off CUDA or when another device is current: then Triton's
+    own dispatch runs it, under the interpreter on CPU). ``aligned`` says every pointer argument is
+    16-byte aligned; only then may the bound kernel run (Triton compiled it for aligned pointers).
+    ``traced(*args)`` is the same launch inside a ``torch.library.triton_op`` (``torch.compile``).
+    """
+
+    __slots__ = ("fn", "grid", "meta", "num_warps", "num_stages", "device", "consts", "_run", "_mid", "error")
+
+    def __init__(self, fn, grid: tuple, meta: dict, num_warps: int, num_stages: int = 3,
+                 device: torch.device | None = None) -> None:
+        self.fn = fn
+        self.grid = (*grid, 1, 1)[:3]
+        self.meta = meta
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+        self.device = device
+        self.consts: tuple = ()
+        self._run = None
+        self._mid: tuple = ()
+        self.error: str | None = None  # why the direct path was given up, for diagnosis
+
+    def __call__(self, stream, aligned: bool, *args) -> None:
+        run = self._run
+        if run is not None and aligned:
+            g = self.grid
+            run(g[0], g[1], g[2], stream, *self._mid, *args, *self.consts)
+            return
+        self._launch_slow(stream, aligned, args)
+
+    def _launch_slow(self, stream, aligned: bool, args: tuple) -> None:
+        if stream is not None and _FAKE_RUN is not None:
+            self._run, self._mid = _FAKE_RUN, ()
+            _FAKE_RUN(*self.grid, stream, *args)
+            return
+        if stream is None or not _FAST:
+            with _guard(self.device):
+                self.fn[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages)
+            return
+        compiled = self.fn[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages)
+        if aligned and compiled is not None and _no_hooks_installed():
+            self._bind(compiled, len(args))
+
+    def _bind(self, compiled, n_args: int) -> None:
+        names = self.fn.arg_names[n_args:]
+        if set(names) != set(self.meta):
+            self.error = f"constexprs {names} are not the plan's {list(self.meta)}"
+            return
+        self.consts = tuple(self.meta[n] for n in names)
+        launcher = compiled.run
+        direct = getattr(launcher, "launch", None)
+        no_scratch = not (getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1))
+        if direct is not None and no_scratch and _triton_version().startswith(_DIRECT_VERSIONS):
+            # CudaLauncher.__call__ only allocates scratch (none here) and forwards to its C ``launch``.
+            self._mid = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                         compiled.packed_metadata, None, None, None)
+            self._run = direct
+        else:
+            self._mid = (compiled.function, compiled.packed_metadata, None, None, None)
+            self._run = launcher
+
+    def traced(self, *args) -> None:
+        """Launch inside a ``torch.library.triton_op`` body: Inductor sees (and launches) the kernel."""
+        from torch.library import wrap_triton
+
+        wrap_triton(self.fn)[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def traceable_kernels() -> bool:
+    """Whether ``Launch.traced`` can put kernels into a ``torch.compile`` graph: not under Triton's CPU
+    interpreter, whose kernels run eagerly (plans then trace their reference path instead)."""
+    from culmen.ops.backend import interpreter_enabled
+
+    return not interpreter_enabled()
+
+
+def _guard(device: torch.device | None):
+    if device is not None and device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def stream_getter(device: torch.device):
+    """A function returning the raw current stream of ``device`` for ``Launch``, or ``None`` (Triton's own
+    dispatch) when another CUDA device is current or the tensors are not on CUDA."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        get_dev = torch._C._cuda_getDevice
+        if raw is None:  # pragma: no cover - older torch
+            return lambda: torch.cuda.current_stream(index).cuda_stream if get_dev() == index else None
+
+        def stream():
+            return raw(index) if get_dev() == index else None
+
+        return stream
+    if _FAKE_RUN is not None:
+        return _zero
+    return _none
+
+
+def _none():
+    return None
+
+
+def _zero():
+    return 0
+
 
 
 def _spec(a):

@@ -20,6 +20,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _rstd_ptr(STATS, M, IS_RMS: tl.constexpr):
+    """The statistics live in one fp32 buffer: ``[mean (M), rstd (M)]``, or ``[rstd (M)]`` for RMSNorm."""
+    if IS_RMS:
+        return STATS
+    return STATS + M
+
+
+@triton.jit
 def _keep_mask(seed, rows, cols, M, dropout_p, SECOND: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     key = seed + rows
@@ -79,16 +87,16 @@ def _affine_store(Y, W, B, xhat, rows, cols, tile, col_ok, stride_y,
     tl.store(Y + rows * stride_y + cols, y.to(Y.dtype.element_ty), mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _layer_norm_fwd_kernel(
     X, W, B, RES, X1, W1, B1, ROWSCALE, SEED,
-    Y, Y1, RES_OUT, MASK, MASK1, MEAN, RSTD,
+    Y, Y1, RES_OUT, MASK, MASK1, STATS,
     stride_x, stride_res, stride_x1, stride_y, stride_y1, stride_res_out,
     M, N, eps, dropout_p,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
     HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, STORE_RES_OUT: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, STORE_STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Row-resident forward: program ``pid`` normalizes rows ``[pid*BLOCK_M, (pid+1)*BLOCK_M)``."""
     rows1 = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -107,26 +115,28 @@ def _layer_norm_fwd_kernel(
         hc = h
     else:
         mean = tl.sum(h, axis=1) / N
-        tl.store(MEAN + rows1, mean, mask=rows1 < M)
+        if STORE_STATS:
+            tl.store(STATS + rows1, mean, mask=rows1 < M)
         hc = tl.where(tile, h - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=1) / N + eps)
-    tl.store(RSTD + rows1, rstd, mask=rows1 < M)
+    if STORE_STATS:
+        tl.store(_rstd_ptr(STATS, M, IS_RMS) + rows1, rstd, mask=rows1 < M)
     xhat = hc * rstd[:, None]
     _affine_store(Y, W, B, xhat, rows, cols, tile, col_ok, stride_y, HAS_W, HAS_B, ZERO_CENTERED)
     if HAS_W1:
         _affine_store(Y1, W1, B1, xhat, rows, cols, tile, col_ok, stride_y1, True, HAS_B1, ZERO_CENTERED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _layer_norm_fwd_chunked_kernel(
     X, W, B, RES, X1, W1, B1, ROWSCALE, SEED,
-    Y, Y1, RES_OUT, MASK, MASK1, MEAN, RSTD,
+    Y, Y1, RES_OUT, MASK, MASK1, STATS,
     stride_x, stride_res, stride_x1, stride_y, stride_y1, stride_res_out,
     M, N, eps, dropout_p,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
     HAS_X1: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_ROWSCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, STORE_MASK: tl.constexpr, STORE_RES_OUT: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, STORE_STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Forward for rows too long for registers: a statistics pass, then a normalize pass."""
     rows1 = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -158,9 +168,10 @@ def _layer_norm_fwd_chunked_kernel(
             m2 += tl.sum(d * d, axis=1) + delta * delta * (count * n_c / total)
             count = total
     rstd = 1.0 / tl.sqrt(m2 / N + eps)
-    tl.store(RSTD + rows1, rstd, mask=rows1 < M)
-    if not IS_RMS:
-        tl.store(MEAN + rows1, mean, mask=rows1 < M)
+    if STORE_STATS:
+        tl.store(_rstd_ptr(STATS, M, IS_RMS) + rows1, rstd, mask=rows1 < M)
+        if not IS_RMS:
+            tl.store(STATS + rows1, mean, mask=rows1 < M)
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)[None, :]
         col_ok = cols < N
@@ -188,7 +199,7 @@ def _load_w(W, cols, col_ok, other, ZERO_CENTERED: tl.constexpr):
 
 
 @triton.jit
-def _xhat(XS, MEAN, RSTD, w, b, rows, rows1, cols, tile, stride_xs,
+def _xhat(XS, STATS, M, w, b, rows, rows1, cols, tile, stride_xs,
           IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, RECOMPUTE_FROM_Y: tl.constexpr):
     """Normalized input of a tile, from the saved pre-norm sum or (memory-efficient) from y."""
     xs = tl.load(XS + rows * stride_xs + cols, mask=tile, other=0.0).to(tl.float32)
@@ -199,11 +210,11 @@ def _xhat(XS, MEAN, RSTD, w, b, rows, rows1, cols, tile, stride_xs,
         if HAS_W:
             xhat = xhat / w
     else:
-        rstd = tl.load(RSTD + rows1, mask=rows1 >= 0, other=0.0)
+        rstd = tl.load(_rstd_ptr(STATS, M, IS_RMS) + rows1, mask=rows1 >= 0, other=0.0)
         if IS_RMS:
             xhat = xs * rstd[:, None]
         else:
-            mean = tl.load(MEAN + rows1, mask=rows1 >= 0, other=0.0)
+            mean = tl.load(STATS + rows1, mask=rows1 >= 0, other=0.0)
             xhat = (xs - mean[:, None]) * rstd[:, None]
     return tl.where(tile, xhat, 0.0)
 
@@ -235,10 +246,10 @@ def _store_dx(DX, DX1, DRES, DRES_OUT, ROWSCALE, seed, dh, rows, cols, tile, M, 
         tl.store(DX1 + rows * stride_dx1 + cols, dx1.to(DX1.dtype.element_ty), mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
 def _layer_norm_bwd_kernel(
-    XS, W, B, W1, DY, DY1, DRES_OUT, ROWSCALE, SEED, MEAN, RSTD,
-    DX, DX1, DRES, DW, DB, DW1, DB1,
+    XS, W, B, W1, DY, DY1, DRES_OUT, ROWSCALE, SEED, STATS,
+    DX, DX1, DRES, PART,
     stride_xs, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres, stride_part,
     M, N, dropout_p, rows_per_program,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_W1: tl.constexpr,
@@ -273,9 +284,9 @@ def _layer_norm_bwd_kernel(
         rows1 = tl.where(rows1 < row_end, rows1, -1)
         rows = rows1[:, None]
         tile = (rows >= 0) & col_ok
-        xhat = _xhat(XS, MEAN, RSTD, w, b, rows, rows1, cols, tile, stride_xs,
+        xhat = _xhat(XS, STATS, M, w, b, rows, rows1, cols, tile, stride_xs,
                      IS_RMS, HAS_W, HAS_B, RECOMPUTE_FROM_Y)
-        rstd = tl.load(RSTD + rows1, mask=rows1 >= 0, other=0.0)
+        rstd = tl.load(_rstd_ptr(STATS, M, IS_RMS) + rows1, mask=rows1 >= 0, other=0.0)
         dy = tl.load(DY + rows * stride_dy + cols, mask=tile, other=0.0).to(tl.float32)
         wdy = dy * w
         if HAS_W:
@@ -298,19 +309,31 @@ def _layer_norm_bwd_kernel(
                   stride_dx, stride_dx1, stride_dres, stride_dres_out,
                   HAS_DRES_OUT, STORE_DRES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BLOCK_M, BLOCK_N)
     cols1 = tl.arange(0, BLOCK_N)
-    out = pid.to(tl.int64) * stride_part + cols1
-    if HAS_W:
-        tl.store(DW + out, tl.sum(dw_acc, axis=0), mask=cols1 < N)
-    if HAS_B:
-        tl.store(DB + out, tl.sum(db_acc, axis=0), mask=cols1 < N)
-    if HAS_W1:
-        tl.store(DW1 + out, tl.sum(dw1_acc, axis=0), mask=cols1 < N)
-        if HAS_B1:
-            tl.store(DB1 + out, tl.sum(db1_acc, axis=0), mask=cols1 < N)
+    _store_partials(PART, pid.to(tl.int64) * stride_part + cols1, cols1 < N, N, dw_acc, db_acc, dw1_acc, db1_acc,
+                    HAS_W, HAS_B, HAS_W1, HAS_B1)
 
 
 @triton.jit
-def _grad_terms(XS, W, B, W1, DY, DY1, MEAN, RSTD, rows, rows1, cols, col_ok, tile,
+def _store_partials(PART, out, ok, N, dw_acc, db_acc, dw1_acc, db1_acc,
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr):
+    """Column sums of the accumulators into this program's row of ``PART (rows, P, N)``: the present
+    parameter grads in the order w, b, w1, b1."""
+    k = 0
+    if HAS_W:
+        tl.store(PART + out, tl.sum(dw_acc, axis=0), mask=ok)
+        k += 1
+    if HAS_B:
+        tl.store(PART + k * N + out, tl.sum(db_acc, axis=0), mask=ok)
+        k += 1
+    if HAS_W1:
+        tl.store(PART + k * N + out, tl.sum(dw1_acc, axis=0), mask=ok)
+        k += 1
+        if HAS_B1:
+            tl.store(PART + k * N + out, tl.sum(db1_acc, axis=0), mask=ok)
+
+
+@triton.jit
+def _grad_terms(XS, W, B, W1, DY, DY1, STATS, M, rows, rows1, cols, col_ok, tile,
                 stride_xs, stride_dy, stride_dy1,
                 IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_W1: tl.constexpr,
                 ZERO_CENTERED: tl.constexpr, RECOMPUTE_FROM_Y: tl.constexpr):
@@ -321,7 +344,7 @@ def _grad_terms(XS, W, B, W1, DY, DY1, MEAN, RSTD, rows, rows1, cols, col_ok, ti
         w = _load_w(W, cols, col_ok, 1.0, ZERO_CENTERED)
     if HAS_B & RECOMPUTE_FROM_Y:
         b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    xhat = _xhat(XS, MEAN, RSTD, w, b, rows, rows1, cols, tile, stride_xs, IS_RMS, HAS_W, HAS_B, RECOMPUTE_FROM_Y)
+    xhat = _xhat(XS, STATS, M, w, b, rows, rows1, cols, tile, stride_xs, IS_RMS, HAS_W, HAS_B, RECOMPUTE_FROM_Y)
     wdy = tl.load(DY + rows * stride_dy + cols, mask=tile, other=0.0).to(tl.float32) * w
     if HAS_W1:
         w1 = _load_w(W1, cols, col_ok, 0.0, ZERO_CENTERED)
@@ -329,9 +352,9 @@ def _grad_terms(XS, W, B, W1, DY, DY1, MEAN, RSTD, rows, rows1, cols, col_ok, ti
     return xhat, wdy
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _layer_norm_bwd_chunked_kernel(
-    XS, W, B, W1, DY, DY1, DRES_OUT, ROWSCALE, SEED, MEAN, RSTD,
+    XS, W, B, W1, DY, DY1, DRES_OUT, ROWSCALE, SEED, STATS,
     DX, DX1, DRES,
     stride_xs, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dx1, stride_dres,
     M, N, dropout_p,
@@ -348,14 +371,14 @@ def _layer_norm_bwd_chunked_kernel(
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
-    rstd = tl.load(RSTD + rows1, mask=rows1 >= 0, other=0.0)
+    rstd = tl.load(_rstd_ptr(STATS, M, IS_RMS) + rows1, mask=rows1 >= 0, other=0.0)
     c1 = tl.zeros([BLOCK_M], dtype=tl.float32)
     c2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     for c0 in range(0, N, BLOCK_N):
         cols = c0 + tl.arange(0, BLOCK_N)[None, :]
         col_ok = cols < N
         tile = row_ok & col_ok
-        xhat, wdy = _grad_terms(XS, W, B, W1, DY, DY1, MEAN, RSTD, rows, rows1, cols, col_ok, tile,
+        xhat, wdy = _grad_terms(XS, W, B, W1, DY, DY1, STATS, M, rows, rows1, cols, col_ok, tile,
                                 stride_xs, stride_dy, stride_dy1, IS_RMS, HAS_W, HAS_B, HAS_W1,
                                 ZERO_CENTERED, RECOMPUTE_FROM_Y)
         c1 += tl.sum(xhat * wdy, axis=1)
@@ -366,7 +389,7 @@ def _layer_norm_bwd_chunked_kernel(
         cols = c0 + tl.arange(0, BLOCK_N)[None, :]
         col_ok = cols < N
         tile = row_ok & col_ok
-        xhat, wdy = _grad_terms(XS, W, B, W1, DY, DY1, MEAN, RSTD, rows, rows1, cols, col_ok, tile,
+        xhat, wdy = _grad_terms(XS, W, B, W1, DY, DY1, STATS, M, rows, rows1, cols, col_ok, tile,
                                 stride_xs, stride_dy, stride_dy1, IS_RMS, HAS_W, HAS_B, HAS_W1,
                                 ZERO_CENTERED, RECOMPUTE_FROM_Y)
         if IS_RMS:
@@ -378,9 +401,9 @@ def _layer_norm_bwd_chunked_kernel(
                   HAS_DRES_OUT, STORE_DRES, HAS_X1, HAS_ROWSCALE, HAS_DROPOUT, BLOCK_M, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_split"])
 def _layer_norm_bwd_dw_kernel(
-    XS, W, B, DY, DY1, MEAN, RSTD, DW, DB, DW1, DB1,
+    XS, W, B, DY, DY1, STATS, PART,
     stride_xs, stride_dy, stride_dy1, stride_part,
     M, N, rows_per_split,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_W1: tl.constexpr,
@@ -410,7 +433,7 @@ def _layer_norm_bwd_dw_kernel(
         rows1 = tl.where(rows1 < row_end, rows1, -1)
         rows = rows1[:, None]
         tile = (rows >= 0) & col_ok
-        xhat = _xhat(XS, MEAN, RSTD, w, b, rows, rows1, cols, tile, stride_xs,
+        xhat = _xhat(XS, STATS, M, w, b, rows, rows1, cols, tile, stride_xs,
                      IS_RMS, HAS_W, HAS_B, RECOMPUTE_FROM_Y)
         dy = tl.load(DY + rows * stride_dy + cols, mask=tile, other=0.0).to(tl.float32)
         dw_acc += dy * xhat
@@ -419,12 +442,39 @@ def _layer_norm_bwd_dw_kernel(
             dy1 = tl.load(DY1 + rows * stride_dy1 + cols, mask=tile, other=0.0).to(tl.float32)
             dw1_acc += dy1 * xhat
             db1_acc += dy1
-    out = pid_s.to(tl.int64) * stride_part + cols1
+    _store_partials(PART, pid_s.to(tl.int64) * stride_part + cols1, cols1 < N, N, dw_acc, db_acc, dw1_acc, db1_acc,
+                    HAS_W, HAS_B, HAS_W1, HAS_B1)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _layer_norm_dw_finish_kernel(
+    PART, DW, DB, DW1, DB1, rows, N, stride_row,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Sum the fp32 partials ``(rows, P, N)`` of the P present parameter grads over ``rows`` (a fixed
+    order: deterministic) and write each in its parameter's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    k = 0
     if HAS_W:
-        tl.store(DW + out, tl.sum(dw_acc, axis=0), mask=cols1 < N)
+        _finish_one(PART, DW, k, rows, N, stride_row, cols, col_ok, BLOCK_R, BLOCK_N)
+        k += 1
     if HAS_B:
-        tl.store(DB + out, tl.sum(db_acc, axis=0), mask=cols1 < N)
+        _finish_one(PART, DB, k, rows, N, stride_row, cols, col_ok, BLOCK_R, BLOCK_N)
+        k += 1
     if HAS_W1:
-        tl.store(DW1 + out, tl.sum(dw1_acc, axis=0), mask=cols1 < N)
-        if HAS_B1:
-            tl.store(DB1 + out, tl.sum(db1_acc, axis=0), mask=cols1 < N)
+        _finish_one(PART, DW1, k, rows, N, stride_row, cols, col_ok, BLOCK_R, BLOCK_N)
+        k += 1
+    if HAS_B1:
+        _finish_one(PART, DB1, k, rows, N, stride_row, cols, col_ok, BLOCK_R, BLOCK_N)
+
+
+@triton.jit
+def _finish_one(PART, OUT, k, rows, N, stride_row, cols, col_ok, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)[:, None]
+        acc += tl.load(PART + r.to(tl.int64) * stride_row + k * N + cols[None, :], mask=(r < rows) & col_ok[None, :],
+                       other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)

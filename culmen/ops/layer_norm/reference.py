@@ -100,11 +100,17 @@ def rms_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=No
 
 
 def keep_masks_ref(seed: Tensor, shape: tuple[int, int], dropout_p: float, two: bool) -> tuple[Tensor, Tensor | None]:
-    """Dropout keep-masks of the reference path, replayable from ``seed`` (an int64 tensor)."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed(int(seed.reshape(-1)[0].item()) & ((1 << 63) - 1))
-    keep = torch.rand(shape, generator=g) >= dropout_p
-    keep1 = torch.rand(shape, generator=g) >= dropout_p if two else None
+    """The kernels' dropout keep-masks, bit for bit: element ``(row, col)`` keeps when Philox-4x32 with
+    7 rounds, key ``seed + row`` (``seed + M + row`` for ``x1``) and counter ``col`` draws above
+    ``dropout_p``. ``seed`` is the 1-element int64 tensor the op draws; pure tensor ops (traceable)."""
+    from culmen.ops.attention.dropout import philox_rand
+
+    M, N = shape
+    s = seed.reshape(1, 1).to(torch.int64)
+    rows = torch.arange(M, device=seed.device, dtype=torch.int64)[:, None]
+    cols = torch.arange(N, device=seed.device, dtype=torch.int64)[None, :]
+    keep = philox_rand(s + rows, cols, n_rounds=7) > dropout_p
+    keep1 = philox_rand(s + M + rows, cols, n_rounds=7) > dropout_p if two else None
     return keep, keep1
 
 
