@@ -225,6 +225,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--only", choices=["primitives", "ops"])
+    ap.add_argument("--diagnose", action="store_true")
     a = ap.parse_args()
     rows: list = []
     if a.only != "ops":
@@ -245,5 +246,81 @@ def main():
     sys.stdout.flush()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--diagnose" not in sys.argv:
     main()
+
+
+def autograd_costs(rows):
+    """What a Python autograd node costs in a fwd+bwd, against PyTorch's C++ one."""
+    bf = torch.bfloat16
+    M, N = 64, 1024
+    x = torch.randn(M, N, device="cuda", dtype=bf, requires_grad=True)
+    w = torch.randn(N, device="cuda", dtype=bf, requires_grad=True)
+    b = torch.randn(N, device="cuda", dtype=bf, requires_grad=True)
+    g = torch.randn(M, N, device="cuda", dtype=bf)
+
+    class PyLN(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b):
+            y, mean, rstd = torch.ops.aten.native_layer_norm(x, (N,), w, b, 1e-5)
+            ctx.save_for_backward(x, w, b, mean, rstd)
+            return y
+
+        @staticmethod
+        def backward(ctx, gy):
+            x, w, b, mean, rstd = ctx.saved_tensors
+            return torch.ops.aten.native_layer_norm_backward(gy, x, (N,), mean, rstd, w, b, [True, True, True])
+
+    class Trivial(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, gy):
+            return gy
+
+    rows.append(("fwd+bwd F.layer_norm", host_us(fwd_bwd(lambda: F.layer_norm(x, (N,), w, b), [x, w, b], g))))
+    rows.append(("fwd+bwd PyFunction(aten LN)", host_us(fwd_bwd(lambda: PyLN.apply(x, w, b), [x, w, b], g))))
+    rows.append(("fwd+bwd trivial PyFunction", host_us(fwd_bwd(lambda: Trivial.apply(x), [x], g))))
+    rows.append(("fwd+bwd x*1 (C++ node)", host_us(fwd_bwd(lambda: x * 1, [x], g))))
+    rows.append(("fwd+bwd x.view (C++ node)", host_us(fwd_bwd(lambda: x.view(M, N), [x], g))))
+
+
+def diagnose():
+    """Where a cached LayerNorm fwd+bwd spends host time (cProfile), and the state of every plan's launches."""
+    import cProfile
+    import pstats
+
+    from culmen.ops.layer_norm import layer_norm
+    from culmen.ops.layer_norm.launch import PLANS
+
+    bf = torch.bfloat16
+    x = torch.randn(64, 1024, device="cuda", dtype=bf, requires_grad=True)
+    w = torch.randn(1024, device="cuda", dtype=bf, requires_grad=True)
+    b = torch.randn(1024, device="cuda", dtype=bf, requires_grad=True)
+    g = torch.randn(64, 1024, device="cuda", dtype=bf)
+    run = fwd_bwd(lambda: layer_norm(x, w, b).y, [x, w, b], g)
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    for plan in PLANS.values():
+        for la in list(plan._fwd.values()) + [la for bp in plan._bwd.values() for la in (bp.main, bp.dw, bp.finish)]:
+            if la is not None:
+                print("launch", la.fn.fn.__name__ if hasattr(la.fn, "fn") else la.fn, "bound" if la._run else "SLOW",
+                      la.error, type(la._run).__name__)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(200):
+        run()
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__" and "--diagnose" in sys.argv:
+    rows: list = []
+    autograd_costs(rows)
+    for name, us in rows:
+        print(f"{name:45s} {us:9.2f}")
+    diagnose()

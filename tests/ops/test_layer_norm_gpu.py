@@ -268,6 +268,7 @@ def test_torch_compile_inductor(dynamic):
     """Under torch.compile (Inductor) the kernels are traced (triton_op + wrap_triton): results and
     gradients equal eager's, no graph break, and with dynamic shapes new row counts do not recompile."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     dev = torch.device("cuda")
     N = 1000
     w = torch.randn(N, device=dev, dtype=BF16, requires_grad=True)
