@@ -33,7 +33,8 @@ def test_layer_norm_forward_no_grad(fake):
             layer_norm(x, w, b)
 
     n = assert_host_budget(call, python=8, c=11)
-    assert n.c_names["_VariableFunctionsClass.empty"] == 1  # only y: no statistics without autograd
+    allocs = n.c_names["_VariableFunctionsClass.empty"] + n.c_names["_VariableFunctionsClass.empty_like"]
+    assert allocs == 1  # only y: no statistics without autograd
     assert fake, "the fake kernels were not launched"
 
 
@@ -48,9 +49,9 @@ def test_layer_norm_forward_backward(fake):
             t.grad = None
         layer_norm(x, w, b).y.backward(g)
 
-    n = assert_host_budget(call, python=18, c=22)
+    n = assert_host_budget(call, python=18, c=24)
     # y + stats, dx + partials + dw + db: no placeholders, no reshapes, no reductions in PyTorch.
-    assert n.c_names["_VariableFunctionsClass.empty"] == 6
+    assert n.c_names["_VariableFunctionsClass.empty"] + n.c_names["_VariableFunctionsClass.empty_like"] == 6
     assert len(fake) >= 3
 
 
@@ -66,7 +67,7 @@ def test_rms_norm_with_residual_forward_backward(fake):
         o = layer_norm(x, w, residual=r, is_rms_norm=True, return_residual=True)
         torch.autograd.backward((o.y, o.residual_out), (g, g))
 
-    assert_host_budget(call, python=20, c=26)
+    assert_host_budget(call, python=21, c=28)
 
 
 def test_apex_fused_layer_norm_module(fake):

@@ -174,6 +174,9 @@ class NormPlan:
         self.use_kernel = (choose_backend(x.device) == "triton") and M * N > 0
         self.stream = stream_getter(x.device)
         self.stats_shape = (M,) if self.is_rms else (2, M)
+        # Outputs shaped and typed like a contiguous x come from empty_like (cheaper on the host).
+        self.y_like_x = x.is_contiguous() and self.out_dtype == x.dtype
+        self.dx_like_x = x.is_contiguous()
         # dresidual equals dx unless dropout / rowscale / x1 sit between them or the dtypes differ.
         self.store_dres = self.has[2] and (self.has_dropout or self.has[6] or self.has[3]
                                            or self.residual_dtype != x.dtype)
@@ -225,7 +228,7 @@ class NormPlan:
                                             for t in (weight, bias, weight1, bias1))
         if not self.rs_ok:
             rowscale = rowscale.contiguous()
-        y = torch.empty(shape, dtype=self.out_dtype, device=dev)
+        y = torch.empty_like(x) if self.y_like_x else torch.empty(shape, dtype=self.out_dtype, device=dev)
         y1 = torch.empty(shape, dtype=self.out_dtype, device=dev) if weight1 is not None else None
         stats = torch.empty(self.stats_shape, dtype=_F32, device=dev) if store_stats else None
         res_out = torch.empty(shape, dtype=self.residual_dtype, device=dev) if self.store_res else None
@@ -306,7 +309,8 @@ class NormPlan:
                 self._bwd[has_dres_out] = b
         M, N, dev, shape = self.M, self.N, self.device, self.shape
         hw, hb, hres, hx1, hw1, hb1, _ = self.has
-        dx = torch.empty(shape, dtype=self.x_dtype, device=dev)
+        dx = torch.empty_like(dy) if self.dx_like_x and dy.dtype == self.x_dtype else torch.empty(
+            shape, dtype=self.x_dtype, device=dev)
         dx1 = torch.empty(shape, dtype=self.x1_dtype, device=dev) if hx1 else None
         dres = torch.empty(shape, dtype=self.residual_dtype, device=dev) if self.store_dres else None
         part = torch.empty((b.rows, b.n_params, N), dtype=_F32, device=dev) if b.n_params else None

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.backend import register_op
+from culmen.ops.common.function import raw_apply
 from culmen.ops.common.launch import traceable_kernels
 from culmen.ops.layer_norm.launch import PLANS, NormPlan
 from culmen.ops.layer_norm.reference import layer_norm_bwd_ref, layer_norm_fwd_ref
@@ -136,6 +137,9 @@ class _LayerNormFn(torch.autograd.Function):
         return (None, None, *g, None)
 
 
+_apply = raw_apply(_LayerNormFn)
+
+
 def layer_norm(
     x: Tensor,
     weight: Tensor | None = None,
@@ -204,7 +208,7 @@ def layer_norm(
             or (bias is not None and bias.requires_grad) or (residual is not None and residual.requires_grad)
             or (x1 is not None and x1.requires_grad) or (weight1 is not None and weight1.requires_grad)
             or (bias1 is not None and bias1.requires_grad)):
-        y, y1, res_out, mask, mask1 = _LayerNormFn.apply(plan, seed, x, weight, bias, residual, x1, weight1, bias1,
+        y, y1, res_out, mask, mask1 = _apply(plan, seed, x, weight, bias, residual, x1, weight1, bias1,
                                                          rowscale)
     else:
         y, y1, _, res_out, mask, mask1, _ = _forward(plan, x, weight, bias, residual, x1, weight1, bias1, rowscale,
