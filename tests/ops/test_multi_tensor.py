@@ -252,17 +252,27 @@ def test_noncontiguous_outputs_are_written_back(backend, device):
 
 
 def test_table_cache_reuse_is_correct(triton_backend, device):
+    """A repeated signature reuses its plan and, for the same tensors, its address table; new tensors of the
+    same sizes (gradients re-allocated every step) reuse the plan with a new address table."""
     common.clear_cache()
     src, dst = lists_of(torch.float32, torch.float32, device=device)
     f = flag(device)
     multi_tensor_applier(amp_C.multi_tensor_scale, f, [src, dst], 2.0)
-    n_entries = len(common._CACHE)
+    assert len(common.PLANS) == 1
+    plan = next(iter(common.PLANS.values()))
+    assert len(plan.tables._ptrs) == 1
     for x in src:
         x.mul_(-1)
     multi_tensor_applier(amp_C.multi_tensor_scale, f, [src, dst], 2.0)
-    assert len(common._CACHE) == n_entries  # same tensors: the table was reused
+    assert len(common.PLANS) == 1 and len(plan.tables._ptrs) == 1  # same tensors: the tables were reused
     for x, y in zip(src, dst):
         torch.testing.assert_close(y, x * 2.0)
+    dst2 = [torch.full_like(y, float("nan")) for y in dst]
+    multi_tensor_applier(amp_C.multi_tensor_scale, f, [src, dst2], 3.0)
+    assert len(common.PLANS) == 1 and len(plan.tables._ptrs) == 2
+    for x, y, z in zip(src, dst, dst2):
+        torch.testing.assert_close(z, x * 3.0)
+        torch.testing.assert_close(y, x * 2.0)  # the old outputs were not touched
 
 
 def test_empty_lists(backend, device):

@@ -11,28 +11,26 @@ from __future__ import annotations
 
 import torch
 
-from culmen.ops.backend import choose_backend
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
-    check_lists,
-    check_sizes,
+    ListPlan,
+    cached_plan,
+    check_chunk,
     finish,
-    flag_on,
-    launch_group,
     noop_pointer,
-    plan,
     ref_skip,
+    signature,
     triton,
 )
-from culmen.ops.multi_tensor.elementwise import _check_chunk
 
 if triton is not None:
     import triton.language as tl
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 8192, "block": 1024, "num_warps": 4}
+TUNING = PlanTuning({"chunk": 8192, "block": 1024, "num_warps": 4}, clear_plans)
 
 ADAGRAD_MODE_L2, ADAGRAD_MODE_DECOUPLED = 0, 1
 
@@ -58,22 +56,20 @@ if triton is not None:
             store(hp, offs, n, h, MASKED)
             store(pp, offs, n, p, MASKED)
 
-    @triton.jit
-    def _adagrad_kernel(table, noop, T, C, lr, eps, wd, G_DT: tl.constexpr, P_DT: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "C"])
+    def _adagrad_kernel(ptrs, geo, noop, T, C, lr, eps, wd, G_DT: tl.constexpr, P_DT: tl.constexpr,
                         H_DT: tl.constexpr, MODE: tl.constexpr, HAS_WD: tl.constexpr, SHIFT: tl.constexpr,
                         CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         if tl.load(noop) == 0:
-            t, j, n = chunk_coords(table, T, C, 3)
-            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
-            pp = tensor_ptr(table, T, t, 1, P_DT, SHIFT)
-            hp = tensor_ptr(table, T, t, 2, H_DT, SHIFT)
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
+            pp = tensor_ptr(ptrs, T, t, 1, P_DT, SHIFT)
+            hp = tensor_ptr(ptrs, T, t, 2, H_DT, SHIFT)
             start = j * CHUNK
             if start + CHUNK <= n:
                 _adagrad_range(gp, pp, hp, start, n, lr, eps, wd, MODE, HAS_WD, False, CHUNK, BLOCK)
             else:
                 _adagrad_range(gp, pp, hp, start, n, lr, eps, wd, MODE, HAS_WD, True, CHUNK, BLOCK)
-
-    _ADAGRAD = FastLauncher(_adagrad_kernel)
 
 
 def multi_tensor_adagrad_ref(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay) -> None:
@@ -92,6 +88,22 @@ def multi_tensor_adagrad_ref(chunk_size, noop_flag, tensor_lists, lr, epsilon, m
         p.copy_(torch.where(skip, p, pf.to(p.dtype)))
 
 
+class _AdagradPlan(ListPlan):
+    def __init__(self, op: str, chunk_size, noop_flag, tensor_lists, mode: int, has_wd: bool) -> None:
+        check_chunk(chunk_size, op)
+        noop_pointer(noop_flag, op)
+        if mode not in (0, 1):
+            raise ValueError(f"{op}: mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
+        self.mode, self.has_wd = int(mode), bool(has_wd)
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        super().__init__(op, tensor_lists, 3, (1, 2))
+
+    def meta(self, g, kernel, variant) -> dict:
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        return dict(G_DT=dts[0], P_DT=dts[1], H_DT=dts[2], MODE=self.mode, HAS_WD=self.has_wd, CHUNK=self.chunk,
+                    BLOCK=self.block)
+
+
 def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, epsilon: float,
                          mode: int, weight_decay: float) -> None:
     """Apex ``amp_C.multi_tensor_adagrad``: ``tensor_lists = [grads, params, state_sums]``.
@@ -104,21 +116,22 @@ def multi_tensor_adagrad(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
 
         return amp_c_update("multi_tensor_adagrad", noop_flag, tensor_lists, (lr, epsilon, mode, weight_decay,))
     op = "multi_tensor_adagrad"
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
-    if mode not in (0, 1):
-        raise ValueError(f"{op}: mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
-    if check_lists(tensor_lists, 3, op) == 0:
+    has_wd = weight_decay != 0
+    try:
+        flat, sig = signature(tensor_lists)
+        key = (op, chunk_size, mode, has_wd, noop_flag.device, sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+    plan = cached_plan(key, lambda: _AdagradPlan(op, chunk_size, noop_flag, tensor_lists, mode, has_wd))
+    if not plan.n:
         return
-    check_sizes(tensor_lists, op)
-    if choose_backend(tensor_lists[0][0].device) == "reference":
+    if not plan.use_kernel:
         return multi_tensor_adagrad_ref(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay)
-    groups, copy_back = plan(tensor_lists, (1, 2), TUNING["chunk"], op)
-    for g in groups:
-        flag = flag_on(noop_flag, g.device)
-        dts = [TL_DTYPE[d] for d in g.dtypes]
-        meta = dict(G_DT=dts[0], P_DT=dts[1], H_DT=dts[2], MODE=int(mode), HAS_WD=weight_decay != 0,
-                    SHIFT=g.shift, CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-        launch_group(_ADAGRAD, g, (g.table, flag, g.num_tensors, g.num_chunks, float(lr), float(epsilon),
-                                   float(weight_decay)), meta, TUNING["num_warps"])
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
+    for i, g in enumerate(plan.tables.groups):
+        if g.C:
+            ptab, shift, _ = tabs[i]
+            flag = noop_flag if noop_flag.device == g.device else noop_flag.to(g.device)
+            plan.launch(i, _adagrad_kernel, shift)(g.stream(), flag.data_ptr() & 15 == 0, ptab, g.geo, flag, g.T,
+                                                   g.C, float(lr), float(epsilon), float(weight_decay))
     finish(copy_back)

@@ -1,41 +1,47 @@
 """Adam / AdamW over tensor lists: ``multi_tensor_adam`` and its capturable and master-weight forms.
 
 One kernel serves every variant (constexpr switches): ``lr`` and ``step`` as host numbers or device
-tensors (CUDA-graph capturable, no host sync), gradient unscaling by a host number or a device tensor
-(GradScaler's inverse scale), and fp32 master weights for 16-bit params. Every update skips its work
-when the noop flag (int32 overflow flag, or the grad scaler's float ``found_inf``) is non-zero.
+tensors (CUDA-graph capturable, no host sync), gradient unscaling by a host number, a device inverse
+scale or a device scale (GradScaler's, divided out in the kernel), and fp32 master weights for 16-bit
+params. Every update skips its work when the noop flag (int32 overflow flag, or the grad scaler's float
+``found_inf``) is non-zero.
+
+``FusedAdam`` keeps an ``AdamPlan`` per param group (``culmen.optimizers.fused_adam``); its device step
+counter is advanced by the kernel itself (``STEP=2``: the last program to finish adds 1 unless the step
+was skipped), so a step costs no PyTorch op besides the launch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from culmen.ops.backend import choose_backend
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
+    ListPlan,
     bias_corrections,
-    check_lists,
-    check_sizes,
+    cached_plan,
+    check_chunk,
     finish,
-    flag_on,
-    launch_group,
     noop_pointer,
-    plan,
     ref_skip,
     scalar_f32,
+    signature,
     triton,
 )
-from culmen.ops.multi_tensor.elementwise import _check_chunk
 
 if triton is not None:
     import triton.language as tl
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 8192, "block": 2048, "num_warps": 8}
+TUNING = PlanTuning({"chunk": 8192, "block": 2048, "num_warps": 8}, clear_plans)
 
 ADAM_MODE_L2, ADAM_MODE_ADAMW = 0, 1
+# INV: how the gradients are unscaled. STEP: how a device step counter is read.
+INV_NONE, INV_HOST, INV_DEVICE, INV_DIVIDE = 0, 1, 2, 3
+STEP_AS_IS, STEP_NEXT, STEP_ADVANCE = 0, 1, 2
 
 if triton is not None:
 
@@ -69,30 +75,37 @@ if triton is not None:
                 store(qp, offs, n, p, MASKED)
             store(pp, offs, n, p, MASKED)
 
-    @triton.jit
-    def _adam_kernel(table, noop, lr_ptr, step_ptr, inv_ptr, T, C, lr, b1, b2, eps, bc1, bc2, wd, inv,
+    @triton.jit(do_not_specialize=["T", "C"])
+    def _adam_kernel(ptrs, geo, noop, lr_ptr, step_ptr, inv_ptr, ticket, T, C, lr, b1, b2, eps, bc1, bc2, wd, inv,
                      G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                      Q_DT: tl.constexpr, L: tl.constexpr, MODE: tl.constexpr, LR_T: tl.constexpr,
-                     STEP_T: tl.constexpr, INV: tl.constexpr, BIAS_CORR: tl.constexpr, SHIFT: tl.constexpr,
-                     CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        if tl.load(noop) == 0:
-            t, j, n = chunk_coords(table, T, C, L)
-            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
-            pp = tensor_ptr(table, T, t, 1, P_DT, SHIFT)
-            mp = tensor_ptr(table, T, t, 2, M_DT, SHIFT)
-            vp = tensor_ptr(table, T, t, 3, V_DT, SHIFT)
+                     STEP_T: tl.constexpr, STEP: tl.constexpr, INV: tl.constexpr, BIAS_CORR: tl.constexpr,
+                     SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        go = tl.load(noop) == 0
+        if STEP_T:
+            s = tl.load(step_ptr)
+            if STEP != 0:
+                s = s + 1
+        if go:
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
+            pp = tensor_ptr(ptrs, T, t, 1, P_DT, SHIFT)
+            mp = tensor_ptr(ptrs, T, t, 2, M_DT, SHIFT)
+            vp = tensor_ptr(ptrs, T, t, 3, V_DT, SHIFT)
             qp = pp
             if L == 5:
-                qp = tensor_ptr(table, T, t, 4, Q_DT, SHIFT)
+                qp = tensor_ptr(ptrs, T, t, 4, Q_DT, SHIFT)
             if LR_T:
                 lr = tl.load(lr_ptr).to(tl.float32)
             if STEP_T:
                 if BIAS_CORR:
-                    s = tl.load(step_ptr).to(tl.float32)
-                    bc1 = 1.0 - tl.exp2(s * tl.log2(b1))
-                    bc2 = 1.0 - tl.exp2(s * tl.log2(b2))
+                    sf = s.to(tl.float32)
+                    bc1 = 1.0 - tl.exp2(sf * tl.log2(b1))
+                    bc2 = 1.0 - tl.exp2(sf * tl.log2(b2))
             if INV == 2:
                 inv = tl.load(inv_ptr).to(tl.float32)
+            if INV == 3:
+                inv = tl.div_rn(1.0, tl.load(inv_ptr).to(tl.float32))
             start = j * CHUNK
             if start + CHUNK <= n:
                 _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv, MODE, L == 5,
@@ -100,12 +113,18 @@ if triton is not None:
             else:
                 _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv, MODE, L == 5,
                             INV != 0, True, CHUNK, BLOCK)
-
-    _ADAM = FastLauncher(_adam_kernel)
+        if STEP == 2:
+            # Every program read the step above; the last one to get here advances it (and re-arms the
+            # ticket), so the counter moves once per launch, and only on a step that was not skipped.
+            done = tl.atomic_add(ticket, 1)
+            if done == C - 1:
+                tl.store(ticket, 0)
+                if go:
+                    tl.store(step_ptr, s)
 
 
 def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, mode: int, bias_correction: bool,
-             weight_decay: float, noop_flag: torch.Tensor, inv_scale=None) -> None:
+             weight_decay: float, noop_flag: torch.Tensor, inv_scale=None, scale_divides: bool = False) -> None:
     """Reference of :func:`adam_update` (fp32 math, one tensor at a time, no host sync on device flags)."""
     masters = tensor_lists[4] if len(tensor_lists) == 5 else [None] * len(tensor_lists[0])
     for g, p, m, v, q in zip(*tensor_lists[:4], masters):
@@ -118,7 +137,8 @@ def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, 
             bc1 = bc2 = torch.ones((), dtype=torch.float32, device=dev)
         gf = g.float()
         if inv_scale is not None:
-            gf = gf * scalar_f32(inv_scale, dev)
+            inv = scalar_f32(inv_scale, dev)
+            gf = gf * (torch.reciprocal(inv) if scale_divides else inv)
         pf = (q if q is not None else p).float()
         mf, vf = m.float(), v.float()
         if mode == ADAM_MODE_L2:
@@ -132,6 +152,67 @@ def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, 
         for dst, val in ((m, mf), (v, vf), (p, pf), (q, pf)):
             if dst is not None:
                 dst.copy_(torch.where(skip, dst, val.to(dst.dtype)))
+
+
+class AdamPlan(ListPlan):
+    """``adam_update``'s plan for one signature and variant: ``[g, p, m, v(, p_master)]``.
+
+    ``lr_t`` / ``step_t``: lr and step are device tensors; ``inv``: an ``INV_*`` mode; ``step_mode``: a
+    ``STEP_*`` mode (the optimizer's in-kernel counter; amp_C callers pass the step already advanced).
+    ``static``: lists whose addresses stay fixed (an optimizer's params and states).
+    """
+
+    def __init__(self, op: str, tensor_lists, noop_flag, *, mode: int, lr_t: bool, step_t: bool, inv: int,
+                 bias_correction: bool, step_mode: int = STEP_AS_IS, static: tuple[int, ...] = ()) -> None:
+        noop_pointer(noop_flag, op)
+        if mode not in (0, 1):
+            raise ValueError(f"{op}: mode must be 0 (Adam, L2) or 1 (AdamW), got {mode!r}")
+        self.mode, self.lr_t, self.step_t, self.inv = mode, lr_t, step_t, inv
+        self.bias_correction, self.step_mode = bool(bias_correction), step_mode
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        super().__init__(op, tensor_lists, (4, 5), tuple(range(1, len(tensor_lists))), static)
+        self.ticket = None
+        if self.use_kernel and step_mode == STEP_ADVANCE:
+            self.ticket = torch.zeros(1, dtype=torch.int32, device=self.tables.groups[-1].device)
+
+    def meta(self, g, kernel, variant) -> dict:
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        return dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], Q_DT=dts[4] if len(dts) == 5 else dts[1],
+                    L=len(dts), MODE=self.mode, LR_T=self.lr_t, STEP_T=self.step_t, STEP=variant, INV=self.inv,
+                    BIAS_CORR=self.bias_correction, CHUNK=self.chunk, BLOCK=self.block)
+
+    def run(self, tabs, noop, lr, step, inv, b1: float, b2: float, eps: float, wd: float,
+            only: int | None = None) -> None:
+        """Launch every group (or group ``only``): ``noop`` a flag on the groups' device, ``lr``/``step``/
+        ``inv`` numbers or device tensors as the plan's variant says (``inv`` ``None`` without unscaling)."""
+        lr_p = lr if self.lr_t else None
+        step_p = step if self.step_t else None
+        inv_p = inv if self.inv >= INV_DEVICE else None
+        if self.step_t or not self.bias_correction:
+            bc1 = bc2 = 1.0
+        else:
+            bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
+        scalars = (0.0 if self.lr_t else float(lr), b1, b2, eps, bc1, bc2, wd,
+                   float(inv) if self.inv == INV_HOST else 1.0)
+        bits = noop.data_ptr()
+        for t in (lr_p, step_p, inv_p):
+            if t is not None:
+                bits |= t.data_ptr()
+        aligned = bits & 15 == 0
+        groups = self.tables.groups
+        last = len(groups) - 1
+        for i in range(len(groups)) if only is None else (only,):
+            g = groups[i]
+            if g.C:
+                ptab, shift, _ = tabs[i]
+                # Only the last group advances an in-kernel step counter; the others read it as step + 1.
+                mode = STEP_NEXT if self.step_mode == STEP_ADVANCE and i != last else self.step_mode
+                self.launch(i, _adam_kernel, shift, variant=mode)(g.stream(), aligned, ptab, g.geo, noop, lr_p,
+                                                                  step_p, inv_p, self.ticket, g.T, g.C, *scalars)
+
+
+def _inv_mode(inv_scale) -> int:
+    return INV_NONE if inv_scale is None else (INV_DEVICE if isinstance(inv_scale, torch.Tensor) else INV_HOST)
 
 
 def adam_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, mode: int,
@@ -151,46 +232,38 @@ def adam_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, ste
         return adam_via_op(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, mode=mode,
                            bias_correction=bias_correction, weight_decay=weight_decay, noop_flag=noop_flag,
                            inv_scale=inv_scale)
-    n = check_lists(tensor_lists, (4, 5), op)
-    noop_pointer(noop_flag, op)
-    if mode not in (0, 1):
-        raise ValueError(f"{op}: mode must be 0 (Adam, L2) or 1 (AdamW), got {mode!r}")
-    if n == 0:
+    lr_t, step_t, inv = isinstance(lr, torch.Tensor), isinstance(step, torch.Tensor), _inv_mode(inv_scale)
+    try:
+        flat, sig = signature(tensor_lists)
+        key = ("adam", op, mode, lr_t, step_t, inv, bool(bias_correction), noop_flag.dtype, noop_flag.device, sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+    plan = cached_plan(key, lambda: AdamPlan(op, tensor_lists, noop_flag, mode=mode, lr_t=lr_t, step_t=step_t,
+                                             inv=inv, bias_correction=bias_correction))
+    if not plan.n:
         return
-    check_sizes(tensor_lists, op)
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, mode=mode, bias_correction=bias_correction,
-              weight_decay=weight_decay, noop_flag=noop_flag, inv_scale=inv_scale)
-    if choose_backend(tensor_lists[0][0].device) == "reference":
-        return adam_ref(tensor_lists, **kw)
-    groups, copy_back = plan(tensor_lists, tuple(range(1, len(tensor_lists))), TUNING["chunk"], op)
-    lr_t = isinstance(lr, torch.Tensor)
-    step_t = isinstance(step, torch.Tensor)
-    inv_mode = 0 if inv_scale is None else (2 if isinstance(inv_scale, torch.Tensor) else 1)
-    if bias_correction and not step_t:
-        bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
-    else:
-        bc1 = bc2 = 1.0
-    for g in groups:
-        dev = g.device
-        flag = flag_on(noop_flag, dev)
-        lr_p = lr.to(dev) if lr_t else flag
-        step_p = step.to(dev) if step_t else flag
-        inv_p = inv_scale.to(dev) if inv_mode == 2 else flag
-        dts = [TL_DTYPE[d] for d in g.dtypes]
-        meta = dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], Q_DT=dts[4] if len(dts) == 5 else dts[1],
-                    L=len(dts), MODE=mode, LR_T=lr_t, STEP_T=step_t, INV=inv_mode, BIAS_CORR=bool(bias_correction),
-                    SHIFT=g.shift, CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-        args = (g.table, flag, lr_p, step_p, inv_p, g.num_tensors, g.num_chunks,
-                0.0 if lr_t else float(lr), float(beta1), float(beta2), float(eps), float(bc1), float(bc2),
-                float(weight_decay), float(inv_scale) if inv_mode == 1 else 1.0)
-        launch_group(_ADAM, g, args, meta, TUNING["num_warps"])
+    if not plan.use_kernel:
+        return adam_ref(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, mode=mode,
+                        bias_correction=bias_correction, weight_decay=weight_decay, noop_flag=noop_flag,
+                        inv_scale=inv_scale)
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
+    if plan.single_group(noop_flag.device) and (not lr_t or lr.device == noop_flag.device) and \
+            (not step_t or step.device == noop_flag.device) and (inv != INV_DEVICE or inv_scale.device ==
+                                                                   noop_flag.device):
+        plan.run(tabs, noop_flag, lr, step, inv_scale, float(beta1), float(beta2), float(eps), float(weight_decay))
+    else:  # tensors on several devices: every device tensor argument moved to each group's device
+        for i, g in enumerate(plan.tables.groups):
+            noop, lr_i, step_i, inv_i = (x.to(g.device) if isinstance(x, torch.Tensor) else x
+                                         for x in (noop_flag, lr, step, inv_scale))
+            plan.run(tabs, noop, lr_i, step_i, inv_i, float(beta1), float(beta2), float(eps), float(weight_decay),
+                     only=i)
     finish(copy_back)
 
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr: float, beta1: float, beta2: float,
                       epsilon: float, step: int, mode: int, bias_correction: int, weight_decay: float) -> None:
     """Apex ``amp_C.multi_tensor_adam``: ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]``."""
-    _check_chunk(chunk_size, "multi_tensor_adam")
+    check_chunk(chunk_size, "multi_tensor_adam")
     adam_update(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon, step=step, mode=mode,
                 bias_correction=bool(bias_correction), weight_decay=weight_decay, noop_flag=noop_flag,
                 op="multi_tensor_adam")
@@ -200,7 +273,7 @@ def multi_tensor_adam_capturable(chunk_size: int, noop_flag: torch.Tensor, tenso
                                  beta1: float, beta2: float, epsilon: float, step: torch.Tensor, mode: int,
                                  bias_correction: int, weight_decay: float, inv_scale: torch.Tensor) -> None:
     """Apex ``amp_C.multi_tensor_adam_capturable``: ``lr``, ``step`` and ``inv_scale`` are device tensors."""
-    _check_chunk(chunk_size, "multi_tensor_adam_capturable")
+    check_chunk(chunk_size, "multi_tensor_adam_capturable")
     adam_update(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon, step=step, mode=mode,
                 bias_correction=bool(bias_correction), weight_decay=weight_decay, noop_flag=noop_flag,
                 inv_scale=inv_scale, op="multi_tensor_adam_capturable")
@@ -214,5 +287,3 @@ def multi_tensor_adam_capturable_master(chunk_size: int, noop_flag: torch.Tensor
         raise ValueError(f"multi_tensor_adam_capturable_master: expected 5 tensor lists, got {len(tensor_lists)}")
     multi_tensor_adam_capturable(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
                                  bias_correction, weight_decay, inv_scale)
-
-

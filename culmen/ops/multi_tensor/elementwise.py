@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from culmen.ops.backend import choose_backend
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
-    check_lists,
-    check_sizes,
+    ListPlan,
+    cached_plan,
+    check_chunk,
     finish,
-    launch_group,
     noop_pointer,
-    plan,
+    signature,
     triton,
     with_noop_on,
 )
@@ -29,7 +29,10 @@ if triton is not None:
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
 # Elements per program and per block (tuned on H100, bench/notes/multi_tensor.md).
-TUNING = {"chunk": 8192, "block": 2048, "num_warps": 8}
+TUNING = PlanTuning({"chunk": 8192, "block": 2048, "num_warps": 8}, clear_plans)
+
+# Kept for callers of the old private name.
+_check_chunk = check_chunk
 
 
 if triton is not None:
@@ -44,12 +47,12 @@ if triton is not None:
             bad += x * 0.0  # NaN iff x is inf/NaN: the sum over the chunk flags any
         return bad
 
-    @triton.jit
-    def _scale_kernel(table, noop, T, C, scale, IN_DT: tl.constexpr, OUT_DT: tl.constexpr, SHIFT: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "C"])
+    def _scale_kernel(ptrs, geo, noop, T, C, scale, IN_DT: tl.constexpr, OUT_DT: tl.constexpr, SHIFT: tl.constexpr,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        t, j, n = chunk_coords(table, T, C, 2)
-        src = tensor_ptr(table, T, t, 0, IN_DT, SHIFT)
-        dst = tensor_ptr(table, T, t, 1, OUT_DT, SHIFT)
+        t, j, n = chunk_coords(geo, T, C)
+        src = tensor_ptr(ptrs, T, t, 0, IN_DT, SHIFT)
+        dst = tensor_ptr(ptrs, T, t, 1, OUT_DT, SHIFT)
         start = j * CHUNK
         bad = tl.zeros([BLOCK], dtype=tl.float32)
         if start + CHUNK <= n:
@@ -76,13 +79,13 @@ if triton is not None:
                 bad += x * 0.0 + y * 0.0
         return bad
 
-    @triton.jit
-    def _axpby_kernel(table, noop, T, C, a, b, X_DT: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "C"])
+    def _axpby_kernel(ptrs, geo, noop, T, C, a, b, X_DT: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr,
                       CHECK: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        t, j, n = chunk_coords(table, T, C, 3)
-        xp = tensor_ptr(table, T, t, 0, X_DT, SHIFT)
-        yp = tensor_ptr(table, T, t, 1, Y_DT, SHIFT)
-        outp = tensor_ptr(table, T, t, 2, OUT_DT, SHIFT)
+        t, j, n = chunk_coords(geo, T, C)
+        xp = tensor_ptr(ptrs, T, t, 0, X_DT, SHIFT)
+        yp = tensor_ptr(ptrs, T, t, 1, Y_DT, SHIFT)
+        outp = tensor_ptr(ptrs, T, t, 2, OUT_DT, SHIFT)
         start = j * CHUNK
         bad = tl.zeros([BLOCK], dtype=tl.float32)
         if start + CHUNK <= n:
@@ -92,9 +95,6 @@ if triton is not None:
         s = tl.sum(bad, axis=0)
         if s != s:
             tl.store(noop, 1)
-
-    _SCALE = FastLauncher(_scale_kernel)
-    _AXPBY = FastLauncher(_axpby_kernel)
 
 
 def _flag_nonfinite(noop_flag: torch.Tensor, *xs: torch.Tensor) -> None:
@@ -122,9 +122,52 @@ def multi_tensor_axpby_ref(chunk_size: int, noop_flag: torch.Tensor, tensor_list
         out.copy_(a * xf + b * yf)
 
 
-def _check_chunk(chunk_size, op: str) -> None:
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        raise ValueError(f"{op}: chunk_size must be a positive int, got {chunk_size!r}")
+class _ElementwisePlan(ListPlan):
+    """Plan of ``multi_tensor_scale`` (``[ins, outs]``) / ``multi_tensor_axpby`` (``[xs, ys, outs]``)."""
+
+    def __init__(self, op: str, chunk_size, noop_flag, tensor_lists, arg_to_check: int | None = None) -> None:
+        check_chunk(chunk_size, op)
+        noop_pointer(noop_flag, op)
+        self.axpby = arg_to_check is not None
+        if self.axpby and arg_to_check not in (-1, 0, 1):
+            raise ValueError(f"{op}: arg_to_check must be -1, 0 or 1, got {arg_to_check!r}")
+        self.check = arg_to_check
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        super().__init__(op, tensor_lists, 3 if self.axpby else 2, (2,) if self.axpby else (1,))
+        self.kernel = _axpby_kernel if self.axpby else _scale_kernel
+        # The flag is written in place when it is an int32 tensor on the (only) group's device.
+        self.int_flag = noop_flag.dtype == torch.int32
+
+    def meta(self, g, kernel, variant) -> dict:
+        dt = [TL_DTYPE[d] for d in g.dtypes]
+        if self.axpby:
+            return dict(X_DT=dt[0], Y_DT=dt[1], OUT_DT=dt[2], CHECK=self.check, CHUNK=self.chunk, BLOCK=self.block)
+        return dict(IN_DT=dt[0], OUT_DT=dt[1], CHUNK=self.chunk, BLOCK=self.block)
+
+    def __call__(self, noop_flag, tensor_lists, flat, scalars: tuple) -> None:
+        tabs, copy_back = self.pointers(tensor_lists, flat)
+        if self.int_flag and self.single_group(noop_flag.device):
+            g = self.tables.groups[0]
+            if g.C:
+                ptab, shift, _ = tabs[0]
+                self.launch(0, self.kernel, shift)(g.stream(), noop_flag.data_ptr() & 15 == 0, ptab, g.geo,
+                                                   noop_flag, g.T, g.C, *scalars)
+        else:
+            for i, (g, (ptab, shift, _)) in enumerate(zip(self.tables.groups, tabs)):
+                if g.C:
+                    with with_noop_on(noop_flag, g.device) as flag:
+                        self.launch(i, self.kernel, shift)(g.stream(), flag.data_ptr() & 15 == 0, ptab, g.geo, flag,
+                                                           g.T, g.C, *scalars)
+        finish(copy_back)
+
+
+def _plan(op: str, chunk_size, noop_flag, tensor_lists, arg_to_check=None):
+    try:
+        flat, sig = signature(tensor_lists)
+        key = (op, chunk_size, arg_to_check, noop_flag.dtype, noop_flag.device, sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+    return flat, cached_plan(key, lambda: _ElementwisePlan(op, chunk_size, noop_flag, tensor_lists, arg_to_check))
 
 
 def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, scale: float) -> None:
@@ -134,26 +177,15 @@ def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, s
     ``noop_flag`` to 1 when an input holds inf/NaN. ``chunk_size`` is accepted for Apex compatibility;
     culmen picks its own chunking (results do not depend on it).
     """
-    op = "multi_tensor_scale"
     if torch.compiler.is_compiling():
         from culmen.ops.multi_tensor.library import scale_op
 
         return scale_op(list(tensor_lists[0]), list(tensor_lists[1]), noop_flag, float(scale))
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
-    if check_lists(tensor_lists, 2, op) == 0:
-        return
-    check_sizes(tensor_lists, op)
-    if choose_backend(tensor_lists[0][0].device) == "reference":
-        return multi_tensor_scale_ref(chunk_size, noop_flag, tensor_lists, scale)
-    groups, copy_back = plan(tensor_lists, (1,), TUNING["chunk"], op)
-    for g in groups:
-        with with_noop_on(noop_flag, g.device) as flag:
-            meta = dict(IN_DT=TL_DTYPE[g.dtypes[0]], OUT_DT=TL_DTYPE[g.dtypes[1]], SHIFT=g.shift,
-                        CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-            launch_group(_SCALE, g, (g.table, flag, g.num_tensors, g.num_chunks, float(scale)), meta,
-                         TUNING["num_warps"])
-    finish(copy_back)
+    flat, plan = _plan("multi_tensor_scale", chunk_size, noop_flag, tensor_lists)
+    if plan.use_kernel:
+        plan(noop_flag, tensor_lists, flat, (float(scale),))
+    elif plan.n:
+        multi_tensor_scale_ref(chunk_size, noop_flag, tensor_lists, scale)
 
 
 def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a: float, b: float,
@@ -163,26 +195,14 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, a
     ``arg_to_check`` picks which input is checked for inf/NaN: -1 both, 0 ``x``, 1 ``y``; a hit sets
     ``noop_flag`` to 1.
     """
-    op = "multi_tensor_axpby"
     if torch.compiler.is_compiling():
         from culmen.ops.multi_tensor.library import axpby_op
 
         return axpby_op(list(tensor_lists[0]), list(tensor_lists[1]), list(tensor_lists[2]), noop_flag, float(a),
                         float(b), int(arg_to_check))
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
-    if arg_to_check not in (-1, 0, 1):
-        raise ValueError(f"{op}: arg_to_check must be -1, 0 or 1, got {arg_to_check!r}")
-    if check_lists(tensor_lists, 3, op) == 0:
-        return
-    check_sizes(tensor_lists, op)
-    if choose_backend(tensor_lists[0][0].device) == "reference":
-        return multi_tensor_axpby_ref(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check)
-    groups, copy_back = plan(tensor_lists, (2,), TUNING["chunk"], op)
-    for g in groups:
-        with with_noop_on(noop_flag, g.device) as flag:
-            meta = dict(X_DT=TL_DTYPE[g.dtypes[0]], Y_DT=TL_DTYPE[g.dtypes[1]], OUT_DT=TL_DTYPE[g.dtypes[2]],
-                        CHECK=arg_to_check, SHIFT=g.shift, CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-            launch_group(_AXPBY, g, (g.table, flag, g.num_tensors, g.num_chunks, float(a), float(b)), meta,
-                         TUNING["num_warps"])
-    finish(copy_back)
+    flat, plan = _plan("multi_tensor_axpby", chunk_size, noop_flag, tensor_lists, arg_to_check)
+    if plan.use_kernel:
+        plan(noop_flag, tensor_lists, flat, (float(a), float(b)))
+    elif plan.n:
+        multi_tensor_axpby_ref(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check)
+

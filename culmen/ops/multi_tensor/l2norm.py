@@ -2,37 +2,40 @@
 
 Two launches per group: one program per chunk writes the chunk's fp32 sum of squares; a second
 launch sums them in a fixed order (one program per tensor for the per-tensor norms, one more for
-the global norm), so the result is deterministic run to run.
+the global norm), so the result is deterministic run to run. A cached call on one device allocates
+one buffer (norm, per-tensor norms and the partial sums) and returns views of it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from culmen.ops.backend import choose_backend, device_guard
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.backend import device_guard
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
-    check_lists,
-    check_sizes,
+    ListPlan,
+    cached_plan,
+    check_chunk,
     finish,
-    launch_group,
     noop_pointer,
-    plan,
+    signature,
     triton,
     with_noop_on,
 )
-from culmen.ops.multi_tensor.elementwise import _check_chunk, _flag_nonfinite
+from culmen.ops.multi_tensor.elementwise import _flag_nonfinite
 
 if triton is not None:
     import triton.language as tl
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 8192, "block": 2048, "num_warps": 8, "final_block": 1024}
+TUNING = PlanTuning({"chunk": 8192, "block": 2048, "num_warps": 8, "final_block": 1024}, clear_plans)
 
 # MODE of the partial-sum kernel.
 _PLAIN, _SKIP_IF_NOOP, _SCALE_OUT, _UNSCALE = 0, 1, 2, 3
+_F32 = torch.float32
 
 if triton is not None:
 
@@ -50,16 +53,16 @@ if triton is not None:
             acc += x * x
         return acc, bad
 
-    @triton.jit
-    def _sumsq_kernel(table, noop, partial, inv_scale, T, C, scale, X_DT: tl.constexpr, OUT_DT: tl.constexpr,
-                      MODE: tl.constexpr, L: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "C", "poff"])
+    def _sumsq_kernel(ptrs, geo, noop, out, inv_scale, T, C, poff, scale, X_DT: tl.constexpr, OUT_DT: tl.constexpr,
+                      MODE: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Program c writes the sum of squares of chunk c to out[poff + c].
         c = tl.program_id(0)
-        t, j, n = chunk_coords(table, T, C, L)
-        xp = tensor_ptr(table, T, t, 0, X_DT, SHIFT)
+        t, j, n = chunk_coords(geo, T, C)
+        xp = tensor_ptr(ptrs, T, t, 0, X_DT, SHIFT)
         outp = xp
         if MODE == 2:
-            outp = tensor_ptr(table, T, t, 1, OUT_DT, SHIFT)
+            outp = tensor_ptr(ptrs, T, t, 1, OUT_DT, SHIFT)
         if MODE == 3:
             scale = tl.load(inv_scale).to(tl.float32)
         start = j * CHUNK
@@ -73,36 +76,35 @@ if triton is not None:
                 acc, bad = _sumsq_range(xp, outp, start, n, scale, acc, bad, MODE, False, CHUNK, BLOCK)
             else:
                 acc, bad = _sumsq_range(xp, outp, start, n, scale, acc, bad, MODE, True, CHUNK, BLOCK)
-        tl.store(partial + c, tl.sum(acc, axis=0))
+        tl.store(out + poff + c, tl.sum(acc, axis=0))
         if MODE == 2:
             s = tl.sum(bad, axis=0)
             if s != s:
                 tl.store(noop, 1)
 
-    @triton.jit
-    def _finalize_kernel(partial, first, per_tensor, total, NT, PER_T, BLOCK: tl.constexpr):
-        # Programs p < PER_T sum the chunks of tensor p; the last one sums all NT tensors' chunks.
+    @triton.jit(do_not_specialize=["T", "PER_T", "poff"])
+    def _finalize_kernel(out, geo, T, PER_T, poff, BLOCK: tl.constexpr):
+        # Programs p < PER_T sum the chunks of tensor p into out[1 + p]; the last one sums all T tensors'
+        # chunks into out[0]. The partial sums are out[poff:].
         p = tl.program_id(0)
+        first = geo + T
         lo = tl.load(first + tl.where(p < PER_T, p, 0))
-        hi = tl.load(first + tl.where(p < PER_T, p + 1, NT))
+        hi = tl.load(first + tl.where(p < PER_T, p + 1, T))
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for i in range(lo, hi, BLOCK):
             offs = i + tl.arange(0, BLOCK)
-            acc += tl.load(partial + offs, mask=offs < hi, other=0.0)
+            acc += tl.load(out + poff + offs, mask=offs < hi, other=0.0)
         s = tl.sqrt(tl.sum(acc, axis=0))
         if p < PER_T:
-            tl.store(per_tensor + p, s)
+            tl.store(out + 1 + p, s)
         else:
-            tl.store(total, s)
-
-    _SUMSQ = FastLauncher(_sumsq_kernel)
-    _FINAL = FastLauncher(_finalize_kernel)
+            tl.store(out, s)
 
 
 def _norm_ref(noop_flag, tensors, per_tensor: bool, mode: int, scale, outs=None):
     device = noop_flag.device
     if mode == _SKIP_IF_NOOP and bool(noop_flag.reshape(-1)[0] != 0):
-        norms = [torch.zeros((), dtype=torch.float32, device=device) for _ in tensors]
+        norms = [torch.zeros((), dtype=_F32, device=device) for _ in tensors]
     else:
         norms = []
         for i, x in enumerate(tensors):
@@ -118,6 +120,72 @@ def _norm_ref(noop_flag, tensors, per_tensor: bool, mode: int, scale, outs=None)
     return total, (per if per_tensor else torch.empty(0, device=device))
 
 
+class NormPlan(ListPlan):
+    """Plan of the l2norm family for one signature, mode and ``per_tensor``."""
+
+    def __init__(self, op: str, chunk_size, noop_flag, tensor_lists, per_tensor: bool, mode: int,
+                 static: tuple[int, ...] = ()) -> None:
+        check_chunk(chunk_size, op)
+        noop_pointer(noop_flag, op)
+        self.mode, self.per_tensor = mode, per_tensor
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        self.final_block = TUNING["final_block"]
+        num_lists = 2 if mode == _SCALE_OUT else 1
+        super().__init__(op, tensor_lists, num_lists, (1,) if mode == _SCALE_OUT else (), static)
+        self.out_device = noop_flag.device
+        self.int_flag = noop_flag.dtype == torch.int32
+
+    def meta(self, g, kernel, variant) -> dict:
+        if kernel is _finalize_kernel:
+            return dict(BLOCK=self.final_block)
+        x_dt = TL_DTYPE[g.dtypes[0]]
+        out_dt = TL_DTYPE[g.dtypes[1]] if self.mode == _SCALE_OUT else x_dt
+        return dict(X_DT=x_dt, OUT_DT=out_dt, MODE=self.mode, CHUNK=self.chunk, BLOCK=self.block)
+
+    def _group(self, i: int, g, tab, flag, scale):
+        """``[norm, per-tensor norms (per_tensor only), partial sums]`` of group ``i`` in one fp32 buffer."""
+        ptab, shift, _ = tab
+        nper = g.T if self.per_tensor else 0
+        poff = 1 + nper
+        buf = torch.empty(poff + max(g.C, 1), dtype=_F32, device=g.device)
+        if g.C == 0:
+            buf.zero_()
+            return buf
+        inv = scale if self.mode == _UNSCALE else buf
+        s = 1.0 if self.mode == _UNSCALE else float(scale)
+        aligned = (flag.data_ptr() | inv.data_ptr()) & 15 == 0
+        stream = g.stream()
+        self.launch(i, _sumsq_kernel, shift)(stream, aligned, ptab, g.geo, flag, buf, inv, g.T, g.C, poff, s)
+        self.launch(i, _finalize_kernel, None, grid=(nper + 1,), num_warps=4)(stream, True, buf, g.geo, g.T, nper,
+                                                                              poff)
+        return buf
+
+    def run(self, tabs, noop_flag, scale) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm (1,), per-tensor norms (n,) or (0,))``, fp32 on the noop flag's device."""
+        groups = self.tables.groups
+        if len(groups) == 1 and groups[0].device == self.out_device and (self.int_flag or self.mode != _SCALE_OUT) \
+                and (self.mode != _UNSCALE or scale.device == self.out_device):
+            buf = self._group(0, groups[0], tabs[0], noop_flag, scale)
+            n = self.n if self.per_tensor else 0
+            return buf[:1], buf[1:1 + n]
+        totals, pers = [], []
+        for i, (g, tab) in enumerate(zip(groups, tabs)):
+            with with_noop_on(noop_flag, g.device) as flag, device_guard(g.device):
+                buf = self._group(i, g, tab, flag, scale.to(g.device) if self.mode == _UNSCALE else scale)
+            totals.append(buf[:1])
+            pers.append((g.indices, buf[1:1 + g.T]))
+        device = self.out_device
+        if len(groups) == 1:
+            return totals[0].to(device), (pers[0][1].to(device) if self.per_tensor else
+                                          torch.empty(0, dtype=_F32, device=device))
+        total = torch.linalg.vector_norm(torch.cat([t.to(device) for t in totals])).reshape(1)
+        per = torch.empty(self.n if self.per_tensor else 0, dtype=_F32, device=device)
+        if self.per_tensor:
+            for idx, p in pers:
+                per[torch.tensor(idx, device=device)] = p.to(device)
+        return total, per
+
+
 def _l2norm(op: str, chunk_size, noop_flag, tensor_lists, per_tensor, mode: int, scale=1.0, num_lists: int = 1):
     if torch.compiler.is_compiling():
         from culmen.ops.multi_tensor.library import l2norm_op
@@ -125,53 +193,23 @@ def _l2norm(op: str, chunk_size, noop_flag, tensor_lists, per_tensor, mode: int,
         outs = list(tensor_lists[1]) if mode == _SCALE_OUT else []
         return l2norm_op(list(tensor_lists[0]), outs, noop_flag, bool(per_tensor), mode,
                          1.0 if mode == _UNSCALE else float(scale), scale if mode == _UNSCALE else None)
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
     per_tensor = bool(per_tensor) if per_tensor is not None else False
-    n = check_lists(tensor_lists, num_lists, op)
-    if n == 0:
-        z = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
-        return z, torch.zeros(0, dtype=torch.float32, device=noop_flag.device)
-    check_sizes(tensor_lists, op)
-    outs = tensor_lists[1] if mode == _SCALE_OUT else None
-    if choose_backend(tensor_lists[0][0].device) == "reference":
+    try:
+        flat, sig = signature(tensor_lists)
+        key = (op, chunk_size, per_tensor, noop_flag.dtype, noop_flag.device, sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+    plan = cached_plan(key, lambda: NormPlan(op, chunk_size, noop_flag, tensor_lists, per_tensor, mode))
+    if plan.n == 0:
+        z = torch.zeros(1, dtype=_F32, device=noop_flag.device)
+        return z, torch.zeros(0, dtype=_F32, device=noop_flag.device)
+    if not plan.use_kernel:
+        outs = tensor_lists[1] if mode == _SCALE_OUT else None
         return _norm_ref(noop_flag, tensor_lists[0], per_tensor, mode, scale, outs)
-    groups, copy_back = plan(tensor_lists, (1,) if mode == _SCALE_OUT else (), TUNING["chunk"], op)
-    totals, pers = [], []
-    for g in groups:
-        with with_noop_on(noop_flag, g.device) as flag, device_guard(g.device):
-            partial = torch.empty(max(g.num_chunks, 1), dtype=torch.float32, device=g.device)
-            per = torch.empty(g.num_tensors, dtype=torch.float32, device=g.device)
-            total = torch.empty(1, dtype=torch.float32, device=g.device)
-            inv = scale if mode == _UNSCALE else partial
-            s = 1.0 if mode == _UNSCALE else float(scale)
-            out_dt = TL_DTYPE[g.dtypes[1]] if mode == _SCALE_OUT else TL_DTYPE[g.dtypes[0]]
-            meta = dict(X_DT=TL_DTYPE[g.dtypes[0]], OUT_DT=out_dt, MODE=mode, L=num_lists, SHIFT=g.shift,
-                        CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-            launch_group(_SUMSQ, g, (g.table, flag, partial, inv, g.num_tensors, g.num_chunks, s), meta,
-                         TUNING["num_warps"])
-            first = g.table[num_lists * g.num_tensors + g.num_tensors:]
-            nprog = g.num_tensors + 1 if per_tensor else 1
-            if g.num_chunks == 0:
-                per.zero_()
-                total.zero_()
-            else:
-                _FINAL((nprog,), (partial, first, per, total, g.num_tensors, g.num_tensors if per_tensor else 0),
-                       dict(BLOCK=TUNING["final_block"]), num_warps=4)
-            totals.append(total)
-            pers.append((g.indices, per))
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
+    out = plan.run(tabs, noop_flag, scale)
     finish(copy_back)
-    device = noop_flag.device
-    if len(groups) == 1:
-        total = totals[0].to(device)
-        per = pers[0][1].to(device) if per_tensor else torch.empty(0, device=device)
-        return total, per
-    total = torch.linalg.vector_norm(torch.cat([t.to(device) for t in totals])).reshape(1)
-    per = torch.empty(n if per_tensor else 0, dtype=torch.float32, device=device)
-    if per_tensor:
-        for idx, p in pers:
-            per[torch.tensor(idx, device=device)] = p.to(device)
-    return total, per
+    return out
 
 
 def multi_tensor_l2norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, per_tensor: bool | None = False):

@@ -28,30 +28,29 @@ from __future__ import annotations
 
 import torch
 
-from culmen.ops.backend import choose_backend, device_guard
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.backend import device_guard
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
+    ListPlan,
     bias_corrections,
-    check_lists,
-    check_sizes,
+    cached_plan,
+    check_chunk,
     finish,
-    launch_group,
     noop_pointer,
-    plan,
     ref_skip,
     scalar_f32,
+    signature,
     triton,
 )
-from culmen.ops.multi_tensor.elementwise import _check_chunk
-from culmen.ops.multi_tensor.novograd import group_index
 
 if triton is not None:
     import triton.language as tl
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 8192, "block": 1024, "num_warps": 4, "final_block": 1024}
+TUNING = PlanTuning({"chunk": 8192, "block": 1024, "num_warps": 4, "final_block": 1024}, clear_plans)
 
 LAMB_MODE_L2, LAMB_MODE_DECOUPLED = 0, 1
 
@@ -90,9 +89,9 @@ if triton is not None:
                     accp += p * p
         return accp, accu
 
-    @triton.jit
-    def _lamb_stage1_kernel(table, noop, found, partial, gnorm, maxn_ptr, step_ptr, inv_ptr, decay_ptr, idx, T, C,
-                            b1, b2, b3, eps, bc1, bc2, wd, maxn, inv,
+    @triton.jit(do_not_specialize=["T", "C", "poff"])
+    def _lamb_stage1_kernel(ptrs, geo, noop, found, partial, gnorm, maxn_ptr, step_ptr, inv_ptr, decay_ptr, idx, T, C,
+                            poff, b1, b2, b3, eps, bc1, bc2, wd, maxn, inv,
                             G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                             U_DT: tl.constexpr, L: tl.constexpr, U_IDX: tl.constexpr, MODE: tl.constexpr,
                             HAS_WD: tl.constexpr, WD_T: tl.constexpr, NEED_P: tl.constexpr, NORMS: tl.constexpr,
@@ -105,12 +104,12 @@ if triton is not None:
         if FOUND:
             go = go & (tl.load(found).to(tl.float32) == 0.0)
         if go:
-            t, j, n = chunk_coords(table, T, C, L)
-            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
-            pp = tensor_ptr(table, T, t, 1, P_DT, SHIFT)
-            mp = tensor_ptr(table, T, t, 2, M_DT, SHIFT)
-            vp = tensor_ptr(table, T, t, 3, V_DT, SHIFT)
-            up = tensor_ptr(table, T, t, U_IDX, U_DT, SHIFT)
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
+            pp = tensor_ptr(ptrs, T, t, 1, P_DT, SHIFT)
+            mp = tensor_ptr(ptrs, T, t, 2, M_DT, SHIFT)
+            vp = tensor_ptr(ptrs, T, t, 3, V_DT, SHIFT)
+            up = tensor_ptr(ptrs, T, t, U_IDX, U_DT, SHIFT)
             if WD_T:
                 pos = t
                 if IDX:
@@ -134,13 +133,15 @@ if triton is not None:
                 accp, accu = _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, eps, bc1, bc2, wd, clip, inv, accp,
                                        accu, MODE, HAS_WD, NEED_P, NORMS, INV, True, CHUNK, BLOCK)
         if NORMS:
-            tl.store(partial + c, tl.sum(accp, axis=0))
-            tl.store(partial + C + c, tl.sum(accu, axis=0))
+            tl.store(partial + poff + c, tl.sum(accp, axis=0))
+            tl.store(partial + poff + C + c, tl.sum(accu, axis=0))
 
-    @triton.jit
-    def _lamb_finalize_kernel(partial, first, norms, T, C, BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "C", "poff"])
+    def _lamb_finalize_kernel(norms, geo, T, C, poff, BLOCK: tl.constexpr):
         # Program t sums the chunks of tensor t in order: norms[t] = ||p_t||, norms[T + t] = ||u_t||.
         t = tl.program_id(0)
+        first = geo + T
+        partial = norms + poff
         lo = tl.load(first + t)
         hi = tl.load(first + t + 1)
         accp = tl.zeros([BLOCK], dtype=tl.float32)
@@ -165,8 +166,8 @@ if triton is not None:
             if HAS_OUT:
                 store(op, offs, n, p, MASKED)
 
-    @triton.jit
-    def _lamb_stage2_kernel(table, noop, found, pn_ptr, un_ptr, lr_ptr, idx, T, C, lr,
+    @triton.jit(do_not_specialize=["T", "C", "uoff"])
+    def _lamb_stage2_kernel(ptrs, geo, noop, found, pn_ptr, un_ptr, lr_ptr, idx, T, C, uoff, lr,
                             U_DT: tl.constexpr, P_DT: tl.constexpr, O_DT: tl.constexpr, L: tl.constexpr,
                             U_IDX: tl.constexpr, P_IDX: tl.constexpr, HAS_OUT: tl.constexpr, TRUST: tl.constexpr,
                             LR_T: tl.constexpr, FOUND: tl.constexpr, IDX: tl.constexpr, SHIFT: tl.constexpr,
@@ -175,12 +176,12 @@ if triton is not None:
         if FOUND:
             go = go & (tl.load(found).to(tl.float32) == 0.0)
         if go:
-            t, j, n = chunk_coords(table, T, C, L)
-            up = tensor_ptr(table, T, t, U_IDX, U_DT, SHIFT)
-            pp = tensor_ptr(table, T, t, P_IDX, P_DT, SHIFT)
+            t, j, n = chunk_coords(geo, T, C)
+            up = tensor_ptr(ptrs, T, t, U_IDX, U_DT, SHIFT)
+            pp = tensor_ptr(ptrs, T, t, P_IDX, P_DT, SHIFT)
             op = pp
             if HAS_OUT:
-                op = tensor_ptr(table, T, t, 4, O_DT, SHIFT)
+                op = tensor_ptr(ptrs, T, t, 4, O_DT, SHIFT)
             if LR_T:
                 lr = tl.load(lr_ptr).to(tl.float32)
             ratio = lr
@@ -189,17 +190,13 @@ if triton is not None:
                 if IDX:
                     pos = tl.load(idx + t)
                 pn = tl.load(pn_ptr + pos)
-                un = tl.load(un_ptr + pos)
+                un = tl.load(un_ptr + uoff + pos)
                 ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
             start = j * CHUNK
             if start + CHUNK <= n:
                 _s2_range(up, pp, op, start, n, ratio, HAS_OUT, False, CHUNK, BLOCK)
             else:
                 _s2_range(up, pp, op, start, n, ratio, HAS_OUT, True, CHUNK, BLOCK)
-
-    _STAGE1 = FastLauncher(_lamb_stage1_kernel)
-    _FINAL = FastLauncher(_lamb_finalize_kernel)
-    _STAGE2 = FastLauncher(_lamb_stage2_kernel)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,6 +294,80 @@ def _tensor_arg(name: str, x, op: str) -> None:
         raise TypeError(f"{op}: {name} must be a tensor with at least one element, got {type(x).__name__}")
 
 
+def _dtype(x):
+    return x.dtype if isinstance(x, torch.Tensor) else None
+
+
+class LambPlan(ListPlan):
+    """``lamb_update``'s plan: ``[g, p, m, v(, p_model)]``, one variant (see ``lamb_update``)."""
+
+    def __init__(self, op: str, tensor_lists, noop_flag, global_grad_norm, *, mode: int, has_wd: bool, trust: bool,
+                 found: bool, maxn_t: bool, step_t: bool, inv: bool, lr_t: bool, static: tuple[int, ...] = ()):
+        noop_pointer(noop_flag, op)
+        if mode not in (0, 1):
+            raise ValueError(f"{op}: mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
+        _tensor_arg("global_grad_norm", global_grad_norm, op)
+        self.mode, self.has_wd, self.trust, self.found = int(mode), bool(has_wd), bool(trust), bool(found)
+        self.maxn_t, self.step_t, self.inv, self.lr_t = maxn_t, step_t, inv, lr_t
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        self.final_block = TUNING["final_block"]
+        super().__init__(op, tensor_lists, (4, 5), tuple(range(len(tensor_lists))), static)
+
+    def meta(self, g, kernel, variant) -> dict:
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        L = self.num_lists
+        if kernel is _lamb_stage1_kernel:
+            return dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], U_DT=dts[0], L=L, U_IDX=0, MODE=self.mode,
+                        HAS_WD=self.has_wd, WD_T=False, NEED_P=self.trust, NORMS=self.trust, FOUND=self.found,
+                        MAXN_T=self.maxn_t, STEP_T=self.step_t, INV=self.inv, IDX=False, CHUNK=self.chunk,
+                        BLOCK=self.block)
+        if kernel is _lamb_finalize_kernel:
+            return dict(BLOCK=self.final_block)
+        return dict(U_DT=dts[0], P_DT=dts[1], O_DT=dts[4] if L == 5 else dts[1], L=L, U_IDX=0, P_IDX=1,
+                    HAS_OUT=L == 5, TRUST=self.trust, LR_T=self.lr_t, FOUND=self.found, IDX=False, CHUNK=self.chunk,
+                    BLOCK=self.block)
+
+    def run(self, tabs, noop, found, gnorm, lr, step, maxn, inv, b1: float, b2: float, b3: float, eps: float,
+            wd: float, bias_correction: bool, only: int | None = None) -> None:
+        """Three launches per group (or group ``only``): stage 1, per-tensor norms, stage 2. Tensor arguments
+        must be on the groups' device (``lamb_update`` moves them for multi-device lists)."""
+        if bias_correction and not self.step_t:
+            bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
+        else:
+            bc1 = bc2 = 1.0
+        maxn_p = maxn if self.maxn_t else None
+        step_p = step if self.step_t else None
+        inv_p = inv if self.inv else None
+        lr_p = lr if self.lr_t else None
+        found_p = found if self.found else None
+        bits = noop.data_ptr() | gnorm.data_ptr()
+        for t in (maxn_p, step_p, inv_p, lr_p, found_p):
+            if t is not None:
+                bits |= t.data_ptr()
+        aligned = bits & 15 == 0
+        s1 = (b1, b2, b3, eps, bc1, bc2, wd, 0.0 if self.maxn_t else float(maxn), 1.0)
+        lr_f = 0.0 if self.lr_t else float(lr)
+        groups = self.tables.groups
+        for i in range(len(groups)) if only is None else (only,):
+            g = groups[i]
+            if not g.C:
+                continue
+            ptab, shift, _ = tabs[i]
+            T, C = g.T, g.C
+            stream = g.stream()
+            buf = None
+            if self.trust:  # [||p|| T | ||u|| T | partial sums 2C]
+                with device_guard(g.device):
+                    buf = torch.empty(2 * T + 2 * C, dtype=torch.float32, device=g.device)
+            self.launch(i, _lamb_stage1_kernel, shift)(stream, aligned, ptab, g.geo, noop, found_p, buf, gnorm, maxn_p,
+                                                       step_p, inv_p, None, None, T, C, 2 * T, *s1)
+            if self.trust:
+                self.launch(i, _lamb_finalize_kernel, None, grid=(T,), num_warps=4)(stream, True, buf, g.geo, T, C,
+                                                                                     2 * T)
+            self.launch(i, _lamb_stage2_kernel, shift)(stream, aligned, ptab, g.geo, noop, found_p, buf, buf, lr_p,
+                                                       None, T, C, T, lr_f)
+
+
 def lamb_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, bias_correction: bool,
                 weight_decay: float, grad_averaging: bool, mode: int, global_grad_norm: torch.Tensor, max_grad_norm,
                 use_nvlamb: bool, noop_flag: torch.Tensor, found_inf=None, inv_scale=None,
@@ -307,65 +378,38 @@ def lamb_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, ste
     ``global_grad_norm`` a 1-element device tensor. The gradients are overwritten with the updates.
     With five lists, ``p`` are fp32 masters and ``p_model`` receives their new values.
     """
-    n = check_lists(tensor_lists, (4, 5), op)
-    noop_pointer(noop_flag, op)
-    if mode not in (0, 1):
-        raise ValueError(f"{op}: mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
-    _tensor_arg("global_grad_norm", global_grad_norm, op)
-    if n == 0:
-        return
-    check_sizes(tensor_lists, op)
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, bias_correction=bias_correction,
-              weight_decay=weight_decay, grad_averaging=grad_averaging, mode=mode, global_grad_norm=global_grad_norm,
-              max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, noop_flag=noop_flag, found_inf=found_inf,
-              inv_scale=inv_scale)
-    if choose_backend(tensor_lists[0][0].device) == "reference":
-        return lamb_ref(tensor_lists, **kw)
-    num_lists = len(tensor_lists)
-    groups, copy_back = plan(tensor_lists, tuple(range(num_lists)), TUNING["chunk"], op)
     trust = bool(use_nvlamb) or weight_decay != 0
-    lr_t, step_t = isinstance(lr, torch.Tensor), isinstance(step, torch.Tensor)
-    maxn_t, inv_t = isinstance(max_grad_norm, torch.Tensor), isinstance(inv_scale, torch.Tensor)
-    if bias_correction and not step_t:
-        bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
-    else:
-        bc1 = bc2 = 1.0
+    step_t = isinstance(step, torch.Tensor) and bool(bias_correction)
+    variant = dict(mode=mode, has_wd=weight_decay != 0, trust=trust, found=found_inf is not None,
+                   maxn_t=isinstance(max_grad_norm, torch.Tensor), step_t=step_t, inv=inv_scale is not None,
+                   lr_t=isinstance(lr, torch.Tensor))
+    try:
+        flat, sig = signature(tensor_lists)
+        key = ("lamb", op, tuple(variant.values()), noop_flag.dtype, noop_flag.device, global_grad_norm.dtype,
+               _dtype(lr), _dtype(step), _dtype(max_grad_norm), _dtype(found_inf), _dtype(inv_scale), sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+    plan = cached_plan(key, lambda: LambPlan(op, tensor_lists, noop_flag, global_grad_norm, **variant))
+    if not plan.n:
+        return
+    if not plan.use_kernel:
+        return lamb_ref(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step,
+                        bias_correction=bias_correction, weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        mode=mode, global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
+                        use_nvlamb=use_nvlamb, noop_flag=noop_flag, found_inf=found_inf, inv_scale=inv_scale)
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
     beta3 = 1.0 - beta1 if grad_averaging else 1.0
-    for g in groups:
-        if g.num_chunks == 0:
-            continue
-        dev = g.device
-        flag = _flag_on(noop_flag, dev)
-        found = _flag_on(found_inf, dev) if found_inf is not None else flag
-        gnorm = _flag_on(global_grad_norm, dev)
-        maxn_p = _flag_on(max_grad_norm, dev) if maxn_t else flag
-        step_p = _flag_on(step, dev) if step_t and bias_correction else flag
-        inv_p = _flag_on(inv_scale, dev) if inv_t else flag
-        lr_p = _flag_on(lr, dev) if lr_t else flag
-        dts = [TL_DTYPE[d] for d in g.dtypes]
-        T, C = g.num_tensors, g.num_chunks
-        with device_guard(dev):
-            partial = torch.empty(2 * C if trust else 1, dtype=torch.float32, device=dev)
-            norms = torch.empty(2 * T if trust else 1, dtype=torch.float32, device=dev)
-            meta = dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], U_DT=dts[0], L=num_lists, U_IDX=0,
-                        MODE=int(mode), HAS_WD=weight_decay != 0, WD_T=False, NEED_P=trust, NORMS=trust,
-                        FOUND=found_inf is not None, MAXN_T=maxn_t, STEP_T=step_t and bool(bias_correction),
-                        INV=inv_scale is not None, IDX=False, SHIFT=g.shift, CHUNK=TUNING["chunk"],
-                        BLOCK=TUNING["block"])
-            args = (g.table, flag, found, partial, gnorm, maxn_p, step_p, inv_p, flag, flag, T, C, float(beta1),
-                    float(beta2), float(beta3), float(eps), float(bc1), float(bc2), float(weight_decay),
-                    0.0 if maxn_t else float(max_grad_norm),
-                    float(inv_scale) if inv_scale is not None and not inv_t else 1.0)
-            launch_group(_STAGE1, g, args, meta, TUNING["num_warps"])
-            if trust:
-                first = g.table[num_lists * T + T:]
-                _FINAL((T,), (partial, first, norms, T, C), dict(BLOCK=TUNING["final_block"]), num_warps=4)
-            meta = dict(U_DT=dts[0], P_DT=dts[1], O_DT=dts[4] if num_lists == 5 else dts[1], L=num_lists, U_IDX=0,
-                        P_IDX=1, HAS_OUT=num_lists == 5, TRUST=trust, LR_T=lr_t, FOUND=found_inf is not None,
-                        IDX=False, SHIFT=g.shift, CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-            args = (g.table, flag, found, norms, norms[T:] if trust else norms, lr_p, flag, T, C,
-                    0.0 if lr_t else float(lr))
-            launch_group(_STAGE2, g, args, meta, TUNING["num_warps"])
+    scal = (float(beta1), float(beta2), float(beta3), float(eps), float(weight_decay), bool(bias_correction))
+    if inv_scale is not None and not isinstance(inv_scale, torch.Tensor):
+        inv_scale = torch.full((1,), float(inv_scale), dtype=torch.float32, device=noop_flag.device)
+    args = (noop_flag, found_inf, global_grad_norm, lr, step, max_grad_norm, inv_scale)
+    dev = noop_flag.device
+    if plan.single_group(dev) and all(not isinstance(x, torch.Tensor) or x.device == dev for x in args):
+        plan.run(tabs, *args, *scal)
+    else:  # several devices: each group gets its own copies of the device arguments
+        for i, g in enumerate(plan.tables.groups):
+            moved = tuple(_flag_on(x, g.device) if isinstance(x, torch.Tensor) else x for x in args)
+            plan.run(tabs, *moved, *scal, only=i)
     finish(copy_back)
 
 
@@ -386,7 +430,7 @@ def multi_tensor_lamb(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, lr
             max_grad_norm, use_nvlamb,
         ))
     op = "multi_tensor_lamb"
-    _check_chunk(chunk_size, op)
+    check_chunk(chunk_size, op)
     if len(tensor_lists) != 4:
         raise ValueError(f"{op}: expected 4 tensor lists, got {len(tensor_lists)}")
     lamb_update(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=epsilon, step=step,
@@ -414,7 +458,7 @@ def multi_tensor_lamb_mp(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
             max_grad_norm, use_nvlamb, found_inf, inv_scale,
         ))
     op = "multi_tensor_lamb_mp"
-    _check_chunk(chunk_size, op)
+    check_chunk(chunk_size, op)
     for name, x in (("lr", lr), ("step", step), ("max_grad_norm", max_grad_norm), ("found_inf", found_inf),
                     ("inv_scale", inv_scale)):
         _tensor_arg(name, x, op)
@@ -431,6 +475,48 @@ def _per_tensor_arg(name: str, x, n: int, device, op: str) -> None:
         raise ValueError(f"{op}: {name} has {x.numel()} elements for {n} tensors")
     if x.device != device:
         raise ValueError(f"{op}: {name} is on {x.device} but the tensors are on {device}")
+
+
+class _StagePlan(ListPlan):
+    """Plan of ``multi_tensor_lamb_stage1_cuda`` (``[g, p, m, v, u]``) / ``_stage2_cuda`` (``[p, u]``)."""
+
+    def __init__(self, op: str, chunk_size, noop_flag, tensor_lists, per_tensor: tuple, stage: int,
+                 trust: bool = False) -> None:
+        check_chunk(chunk_size, op)
+        noop_pointer(noop_flag, op)
+        self.stage, self.trust = stage, trust
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        super().__init__(op, tensor_lists, 5 if stage == 1 else 2, (2, 3, 4) if stage == 1 else (0,))
+        if self.n:
+            dev0 = tensor_lists[0][0].device
+            for name, x in per_tensor:
+                if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                    raise TypeError(f"{op}: {name} must be a floating-point tensor")
+                if x.numel() != self.n:
+                    raise ValueError(f"{op}: {name} has {x.numel()} elements for {self.n} tensors")
+                if x.device != dev0:
+                    raise ValueError(f"{op}: {name} is on {x.device} but the tensors are on {dev0}")
+
+    def meta(self, g, kernel, variant) -> dict:
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        if self.stage == 1:
+            return dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], U_DT=dts[4], L=5, U_IDX=4,
+                        MODE=LAMB_MODE_DECOUPLED, HAS_WD=True, WD_T=True, NEED_P=True, NORMS=False, FOUND=False,
+                        MAXN_T=False, STEP_T=False, INV=False, IDX=g.pos is not None, CHUNK=self.chunk,
+                        BLOCK=self.block)
+        return dict(U_DT=dts[1], P_DT=dts[0], O_DT=dts[0], L=2, U_IDX=1, P_IDX=0, HAS_OUT=False, TRUST=self.trust,
+                    LR_T=False, FOUND=False, IDX=g.pos is not None, CHUNK=self.chunk, BLOCK=self.block)
+
+
+def _stage_plan(op, chunk_size, noop_flag, tensor_lists, per_tensor, stage, trust=False):
+    try:
+        flat, sig = signature(tensor_lists)
+        key = (op, chunk_size, trust, noop_flag.device,
+               tuple((x.dtype, x.numel(), x.device) for _, x in per_tensor), sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+    return flat, cached_plan(key, lambda: _StagePlan(op, chunk_size, noop_flag, tensor_lists, per_tensor, stage,
+                                                     trust))
 
 
 def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tensor_lists,
@@ -450,35 +536,26 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
             per_tensor_decay, step, beta1, beta2, epsilon, global_grad_norm, max_global_grad_norm,
         ))
     op = "multi_tensor_lamb_stage1_cuda"
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
-    n = check_lists(tensor_lists, 5, op)
     _tensor_arg("global_grad_norm", global_grad_norm, op)
-    if n == 0:
+    flat, plan = _stage_plan(op, chunk_size, noop_flag, tensor_lists, (("per_tensor_decay", per_tensor_decay),), 1)
+    if not plan.n:
         return
-    check_sizes(tensor_lists, op)
-    dev0 = tensor_lists[0][0].device
-    _per_tensor_arg("per_tensor_decay", per_tensor_decay, n, dev0, op)
-    args = (chunk_size, noop_flag, tensor_lists, per_tensor_decay, step, beta1, beta2, epsilon, global_grad_norm,
-            max_global_grad_norm)
-    if choose_backend(dev0) == "reference":
-        return multi_tensor_lamb_stage1_ref(*args)
+    if not plan.use_kernel:
+        return multi_tensor_lamb_stage1_ref(chunk_size, noop_flag, tensor_lists, per_tensor_decay, step, beta1,
+                                            beta2, epsilon, global_grad_norm, max_global_grad_norm)
     bc1, bc2 = 1.0 - beta1 ** (step + 1), 1.0 - beta2 ** (step + 1)
-    groups, copy_back = plan(tensor_lists, (2, 3, 4), TUNING["chunk"], op)
     decay = per_tensor_decay if per_tensor_decay.is_contiguous() else per_tensor_decay.contiguous()
-    for g in groups:
-        dev = g.device
-        flag = _flag_on(noop_flag, dev)
-        idx, has_idx = group_index(g.indices, n, dev)
-        dts = [TL_DTYPE[d] for d in g.dtypes]
-        meta = dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], U_DT=dts[4], L=5, U_IDX=4,
-                    MODE=LAMB_MODE_DECOUPLED, HAS_WD=True, WD_T=True, NEED_P=True, NORMS=False, FOUND=False,
-                    MAXN_T=False, STEP_T=False, INV=False, IDX=has_idx, SHIFT=g.shift, CHUNK=TUNING["chunk"],
-                    BLOCK=TUNING["block"])
-        args = (g.table, flag, flag, flag, _flag_on(global_grad_norm, dev), flag, flag, flag, decay,
-                idx if has_idx else flag, g.num_tensors, g.num_chunks, float(beta1), float(beta2), 1.0 - float(beta1),
-                float(epsilon), float(bc1), float(bc2), 0.0, float(max_global_grad_norm), 1.0)
-        launch_group(_STAGE1, g, args, meta, TUNING["num_warps"])
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
+    for i, g in enumerate(plan.tables.groups):
+        if g.C:
+            ptab, shift, _ = tabs[i]
+            flag = _flag_on(noop_flag, g.device)
+            gnorm = _flag_on(global_grad_norm, g.device)
+            aligned = (flag.data_ptr() | gnorm.data_ptr() | decay.data_ptr()) & 15 == 0
+            plan.launch(i, _lamb_stage1_kernel, shift)(
+                g.stream(), aligned, ptab, g.geo, flag, None, None, gnorm, None, None, None, decay, g.pos, g.T, g.C, 0,
+                float(beta1), float(beta2), 1.0 - float(beta1), float(epsilon), float(bc1), float(bc2), 0.0,
+                float(max_global_grad_norm), 1.0)
     finish(copy_back)
 
 
@@ -497,31 +574,23 @@ def multi_tensor_lamb_stage2_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
             per_tensor_param_norm, per_tensor_update_norm, lr, weight_decay, use_nvlamb,
         ))
     op = "multi_tensor_lamb_stage2_cuda"
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
-    n = check_lists(tensor_lists, 2, op)
-    if n == 0:
-        return
-    check_sizes(tensor_lists, op)
-    dev0 = tensor_lists[0][0].device
-    _per_tensor_arg("per_tensor_param_norm", per_tensor_param_norm, n, dev0, op)
-    _per_tensor_arg("per_tensor_update_norm", per_tensor_update_norm, n, dev0, op)
-    args = (chunk_size, noop_flag, tensor_lists, per_tensor_param_norm, per_tensor_update_norm, lr, weight_decay,
-            use_nvlamb)
-    if choose_backend(dev0) == "reference":
-        return multi_tensor_lamb_stage2_ref(*args)
     trust = bool(use_nvlamb) or weight_decay != 0
+    flat, plan = _stage_plan(op, chunk_size, noop_flag, tensor_lists,
+                             (("per_tensor_param_norm", per_tensor_param_norm),
+                              ("per_tensor_update_norm", per_tensor_update_norm)), 2, trust)
+    if not plan.n:
+        return
+    if not plan.use_kernel:
+        return multi_tensor_lamb_stage2_ref(chunk_size, noop_flag, tensor_lists, per_tensor_param_norm,
+                                            per_tensor_update_norm, lr, weight_decay, use_nvlamb)
     pn = per_tensor_param_norm.contiguous().float()
     un = per_tensor_update_norm.contiguous().float()
-    groups, copy_back = plan(tensor_lists, (0,), TUNING["chunk"], op)
-    for g in groups:
-        dev = g.device
-        flag = _flag_on(noop_flag, dev)
-        idx, has_idx = group_index(g.indices, n, dev)
-        dts = [TL_DTYPE[d] for d in g.dtypes]
-        meta = dict(U_DT=dts[1], P_DT=dts[0], O_DT=dts[0], L=2, U_IDX=1, P_IDX=0, HAS_OUT=False, TRUST=trust,
-                    LR_T=False, FOUND=False, IDX=has_idx, SHIFT=g.shift, CHUNK=TUNING["chunk"],
-                    BLOCK=TUNING["block"])
-        args = (g.table, flag, flag, pn, un, flag, idx if has_idx else flag, g.num_tensors, g.num_chunks, float(lr))
-        launch_group(_STAGE2, g, args, meta, TUNING["num_warps"])
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
+    for i, g in enumerate(plan.tables.groups):
+        if g.C:
+            ptab, shift, _ = tabs[i]
+            flag = _flag_on(noop_flag, g.device)
+            aligned = (flag.data_ptr() | pn.data_ptr() | un.data_ptr()) & 15 == 0
+            plan.launch(i, _lamb_stage2_kernel, shift)(g.stream(), aligned, ptab, g.geo, flag, None, pn, un, None,
+                                                       g.pos, g.T, g.C, 0, float(lr))
     finish(copy_back)

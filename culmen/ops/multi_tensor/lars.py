@@ -30,29 +30,26 @@ from __future__ import annotations
 
 import torch
 
-from culmen.ops.backend import choose_backend
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
-    check_lists,
-    check_sizes,
+    ListPlan,
+    cached_plan,
+    check_chunk,
     finish,
-    flag_on,
-    launch_group,
     noop_pointer,
-    plan,
     ref_skip,
+    signature,
     triton,
 )
-from culmen.ops.multi_tensor.elementwise import _check_chunk
-from culmen.ops.multi_tensor.novograd import group_index
 
 if triton is not None:
     import triton.language as tl
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 8192, "block": 1024, "num_warps": 4}
+TUNING = PlanTuning({"chunk": 8192, "block": 1024, "num_warps": 4}, clear_plans)
 
 if triton is not None:
 
@@ -86,20 +83,20 @@ if triton is not None:
             if COPY:
                 store(cp, offs, n, p, MASKED)
 
-    @triton.jit
-    def _lars_kernel(table, noop, gn_ptr, pn_ptr, idx, T, C, lr, tc, eps, wd, momentum, dampening, scale,
+    @triton.jit(do_not_specialize=["T", "C"])
+    def _lars_kernel(ptrs, geo, noop, gn_ptr, pn_ptr, idx, T, C, lr, tc, eps, wd, momentum, dampening, scale,
                      G_DT: tl.constexpr, P_DT: tl.constexpr, B_DT: tl.constexpr, C_DT: tl.constexpr, L: tl.constexpr,
                      HAS_WD: tl.constexpr, HAS_MOM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr,
                      WD_AFTER: tl.constexpr, SKIPPED: tl.constexpr, IDX: tl.constexpr, SHIFT: tl.constexpr,
                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         if tl.load(noop) == 0:
-            t, j, n = chunk_coords(table, T, C, L)
-            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
-            pp = tensor_ptr(table, T, t, 1, P_DT, SHIFT)
-            bp = tensor_ptr(table, T, t, 2, B_DT, SHIFT)
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
+            pp = tensor_ptr(ptrs, T, t, 1, P_DT, SHIFT)
+            bp = tensor_ptr(ptrs, T, t, 2, B_DT, SHIFT)
             cp = pp
             if L == 4:
-                cp = tensor_ptr(table, T, t, 3, C_DT, SHIFT)
+                cp = tensor_ptr(ptrs, T, t, 3, C_DT, SHIFT)
             if not SKIPPED:
                 pos = t
                 if IDX:
@@ -115,8 +112,6 @@ if triton is not None:
             else:
                 _lars_range(gp, pp, bp, cp, start, n, lr, wd, momentum, dampening, scale, HAS_WD, HAS_MOM, FIRST,
                             NESTEROV, WD_AFTER, L == 4, True, CHUNK, BLOCK)
-
-    _LARS = FastLauncher(_lars_kernel)
 
 
 def multi_tensor_lars_ref(chunk_size, noop_flag, tensor_lists, grad_norms, param_norms, lr, trust_coefficient,
@@ -164,35 +159,53 @@ def multi_tensor_lars(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, gr
             first_run, wd_after_momentum, scale, is_skipped,
         ))
     op = "multi_tensor_lars"
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
-    n = check_lists(tensor_lists, (3, 4), op)
-    for name, x in (("grad_norms", grad_norms), ("param_norms", param_norms)):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"{op}: {name} must be a floating-point tensor")
-        if x.numel() != n:
-            raise ValueError(f"{op}: {name} has {x.numel()} elements for {n} tensors")
-    if n == 0:
+    flags = (weight_decay != 0, momentum != 0, bool(first_run), bool(nesterov), bool(wd_after_momentum),
+             bool(is_skipped))
+    try:
+        flat, sig = signature(tensor_lists)
+        key = (op, chunk_size, flags, noop_flag.device, grad_norms.dtype, param_norms.dtype, grad_norms.numel(),
+               param_norms.numel(), sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+    plan = cached_plan(key, lambda: _LarsPlan(op, chunk_size, noop_flag, tensor_lists, grad_norms, param_norms, flags))
+    if not plan.n:
         return
-    check_sizes(tensor_lists, op)
-    args = (chunk_size, noop_flag, tensor_lists, grad_norms, param_norms, lr, trust_coefficient, epsilon,
-            weight_decay, momentum, dampening, nesterov, first_run, wd_after_momentum, scale, is_skipped)
-    if choose_backend(tensor_lists[0][0].device) == "reference":
-        return multi_tensor_lars_ref(*args)
-    groups, copy_back = plan(tensor_lists, tuple(range(1, len(tensor_lists))), TUNING["chunk"], op)
-    for g in groups:
-        dev = g.device
-        flag = flag_on(noop_flag, dev)
-        gn = grad_norms.to(dev).contiguous()
-        pn = param_norms.to(dev).contiguous()
-        idx, has_idx = group_index(g.indices, n, dev)
-        dts = [TL_DTYPE[d] for d in g.dtypes]
-        meta = dict(G_DT=dts[0], P_DT=dts[1], B_DT=dts[2], C_DT=dts[3] if len(dts) == 4 else dts[1], L=len(dts),
-                    HAS_WD=weight_decay != 0, HAS_MOM=momentum != 0, FIRST=bool(first_run), NESTEROV=bool(nesterov),
-                    WD_AFTER=bool(wd_after_momentum), SKIPPED=bool(is_skipped), IDX=has_idx, SHIFT=g.shift,
-                    CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-        args = (g.table, flag, gn, pn, idx if has_idx else flag, g.num_tensors, g.num_chunks, float(lr),
-                float(trust_coefficient), float(epsilon), float(weight_decay), float(momentum), float(dampening),
-                float(scale))
-        launch_group(_LARS, g, args, meta, TUNING["num_warps"])
+    if not plan.use_kernel:
+        return multi_tensor_lars_ref(chunk_size, noop_flag, tensor_lists, grad_norms, param_norms, lr,
+                                     trust_coefficient, epsilon, weight_decay, momentum, dampening, nesterov,
+                                     first_run, wd_after_momentum, scale, is_skipped)
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
+    scalars = (float(lr), float(trust_coefficient), float(epsilon), float(weight_decay), float(momentum),
+               float(dampening), float(scale))
+    for i, g in enumerate(plan.tables.groups):
+        if g.C:
+            ptab, shift, _ = tabs[i]
+            dev = g.device
+            flag = noop_flag if noop_flag.device == dev else noop_flag.to(dev)
+            gn, pn = (x if x.device == dev and x.is_contiguous() else x.to(dev).contiguous()
+                      for x in (grad_norms, param_norms))
+            aligned = (flag.data_ptr() | gn.data_ptr() | pn.data_ptr()) & 15 == 0
+            plan.launch(i, _lars_kernel, shift)(g.stream(), aligned, ptab, g.geo, flag, gn, pn, g.pos, g.T, g.C,
+                                                *scalars)
     finish(copy_back)
+
+
+class _LarsPlan(ListPlan):
+    def __init__(self, op: str, chunk_size, noop_flag, tensor_lists, grad_norms, param_norms, flags) -> None:
+        check_chunk(chunk_size, op)
+        noop_pointer(noop_flag, op)
+        self.flags = flags
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        super().__init__(op, tensor_lists, (3, 4), tuple(range(1, len(tensor_lists))))
+        for name, x in (("grad_norms", grad_norms), ("param_norms", param_norms)):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise TypeError(f"{op}: {name} must be a floating-point tensor")
+            if x.numel() != self.n:
+                raise ValueError(f"{op}: {name} has {x.numel()} elements for {self.n} tensors")
+
+    def meta(self, g, kernel, variant) -> dict:
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        has_wd, has_mom, first, nesterov, wd_after, skipped = self.flags
+        return dict(G_DT=dts[0], P_DT=dts[1], B_DT=dts[2], C_DT=dts[3] if len(dts) == 4 else dts[1], L=len(dts),
+                    HAS_WD=has_wd, HAS_MOM=has_mom, FIRST=first, NESTEROV=nesterov, WD_AFTER=wd_after,
+                    SKIPPED=skipped, IDX=g.pos is not None, CHUNK=self.chunk, BLOCK=self.block)

@@ -24,28 +24,27 @@ from __future__ import annotations
 
 import torch
 
-from culmen.ops.backend import choose_backend, device_guard
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.backend import device_guard
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
-    check_lists,
-    check_sizes,
+    ListPlan,
+    cached_plan,
+    check_chunk,
     finish,
-    flag_on,
-    launch_group,
     noop_pointer,
-    plan,
     ref_skip,
+    signature,
     triton,
 )
-from culmen.ops.multi_tensor.elementwise import _check_chunk
 
 if triton is not None:
     import triton.language as tl
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 8192, "block": 1024, "num_warps": 4, "final_block": 1024}
+TUNING = PlanTuning({"chunk": 8192, "block": 1024, "num_warps": 4, "final_block": 1024}, clear_plans)
 
 NOVOGRAD_MODE_INSIDE, NOVOGRAD_MODE_DECOUPLED = 0, 1
 
@@ -63,14 +62,14 @@ if triton is not None:
                 acc += x * x
         return acc
 
-    @triton.jit
-    def _ng_partial_kernel(table, noop, partial, T, C, G_DT: tl.constexpr, NORM: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "C"])
+    def _ng_partial_kernel(ptrs, geo, noop, partial, T, C, G_DT: tl.constexpr, NORM: tl.constexpr,
                            SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         c = tl.program_id(0)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         if tl.load(noop) == 0:
-            t, j, n = chunk_coords(table, T, C, 3)
-            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
             start = j * CHUNK
             if start + CHUNK <= n:
                 acc = _ng_norm_range(gp, start, n, acc, NORM, False, CHUNK, BLOCK)
@@ -81,11 +80,12 @@ if triton is not None:
         else:
             tl.store(partial + c, tl.sum(acc, axis=0))
 
-    @triton.jit
-    def _ng_blend_kernel(partial, first, norms, idx, noop, alpha, beta, NORM: tl.constexpr, IDX: tl.constexpr,
+    @triton.jit(do_not_specialize=["T"])
+    def _ng_blend_kernel(partial, geo, norms, idx, noop, T, alpha, beta, NORM: tl.constexpr, IDX: tl.constexpr,
                          BLOCK: tl.constexpr):
         # Program t reduces the chunks of tensor t in order and blends the result into its moving norm.
         t = tl.program_id(0)
+        first = geo + T
         if tl.load(noop) == 0:
             lo = tl.load(first + t)
             hi = tl.load(first + t + 1)
@@ -131,15 +131,15 @@ if triton is not None:
             store(mp, offs, n, m, MASKED)
             store(pp, offs, n, p, MASKED)
 
-    @triton.jit
-    def _ng_update_kernel(table, noop, norms, idx, T, C, lr, b1, b3, bc1, bc2, eps, wd, G_DT: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "C"])
+    def _ng_update_kernel(ptrs, geo, noop, norms, idx, T, C, lr, b1, b3, bc1, bc2, eps, wd, G_DT: tl.constexpr,
                           P_DT: tl.constexpr, M_DT: tl.constexpr, MODE: tl.constexpr, HAS_WD: tl.constexpr,
                           IDX: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         if tl.load(noop) == 0:
-            t, j, n = chunk_coords(table, T, C, 3)
-            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
-            pp = tensor_ptr(table, T, t, 1, P_DT, SHIFT)
-            mp = tensor_ptr(table, T, t, 2, M_DT, SHIFT)
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
+            pp = tensor_ptr(ptrs, T, t, 1, P_DT, SHIFT)
+            mp = tensor_ptr(ptrs, T, t, 2, M_DT, SHIFT)
             pos = t
             if IDX:
                 pos = tl.load(idx + t)
@@ -151,10 +151,6 @@ if triton is not None:
             else:
                 _ng_update_range(gp, pp, mp, start, n, gn, lr, b1, b3, bc1, bc2, eps, wd, MODE, HAS_WD, True,
                                  CHUNK, BLOCK)
-
-    _NG_PARTIAL = FastLauncher(_ng_partial_kernel)
-    _NG_BLEND = FastLauncher(_ng_blend_kernel)
-    _NG_UPDATE = FastLauncher(_ng_update_kernel)
 
 
 def _corrections(beta1: float, beta2: float, step: int, bias_correction: int, grad_averaging: int):
@@ -203,11 +199,44 @@ def multi_tensor_novograd_ref(chunk_size, noop_flag, tensor_lists, grad_norms, l
         p.copy_(torch.where(s, p, pf.to(p.dtype)))
 
 
-def group_index(indices: list[int], n: int, device: torch.device) -> tuple[torch.Tensor | None, bool]:
-    """Device positions of a group's tensors in the caller's per-tensor arrays (None when 0..n-1)."""
-    if indices == list(range(n)):
-        return None, False
-    return torch.tensor(indices, dtype=torch.int64, device=device), True
+class _NovoGradPlan(ListPlan):
+    def __init__(self, op: str, chunk_size, noop_flag, tensor_lists, grad_norms, mode: int, norm_type: int,
+                 has_wd: bool) -> None:
+        check_chunk(chunk_size, op)
+        noop_pointer(noop_flag, op)
+        if mode not in (0, 1):
+            raise ValueError(f"{op}: mode must be 0 (decay inside the moment) or 1 (decoupled), got {mode!r}")
+        if norm_type not in (0, 2):
+            raise ValueError(f"{op}: norm_type must be 2 (L2) or 0 (inf), got {norm_type!r}")
+        self.mode, self.norm, self.has_wd = int(mode), int(norm_type), bool(has_wd)
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        self.final_block = TUNING["final_block"]
+        from culmen.ops.multi_tensor.common import check_lists
+
+        n = check_lists(tensor_lists, 3, op)
+        if not isinstance(grad_norms, torch.Tensor) or grad_norms.dtype != torch.float32:
+            raise TypeError(f"{op}: grad_norms must be a float32 tensor")
+        if grad_norms.numel() != n:
+            raise ValueError(f"{op}: grad_norms has {grad_norms.numel()} elements for {n} tensors")
+        super().__init__(op, tensor_lists, 3, (1, 2))
+        if self.n and grad_norms.device != tensor_lists[0][0].device:
+            raise ValueError(f"{op}: grad_norms is on {grad_norms.device} but the tensors are on "
+                             f"{tensor_lists[0][0].device}")
+        if self.use_kernel:
+            if not grad_norms.is_contiguous():
+                raise ValueError(f"{op}: grad_norms must be contiguous (it is updated in place)")
+            for g in self.tables.groups:
+                if g.device != grad_norms.device:
+                    raise ValueError(f"{op}: all tensors must be on grad_norms' device {grad_norms.device}")
+
+    def meta(self, g, kernel, variant) -> dict:
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        if kernel is _ng_partial_kernel:
+            return dict(G_DT=dts[0], NORM=self.norm, CHUNK=self.chunk, BLOCK=self.block)
+        if kernel is _ng_blend_kernel:
+            return dict(NORM=self.norm, IDX=g.pos is not None, BLOCK=self.final_block)
+        return dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], MODE=self.mode, HAS_WD=self.has_wd,
+                    IDX=g.pos is not None, CHUNK=self.chunk, BLOCK=self.block)
 
 
 def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, grad_norms: torch.Tensor,
@@ -227,49 +256,37 @@ def multi_tensor_novograd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists
             norm_type,
         ))
     op = "multi_tensor_novograd"
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
-    if mode not in (0, 1):
-        raise ValueError(f"{op}: mode must be 0 (decay inside the moment) or 1 (decoupled), got {mode!r}")
-    if norm_type not in (0, 2):
-        raise ValueError(f"{op}: norm_type must be 2 (L2) or 0 (inf), got {norm_type!r}")
-    n = check_lists(tensor_lists, 3, op)
-    if not isinstance(grad_norms, torch.Tensor) or grad_norms.dtype != torch.float32:
-        raise TypeError(f"{op}: grad_norms must be a float32 tensor")
-    if grad_norms.numel() != n:
-        raise ValueError(f"{op}: grad_norms has {grad_norms.numel()} elements for {n} tensors")
-    if n == 0:
+    try:
+        flat, sig = signature(tensor_lists)
+        key = (op, chunk_size, mode, norm_type, weight_decay != 0, noop_flag.device, grad_norms.device,
+               grad_norms.numel(), sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+    plan = cached_plan(key, lambda: _NovoGradPlan(op, chunk_size, noop_flag, tensor_lists, grad_norms, mode,
+                                                  norm_type, weight_decay != 0))
+    if not plan.n:
         return
-    check_sizes(tensor_lists, op)
-    if grad_norms.device != tensor_lists[0][0].device:
-        raise ValueError(f"{op}: grad_norms is on {grad_norms.device} but the tensors are on "
-                         f"{tensor_lists[0][0].device}")
-    args = (chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2, epsilon, step, bias_correction,
-            weight_decay, grad_averaging, mode, norm_type)
-    if choose_backend(tensor_lists[0][0].device) == "reference":
-        return multi_tensor_novograd_ref(*args)
-    if not grad_norms.is_contiguous():
-        raise ValueError(f"{op}: grad_norms must be contiguous (it is updated in place)")
+    if not plan.use_kernel:
+        return multi_tensor_novograd_ref(chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2, epsilon,
+                                         step, bias_correction, weight_decay, grad_averaging, mode, norm_type)
+    if grad_norms.dtype != torch.float32 or not grad_norms.is_contiguous():
+        raise ValueError(f"{op}: grad_norms must be a contiguous float32 tensor (it is updated in place)")
     bc1, bc2, beta3 = _corrections(beta1, beta2, step, bias_correction, grad_averaging)
-    groups, copy_back = plan(tensor_lists, (1, 2), TUNING["chunk"], op)
-    for g in groups:
-        if g.device != grad_norms.device:
-            raise ValueError(f"{op}: all tensors must be on grad_norms' device {grad_norms.device}")
-        flag = flag_on(noop_flag, g.device)
-        dts = [TL_DTYPE[d] for d in g.dtypes]
-        idx, has_idx = group_index(g.indices, n, g.device)
-        idx_p = idx if has_idx else grad_norms
-        with device_guard(g.device):
-            partial = torch.empty(max(g.num_chunks, 1), dtype=torch.float32, device=g.device)
-            launch_group(_NG_PARTIAL, g, (g.table, flag, partial, g.num_tensors, g.num_chunks),
-                         dict(G_DT=dts[0], NORM=int(norm_type), SHIFT=g.shift, CHUNK=TUNING["chunk"],
-                              BLOCK=TUNING["block"]), TUNING["num_warps"])
-            first = g.table[3 * g.num_tensors + g.num_tensors:]
-            _NG_BLEND((g.num_tensors,), (partial, first, grad_norms, idx_p, flag, float(beta2), 1.0 - float(beta2)),
-                      dict(NORM=int(norm_type), IDX=has_idx, BLOCK=TUNING["final_block"]), num_warps=4)
-            meta = dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], MODE=int(mode), HAS_WD=weight_decay != 0,
-                        IDX=has_idx, SHIFT=g.shift, CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-            launch_group(_NG_UPDATE, g, (g.table, flag, grad_norms, idx_p, g.num_tensors, g.num_chunks, float(lr),
-                                         float(beta1), float(beta3), float(bc1), float(bc2), float(epsilon),
-                                         float(weight_decay)), meta, TUNING["num_warps"])
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
+    for i, g in enumerate(plan.tables.groups):
+        ptab, shift, _ = tabs[i]
+        dev = g.device
+        flag = noop_flag if noop_flag.device == dev else noop_flag.to(dev)
+        aligned = (flag.data_ptr() | grad_norms.data_ptr()) & 15 == 0
+        stream = g.stream()
+        with device_guard(dev):
+            partial = torch.empty(max(g.C, 1), dtype=torch.float32, device=dev)
+        if g.C:
+            plan.launch(i, _ng_partial_kernel, shift)(stream, aligned, ptab, g.geo, flag, partial, g.T, g.C)
+        plan.launch(i, _ng_blend_kernel, None, grid=(g.T,), num_warps=4)(
+            stream, aligned, partial, g.geo, grad_norms, g.pos, flag, g.T, float(beta2), 1.0 - float(beta2))
+        if g.C:
+            plan.launch(i, _ng_update_kernel, shift)(stream, aligned, ptab, g.geo, flag, grad_norms, g.pos, g.T, g.C,
+                                                     float(lr), float(beta1), float(beta3), float(bc1), float(bc2),
+                                                     float(epsilon), float(weight_decay))
     finish(copy_back)

@@ -21,14 +21,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from culmen.ops.backend import choose_backend, device_guard
-from culmen.ops.common.launch import FastLauncher
-from culmen.ops.multi_tensor.common import triton
+from culmen.ops.backend import choose_backend
+from culmen.ops.common.launch import Launch, stream_getter
+from culmen.ops.multi_tensor.common import cached_plan, triton
 
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["growth_interval", "hysteresis"])
     def _update_scale_hysteresis_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, g_hi, g_lo, b_hi, b_lo,
                                         growth_interval, hysteresis):
         f = tl.load(found_ptr).to(tl.float32)
@@ -53,8 +53,6 @@ if triton is not None:
         tl.store(scale_ptr, s)
         tl.store(growth_ptr, gt)
         tl.store(hyst_ptr, ht)
-
-    _USH = FastLauncher(_update_scale_hysteresis_kernel)
 
 
 def _split(x: float) -> tuple[float, float]:
@@ -118,20 +116,40 @@ def update_scale_hysteresis(current_scale: torch.Tensor, growth_tracker: torch.T
         hysteresis_op(current_scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
                       float(backoff_factor), int(growth_interval), int(hysteresis))
         return current_scale
-    _check("current_scale", current_scale, (torch.float32,), None)
-    dev = current_scale.device
-    _check("growth_tracker", growth_tracker, (torch.int32,), dev)
-    _check("hysteresis_tracker", hysteresis_tracker, (torch.int32,), dev)
-    _check("found_inf", found_inf, None, dev)
-    if int(growth_interval) <= 0:
-        raise ValueError(f"update_scale_hysteresis: growth_interval must be positive, got {growth_interval}")
+    try:
+        key = ("update_scale_hysteresis", current_scale.dtype, current_scale.device, current_scale.numel(),
+               growth_tracker.dtype, growth_tracker.device, growth_tracker.numel(), hysteresis_tracker.dtype,
+               hysteresis_tracker.device, hysteresis_tracker.numel(), found_inf.dtype, found_inf.device,
+               found_inf.numel())
+    except (TypeError, AttributeError, ValueError):
+        key = None
+    plan = cached_plan(key, lambda: _HysteresisPlan(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                                                    growth_interval))
     args = (current_scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
             float(backoff_factor), int(growth_interval), int(hysteresis))
-    if choose_backend(dev) == "reference":
+    if plan.launch is None:
         return update_scale_hysteresis_ref(*args)
     g_hi, g_lo = _split(float(growth_factor))
     b_hi, b_lo = _split(float(backoff_factor))
-    with device_guard(dev):
-        _USH((1,), (current_scale, growth_tracker, hysteresis_tracker, found_inf, g_hi, g_lo, b_hi, b_lo,
-                    int(growth_interval), int(hysteresis)), {}, num_warps=1)
+    aligned = (current_scale.data_ptr() | growth_tracker.data_ptr() | hysteresis_tracker.data_ptr()
+               | found_inf.data_ptr()) & 15 == 0
+    plan.launch(plan.stream(), aligned, current_scale, growth_tracker, hysteresis_tracker, found_inf, g_hi, g_lo, b_hi,
+                b_lo, int(growth_interval), int(hysteresis))
     return current_scale
+
+
+class _HysteresisPlan:
+    """Checks passed and the bound single-program launch (``launch`` ``None``: the reference runs)."""
+
+    def __init__(self, current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval) -> None:
+        _check("current_scale", current_scale, (torch.float32,), None)
+        dev = current_scale.device
+        _check("growth_tracker", growth_tracker, (torch.int32,), dev)
+        _check("hysteresis_tracker", hysteresis_tracker, (torch.int32,), dev)
+        _check("found_inf", found_inf, None, dev)
+        if int(growth_interval) <= 0:
+            raise ValueError(f"update_scale_hysteresis: growth_interval must be positive, got {growth_interval}")
+        self.launch = None
+        if choose_backend(dev) == "triton":
+            self.launch = Launch(_update_scale_hysteresis_kernel, (1,), {}, 1, device=dev)
+        self.stream = stream_getter(dev)

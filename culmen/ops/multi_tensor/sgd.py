@@ -11,28 +11,26 @@ from __future__ import annotations
 
 import torch
 
-from culmen.ops.backend import choose_backend
-from culmen.ops.common.launch import FastLauncher
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
-    check_lists,
-    check_sizes,
+    ListPlan,
+    cached_plan,
+    check_chunk,
     finish,
-    flag_on,
-    launch_group,
     noop_pointer,
-    plan,
     ref_skip,
+    signature,
     triton,
 )
-from culmen.ops.multi_tensor.elementwise import _check_chunk
 
 if triton is not None:
     import triton.language as tl
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
-TUNING = {"chunk": 16384, "block": 4096, "num_warps": 8}
+TUNING = PlanTuning({"chunk": 16384, "block": 4096, "num_warps": 8}, clear_plans)
 
 if triton is not None:
 
@@ -63,19 +61,19 @@ if triton is not None:
             if COPY:
                 store(cp, offs, n, p, MASKED)
 
-    @triton.jit
-    def _sgd_kernel(table, noop, T, C, wd, momentum, dampening, lr, scale, G_DT: tl.constexpr, P_DT: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "C"])
+    def _sgd_kernel(ptrs, geo, noop, T, C, wd, momentum, dampening, lr, scale, G_DT: tl.constexpr, P_DT: tl.constexpr,
                     B_DT: tl.constexpr, C_DT: tl.constexpr, L: tl.constexpr, HAS_WD: tl.constexpr,
                     HAS_MOM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr, WD_AFTER: tl.constexpr,
                     SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         if tl.load(noop) == 0:
-            t, j, n = chunk_coords(table, T, C, L)
-            gp = tensor_ptr(table, T, t, 0, G_DT, SHIFT)
-            pp = tensor_ptr(table, T, t, 1, P_DT, SHIFT)
-            bp = tensor_ptr(table, T, t, 2, B_DT, SHIFT)
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
+            pp = tensor_ptr(ptrs, T, t, 1, P_DT, SHIFT)
+            bp = tensor_ptr(ptrs, T, t, 2, B_DT, SHIFT)
             cp = pp
             if L == 4:
-                cp = tensor_ptr(table, T, t, 3, C_DT, SHIFT)
+                cp = tensor_ptr(ptrs, T, t, 3, C_DT, SHIFT)
             start = j * CHUNK
             if start + CHUNK <= n:
                 _sgd_range(gp, pp, bp, cp, start, n, wd, momentum, dampening, lr, scale, HAS_WD, HAS_MOM, FIRST,
@@ -83,8 +81,6 @@ if triton is not None:
             else:
                 _sgd_range(gp, pp, bp, cp, start, n, wd, momentum, dampening, lr, scale, HAS_WD, HAS_MOM, FIRST,
                            NESTEROV, WD_AFTER, L == 4, True, CHUNK, BLOCK)
-
-    _SGD = FastLauncher(_sgd_kernel)
 
 
 def multi_tensor_sgd_ref(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov, first_run,
@@ -109,6 +105,33 @@ def multi_tensor_sgd_ref(chunk_size, noop_flag, tensor_lists, wd, momentum, damp
                 dst.copy_(torch.where(skip, dst, pf.to(dst.dtype)))
 
 
+class SGDPlan(ListPlan):
+    """``multi_tensor_sgd``'s plan: ``[grads, params, momentum_buffers(, copies)]`` and the update's flags
+    (``momentum == 0`` never touches the buffers, which may then stand for anything of the right size)."""
+
+    def __init__(self, op: str, tensor_lists, noop_flag, *, has_wd: bool, has_mom: bool, first_run: bool,
+                 nesterov: bool, wd_after: bool, static: tuple[int, ...] = ()) -> None:
+        noop_pointer(noop_flag, op)
+        self.flags = dict(HAS_WD=bool(has_wd), HAS_MOM=bool(has_mom), FIRST=bool(first_run),
+                          NESTEROV=bool(nesterov), WD_AFTER=bool(wd_after))
+        self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
+        super().__init__(op, tensor_lists, (3, 4), tuple(range(1, len(tensor_lists))), static)
+
+    def meta(self, g, kernel, variant) -> dict:
+        dts = [TL_DTYPE[d] for d in g.dtypes]
+        return dict(G_DT=dts[0], P_DT=dts[1], B_DT=dts[2], C_DT=dts[3] if len(dts) == 4 else dts[1], L=len(dts),
+                    **self.flags, CHUNK=self.chunk, BLOCK=self.block)
+
+    def run(self, tabs, noop, wd: float, momentum: float, dampening: float, lr: float, scale: float) -> None:
+        """Launch every group; ``noop`` is moved to a group's device when it lives elsewhere."""
+        for i, g in enumerate(self.tables.groups):
+            if g.C:
+                ptab, shift, _ = tabs[i]
+                flag = noop if noop.device == g.device else noop.to(g.device)
+                self.launch(i, _sgd_kernel, shift)(g.stream(), flag.data_ptr() & 15 == 0, ptab, g.geo, flag, g.T,
+                                                   g.C, wd, momentum, dampening, lr, scale)
+
+
 def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd: float, momentum: float,
                      dampening: float, lr: float, nesterov: bool, first_run: bool, wd_after_momentum: bool,
                      scale: float) -> None:
@@ -121,22 +144,24 @@ def multi_tensor_sgd(chunk_size: int, noop_flag: torch.Tensor, tensor_lists, wd:
         return sgd_op(list(tensor_lists[0]), list(tensor_lists[1]), list(tensor_lists[2]), copies, noop_flag,
                       float(wd), float(momentum), float(dampening), float(lr), bool(nesterov), bool(first_run),
                       bool(wd_after_momentum), float(scale))
-    _check_chunk(chunk_size, op)
-    noop_pointer(noop_flag, op)
-    if check_lists(tensor_lists, (3, 4), op) == 0:
+    flags = (wd != 0, momentum != 0, bool(first_run), bool(nesterov), bool(wd_after_momentum))
+    try:
+        flat, sig = signature(tensor_lists)
+        key = (op, chunk_size, flags, noop_flag.device, sig)
+    except (TypeError, AttributeError, IndexError):
+        flat, key = None, None
+
+    def build():
+        check_chunk(chunk_size, op)
+        return SGDPlan(op, tensor_lists, noop_flag, has_wd=flags[0], has_mom=flags[1], first_run=flags[2],
+                       nesterov=flags[3], wd_after=flags[4])
+
+    plan = cached_plan(key, build)
+    if not plan.n:
         return
-    check_sizes(tensor_lists, op)
-    args = (chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov, first_run,
-            wd_after_momentum, scale)
-    if choose_backend(tensor_lists[0][0].device) == "reference":
-        return multi_tensor_sgd_ref(*args)
-    groups, copy_back = plan(tensor_lists, tuple(range(1, len(tensor_lists))), TUNING["chunk"], op)
-    for g in groups:
-        flag = flag_on(noop_flag, g.device)
-        dts = [TL_DTYPE[d] for d in g.dtypes]
-        meta = dict(G_DT=dts[0], P_DT=dts[1], B_DT=dts[2], C_DT=dts[3] if len(dts) == 4 else dts[1], L=len(dts),
-                    HAS_WD=wd != 0, HAS_MOM=momentum != 0, FIRST=bool(first_run), NESTEROV=bool(nesterov),
-                    WD_AFTER=bool(wd_after_momentum), SHIFT=g.shift, CHUNK=TUNING["chunk"], BLOCK=TUNING["block"])
-        launch_group(_SGD, g, (g.table, flag, g.num_tensors, g.num_chunks, float(wd), float(momentum),
-                               float(dampening), float(lr), float(scale)), meta, TUNING["num_warps"])
+    if not plan.use_kernel:
+        return multi_tensor_sgd_ref(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
+                                    first_run, wd_after_momentum, scale)
+    tabs, copy_back = plan.pointers(tensor_lists, flat)
+    plan.run(tabs, noop_flag, float(wd), float(momentum), float(dampening), float(lr), float(scale))
     finish(copy_back)
