@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.attention import flash_attn, flash_attn_varlen
+from culmen.ops.attention.kvcache import attention_kvcache
+from culmen.ops.attention.op import attention, attention_varlen
 
 __all__ = [
     "flash_attn_func",
@@ -24,11 +25,6 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
-
-
-def _ret(res, return_attn_probs: bool):
-    out, lse, s_dmask = res
-    return (out, lse, s_dmask) if return_attn_probs else out
 
 
 def _check_packed(name: str, t, rank: int, n: int, dim: int) -> None:
@@ -66,8 +62,8 @@ def flash_attn_qkvpacked_func(
     """
     _check_packed("qkv", qkv, 5, 3, 2)
     q, k, v = qkv.unbind(dim=2)
-    return _ret(flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs), return_attn_probs)
+    return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                     return_attn_probs, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -87,8 +83,8 @@ def flash_attn_kvpacked_func(
     arguments and the return as ``flash_attn_qkvpacked_func``."""
     _check_packed("kv", kv, 5, 2, 2)
     k, v = kv.unbind(dim=2)
-    return _ret(flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs), return_attn_probs)
+    return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                     return_attn_probs, return_attn_probs)
 
 
 def flash_attn_func(
@@ -111,9 +107,12 @@ def flash_attn_func(
     ``(out, softmax_lse (batch, nheads, seqlen_q) fp32, S_dmask (batch, nheads, seqlen_q_rounded,
     seqlen_k_rounded))``. Rows that see no key output 0 and have ``softmax_lse = +inf``. Other
     arguments as ``flash_attn_qkvpacked_func``.
+
+    A call with the signature (shapes, strides, dtypes, options) of an earlier one reuses its cached
+    plan: the checks and launch geometry are not redone.
     """
-    return _ret(flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs), return_attn_probs)
+    return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                     return_attn_probs, return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -134,9 +133,8 @@ def flash_attn_varlen_qkvpacked_func(
     ``(out, softmax_lse (nheads, total) fp32, S_dmask)``."""
     _check_packed("qkv", qkv, 4, 3, 1)
     q, k, v = qkv.unbind(dim=1)
-    return _ret(flash_attn_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs),
-                return_attn_probs)
+    return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -159,9 +157,9 @@ def flash_attn_varlen_kvpacked_func(
     ``(total_k, 2, nheads_k, headdim)``; see ``flash_attn_varlen_func``."""
     _check_packed("kv", kv, 4, 2, 1)
     k, v = kv.unbind(dim=1)
-    return _ret(flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs), return_attn_probs)
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                            return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -192,15 +190,17 @@ def flash_attn_varlen_func(
     """
     if block_table is not None:
         k, v = _unpage(k, v, cu_seqlens_k, block_table)
-    return _ret(flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs), return_attn_probs)
-
-
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                            return_attn_probs)
 
 
 def _unpage(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, block_table: Tensor) -> tuple[Tensor, Tensor]:
-    """Packed ``(total_k, hk, d)`` keys/values of the sequences whose pages ``block_table`` lists."""
+    """Packed ``(total_k, hk, d)`` keys/values of the sequences whose pages ``block_table`` lists (page
+    numbers are checked on CPU tensors, and on GPUs under ``set_check_values(True)``; a bad one is an
+    indexing error either way)."""
+    from culmen.ops.backend import check_values_on
+
     if not isinstance(block_table, Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
         raise TypeError(f"block_table must be a 2-D int32 tensor (batch, max_blocks), got {block_table!r}")
     if k.dim() != 4 or v.shape != k.shape:
@@ -209,6 +209,12 @@ def _unpage(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, block_table: Tensor) -> 
     B, nb = block_table.shape
     if cu_seqlens_k.shape[0] != B + 1:
         raise ValueError(f"block_table has {B} rows but cu_seqlens_k describes {cu_seqlens_k.shape[0] - 1} sequences")
+    if (block_table.device.type == "cpu" or check_values_on()) and not torch.compiler.is_compiling():
+        lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+        if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= k.shape[0]):
+            raise ValueError(f"block_table entries must index the {k.shape[0]} pages of k/v")
+        if max(lens, default=0) > nb * k.shape[1]:
+            raise ValueError(f"a sequence of cu_seqlens_k ({max(lens)} keys) is longer than its {nb} pages hold")
     blocks = block_table.to(torch.int64)
     lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
     keep = torch.arange(nb * k.shape[1], device=k.device)[None, :] < lens[:, None]
@@ -253,57 +259,6 @@ def flash_attn_with_kvcache(
     is where each row's keys start. ``num_splits`` is accepted (the kernel needs no split-KV pass).
     Returns ``out`` or ``(out, softmax_lse (B, h, sq) fp32)``.
     """
-    from culmen.ops.attention import op as attn_op
-    from culmen.ops.attention.kvcache import attention_kvcache
-
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-    B, sq, h, d = q.shape
-    hk = k_cache.shape[2]
-    if k_cache.shape != v_cache.shape or k_cache.shape[-1] != d or h % hk:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must match, with head dim "
-                         f"{d} and a number of heads dividing q's {h}")
-    if (k is None) != (v is None):
-        raise ValueError("k and v (the new tokens) must be given together")
-    if k is not None and (k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (hk, d)):
-        raise ValueError(f"k/v must be (batch={B}, seqlen_new, {hk}, {d}), got {tuple(k.shape)} / {tuple(v.shape)}")
-    if block_table is not None:
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table (paged KV)")
-        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
-            raise TypeError(f"block_table must be int32 (batch={B}, max_blocks), got {block_table.dtype} "
-                            f"{tuple(block_table.shape)}")
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:
-        capacity = k_cache.shape[1]
-    if cache_seqlens is None:
-        cache_seqlens = capacity - (0 if k is None else k.shape[1])
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (B,):
-        raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape ({B},), got "
-                        f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
-    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-        if t is not None and (t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (B,)):
-            raise TypeError(f"{name} must be an integer tensor of shape ({B},), got {t.dtype} {tuple(t.shape)}")
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together")
-    if rotary_cos is not None and (rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > d
-                                   or rotary_sin.shape != rotary_cos.shape):
-        raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= {d}, got "
-                         f"{tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}")
-    if not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be a non-negative int, got {num_splits!r}")
-    alibi = attn_op._check_common(q, k_cache, v_cache, 0.0, window_size, softcap, alibi_slopes, B, 4,
-                                  "(batch, seqlen, nheads, headdim)")
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    with torch.no_grad():
-        out, lse = attention_kvcache(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, softmax_scale=scale, causal=bool(causal), window_size=tuple(window_size),
-            softcap=float(softcap), rotary_interleaved=bool(rotary_interleaved), alibi_slopes=alibi,
-            use_kernels=attn_op._use_kernels(q))
-    return (out, lse) if return_softmax_lse else out
+    return attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)

@@ -8,14 +8,11 @@ so the odd seqlens below cross several blocks, partial blocks and skipped (fully
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from culmen.ops.attention import attention_ref, dropout_keep_mask, flash_attn, flash_attn_varlen
+from culmen.ops.attention import attention_ref, dropout_keep_mask, flash_attn, flash_attn_varlen, launch
 from culmen.ops.attention import op as attn_op
-from culmen.ops.attention.launch import attention_fwd
 from culmen.ops.backend import set_backend
 from culmen.testing import assert_close_tolerance
 from culmen.testing.attention import grads as _grads
@@ -127,23 +124,21 @@ def test_backward_deterministic(triton_backend):
 
 
 def test_poisoned_outputs_fully_written(triton_backend, monkeypatch):
-    # Outputs allocated by the launcher are poisoned: every element must be overwritten.
-    real_empty = torch.empty
+    # Outputs allocated by the plans are poisoned: every element must be overwritten.
+    real_empty, real_like = torch.empty, torch.empty_like
 
-    def nan_empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
+    def poison(t):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     q, k, v = _inputs(1, 21, 19, 2, 2, 24, torch.float32)
     with monkeypatch.context() as m:
-        m.setattr(torch, "empty", nan_empty)
-        out, lse = attention_fwd(q.detach(), k.detach(), v.detach(), softmax_scale=24 ** -0.5, window_right=0)
-    assert not out.isnan().any() and not lse.isnan().any()
-    o2, _, _ = flash_attn(q, k, v, causal=True)
-    dout = torch.randn_like(o2)
-    with monkeypatch.context() as m:
-        m.setattr(torch, "empty", nan_empty)
+        m.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+        m.setattr(torch, "empty_like", lambda *a, **kw: poison(real_like(*a, **kw)))
+        out, lse, _ = flash_attn(q.detach(), k.detach(), v.detach(), causal=True)
+        o2, _, _ = flash_attn(q, k, v, causal=True)
+        dout = torch.randn_like(o2)
         grads = _grads(o2, dout, (q, k, v))
+    assert not out.isnan().any() and not lse.isnan().any()
     assert torch.equal(out, o2.detach())
     assert all(not g.isnan().any() for g in grads)
 
@@ -157,22 +152,21 @@ def test_return_probs_uses_reference(triton_backend):
 
 
 def test_cuda_kernels_by_default_with_escape_hatch(monkeypatch):
-    fake_q = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16, shape=(1, 8, 2, 64))
-    monkeypatch.setattr(attn_op, "choose_backend", lambda dev: "triton")
-    monkeypatch.delenv("CULMEN_FLASH_TRITON", raising=False)
-    assert attn_op._use_kernels(fake_q)
-    assert not attn_op._use_kernels(fake_q, return_probs=True)
-    fake_q.shape = (1, 8, 2, 512)
-    assert attn_op._use_kernels(fake_q)
-    fake_q.shape = (1, 8, 2, 64)
-    fake_q.dtype = torch.float64  # fp64 runs the reference
-    assert not attn_op._use_kernels(fake_q)
-    fake_q.dtype = torch.float16
-    monkeypatch.setenv("CULMEN_FLASH_TRITON", "0")
-    assert not attn_op._use_kernels(fake_q)
-    monkeypatch.setattr(attn_op, "choose_backend", lambda dev: "reference")
-    monkeypatch.delenv("CULMEN_FLASH_TRITON")
-    assert not attn_op._use_kernels(types.SimpleNamespace(device=torch.device("cpu")))
+    cuda, f16 = torch.device("cuda"), torch.float16
+    monkeypatch.setattr(launch, "choose_backend", lambda dev: "triton")
+    assert launch.use_kernels(cuda, f16, 64)
+    assert not launch.use_kernels(cuda, f16, 64, return_probs=True)
+    assert launch.use_kernels(cuda, f16, 512)
+    assert not launch.use_kernels(cuda, torch.float32, 512)  # fp32 tiles: head dim <= 256
+    assert not launch.use_kernels(cuda, torch.float64, 64)  # fp64 runs the reference
+    try:
+        launch.set_kernels_on_gpu(False)  # the escape hatch (CULMEN_FLASH_TRITON=0)
+        assert not launch.use_kernels(cuda, f16, 64)
+        assert launch.use_kernels(torch.device("cpu"), f16, 64)  # CULMEN_BACKEND=triton on CPU is not affected
+    finally:
+        launch.set_kernels_on_gpu(True)
+    monkeypatch.setattr(launch, "choose_backend", lambda dev: "reference")
+    assert not launch.use_kernels(torch.device("cpu"), f16, 64)
 
 
 VARLEN_CASES = {
@@ -224,8 +218,6 @@ def test_varlen_kernels_match_float64(triton_backend, monkeypatch, case):
 
 def test_tma_descriptor_forward(triton_backend, monkeypatch):
     # The optional TMA path of the forward (off by default) reads K/V through tensor descriptors.
-    from culmen.ops.attention import launch
-
     monkeypatch.setitem(launch.TUNING, "tma", True)
     check(B=1, sq=37, sk=45, h=2, hk=1, d=16, causal=True)
     check(B=2, sq=29, sk=23, h=2, hk=2, d=24, window=(6, 3))

@@ -1,11 +1,12 @@
-"""FlashAttention: the reference (``reference.py``, the oracle and today's path on every device),
-the replayable Philox dropout mask (``dropout.py``), and the custom ops ``culmen::flash_attn_fwd`` /
-``_bwd`` / ``_varlen_fwd`` / ``_varlen_bwd`` with the entry points ``flash_attn`` /
-``flash_attn_varlen`` (``op.py``). The Triton kernels plug into the same ops in a later phase.
+"""FlashAttention: the Triton kernels (``kernels.py``) behind cached call plans (``launch.py``), the
+op-level entry points and their autograd / ``torch.compile`` ops (``op.py``), the KV-cache form
+(``kvcache.py``), the reference (``reference.py``, the oracle and the CPU path) and the replayable
+Philox dropout mask (``dropout.py``).
 """
 
 from culmen.ops.attention.dropout import dropout_keep_mask, philox_rand
-from culmen.ops.attention.op import flash_attn, flash_attn_varlen
+from culmen.ops.attention.op import attention, attention_varlen, flash_attn, flash_attn_varlen
 from culmen.ops.attention.reference import attention_ref
 
-__all__ = ["attention_ref", "dropout_keep_mask", "flash_attn", "flash_attn_varlen", "philox_rand"]
+__all__ = ["attention", "attention_ref", "attention_varlen", "dropout_keep_mask", "flash_attn", "flash_attn_varlen",
+           "philox_rand"]

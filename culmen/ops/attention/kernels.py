@@ -16,6 +16,14 @@ Conventions (the same as ``reference.py`` and ``dropout.py``):
 * all element offsets are int64; the head dim is padded to ``BLOCK_D`` (a power of 2) with masks,
   which vanish when ``EVEN_D`` (``D == BLOCK_D``).
 
+Compilation: a kernel specializes on what changes its code (dtypes, head dim, feature flags, block
+config), never on sizes that change per batch. Sequence lengths, totals, grid extents, window sizes
+and every batch/row/head stride are in ``do_not_specialize`` (a new sequence length or batch size
+never recompiles). Strides are passed divided by ``SU``, the largest power of two <= 16 dividing all
+of them (fixed by the head layout, e.g. 16 for ``nheads * headdim % 16 == 0``): multiplied back by
+the constexpr ``SU`` they still tell the compiler that rows are 16-element aligned (vector loads),
+which Triton would otherwise learn only from specializing each stride's value.
+
 Speed: the softmax runs in base 2 (``exp2``) with ``softmax_scale * log2(e)`` folded into one
 multiply. The key (or query) blocks a program visits are split into blocks that every row sees in
 full, which run with no mask arithmetic and unmasked loads, and the few boundary blocks of the
@@ -32,6 +40,27 @@ LOG2E_F = 1.4426950408889634
 """log2(e) as a Python float (launchers fold it into the softmax scale)."""
 LOG2E = tl.constexpr(LOG2E_F)
 LN2 = tl.constexpr(0.6931471805599453)
+
+# Integer arguments that change with the batch's sizes (see "Compilation" above).
+_STRIDES = ("sqb", "sqs", "sqh", "skb", "sks", "skh", "svb", "svs", "svh", "sob", "sos", "soh", "sdb", "sds", "sdh",
+            "sdkb", "sdks", "sdkh", "sdvb", "sdvs", "sdvh", "sdqb", "sdqs", "sdqh", "slb", "slh")
+_SIZES = ("SQ", "SK", "SQS", "SKS", "TQ", "TK", "NUM_M", "NUM_N", "K_ADD", "left", "right")
+
+
+def _dns(fn) -> list[str]:
+    """The ``do_not_specialize`` names among ``fn``'s parameters."""
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    return [n for n in names if n in _STRIDES or n in _SIZES]
+
+
+def _jit(fn):
+    return triton.jit(do_not_specialize=_dns(fn))(fn)
+
+
+@triton.jit
+def _su(stride, SU: tl.constexpr):
+    """A stride passed divided by ``SU``, back in elements (int64, known to be a multiple of ``SU``)."""
+    return stride.to(tl.int64) * SU
 
 
 @triton.jit
@@ -60,12 +89,15 @@ def _tanh(x):
 
 
 @triton.jit
-def _sequence(cu_ptr, b, n_dense, VARLEN: tl.constexpr):
+def _sequence(cu_ptr, b, n_dense, total, n_max, VARLEN: tl.constexpr):
     """``(first row, length)`` of sequence ``b``: rows ``cu[b] .. cu[b + 1]`` of the packed tensors
-    (varlen), or ``(0, n_dense)``."""
+    (varlen), or ``(0, n_dense)``. Whatever ``cu`` holds, the rows stay inside ``[0, total)`` and the
+    length inside ``[0, n_max]`` (``max_seqlen``: the rows the grid covers), so bad offsets can give
+    wrong results but never an access outside the tensors."""
     if VARLEN:
-        start = tl.load(cu_ptr + b).to(tl.int64)
-        n = (tl.load(cu_ptr + b + 1) - start).to(tl.int32)
+        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b).to(tl.int64), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1).to(tl.int64), start), total)
+        n = tl.minimum(end - start, n_max).to(tl.int32)
     else:
         start = tl.zeros([], dtype=tl.int64)
         n = n_dense
@@ -211,28 +243,41 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
     return acc, l_i, m_new
 
 
-@triton.jit
+@_jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
     stride_ab,
-    H, GROUP, SQ, SK, SQS, SKS, D, NUM_M,
+    H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M, K_ADD,
     qk_scale, softcap, p_drop, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-    USE_TMA: tl.constexpr, K_RANGE: tl.constexpr,
+    USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
 ):
+    """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
+
+    ``K_RANGE`` (dense only; a KV cache): 1 = batch row ``b`` attends to keys ``[0, ken[b] + K_ADD)``,
+    2 = keys ``[kst[b], ken[b] + K_ADD)``, clamped to ``[0, SK)``; its causal diagonal aligned to the end.
+    """
+    sqb, sqs, sqh = _su(sqb, SU), _su(sqs, SU), _su(sqh, SU)
+    skb, sks, skh = _su(skb, SU), _su(sks, SU), _su(skh, SU)
+    svb, svs, svh = _su(svb, SU), _su(svs, SU), _su(svh, SU)
+    sob, sos, soh = _su(sob, SU), _su(sos, SU), _su(soh, SU)
     pid_m, bh = _query_tile(NUM_M, HEAVY_FIRST)
     b = bh // H
     h = bh % H
     kh = h // GROUP
-    q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
-    k0, sk = _sequence(cu_k_ptr, b, SK, VARLEN)
-    if K_RANGE:  # keys [start, end) of this row only (a KV cache's filled part, after a left pad)
-        kst = tl.load(kst_ptr + b).to(tl.int64)
-        k0 = k0 + kst
-        sk = (tl.load(ken_ptr + b) - kst).to(tl.int32)
+    q0, sq = _sequence(cu_q_ptr, b, SQ, TQ, SQ, VARLEN)
+    k0, sk = _sequence(cu_k_ptr, b, SK, TK, SK, VARLEN)
+    if K_RANGE > 0:  # keys [start, end) of this row only (a KV cache's filled part, after a left pad)
+        ken = tl.minimum(tl.maximum(tl.load(ken_ptr + b).to(tl.int32) + K_ADD, 0), SK)
+        if K_RANGE > 1:
+            kst = tl.minimum(tl.maximum(tl.load(kst_ptr + b).to(tl.int32), 0), ken)
+            k0 = k0 + kst.to(tl.int64)
+            sk = ken - kst
+        else:
+            sk = ken
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return
@@ -282,20 +327,24 @@ def _attn_fwd_kernel(
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     o_base = o_ptr + b64 * sob + h.to(tl.int64) * soh + q0 * sos
     tl.store(o_base + i64 * sos + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=rowmask & dmask[None, :])
-    tl.store(lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0 + i, lse, mask=i < sq)
+    if STORE_LSE:
+        tl.store(lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0 + i, lse, mask=i < sq)
 
 
-@triton.jit
+@_jit
 def _attn_bwd_preprocess_kernel(
     o_ptr, do_ptr, delta_ptr, cu_q_ptr,
     sob, sos, soh, sdb, sds, sdh, slb, slh,
-    H, SQ, D, NUM_M,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    H, SQ, TQ, D, NUM_M,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, SU: tl.constexpr,
 ):
+    """``delta = rowsum(out * dout)`` (fp32, laid out like ``lse``)."""
+    sob, sos, soh = _su(sob, SU), _su(sos, SU), _su(soh, SU)
+    sdb, sds, sdh = _su(sdb, SU), _su(sds, SU), _su(sdh, SU)
     pid_m, bh = _query_tile(NUM_M, False)
     b = bh // H
     h = (bh % H).to(tl.int64)
-    q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
+    q0, sq = _sequence(cu_q_ptr, b, SQ, TQ, SQ, VARLEN)
     i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
     mask = (i[:, None] < sq) & (dd[None, :] < D)
@@ -362,26 +411,34 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sq
     return dk, dv
 
 
-@triton.jit
+@_jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
     sdkb, sdks, sdkh, sdvb, sdvs, sdvh, sdqb, sdqs, sdqh, slb, slh,
     stride_ab,
-    H, HK, GROUP, SQ, SK, SQS, SKS, D, NUM_N,
+    H, HK, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_N,
     qk_scale, softcap, p_drop, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    SU: tl.constexpr,
 ):
     """dK and dV of one key block (and, with ``ATOMIC_DQ``, its atomic share of dQ in fp32 ``dq_ptr``)."""
+    sqb, sqs, sqh = _su(sqb, SU), _su(sqs, SU), _su(sqh, SU)
+    skb, sks, skh = _su(skb, SU), _su(sks, SU), _su(skh, SU)
+    svb, svs, svh = _su(svb, SU), _su(svs, SU), _su(svh, SU)
+    sdb, sds, sdh = _su(sdb, SU), _su(sds, SU), _su(sdh, SU)
+    sdkb, sdks, sdkh = _su(sdkb, SU), _su(sdks, SU), _su(sdkh, SU)
+    sdvb, sdvs, sdvh = _su(sdvb, SU), _su(sdvs, SU), _su(sdvh, SU)
+    sdqb, sdqs, sdqh = _su(sdqb, SU), _su(sdqs, SU), _su(sdqh, SU)
     pid = tl.program_id(0)
     pid_n = pid % NUM_N
     bkh = pid // NUM_N
     b = bkh // HK
     kh = bkh % HK
-    q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
-    k0, sk = _sequence(cu_k_ptr, b, SK, VARLEN)
+    q0, sq = _sequence(cu_q_ptr, b, SQ, TQ, SQ, VARLEN)
+    k0, sk = _sequence(cu_k_ptr, b, SK, TK, SK, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= sk:
         return
@@ -463,23 +520,30 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0
     return _dot_acc(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST)
 
 
-@triton.jit
+@_jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh, slb, slh,
     stride_ab,
-    H, GROUP, SQ, SK, SQS, SKS, D, NUM_M,
+    H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M,
     qk_scale, softcap, p_drop, left, right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    SU: tl.constexpr,
 ):
+    """dQ of one query block of one head (each program owns its rows: deterministic)."""
+    sqb, sqs, sqh = _su(sqb, SU), _su(sqs, SU), _su(sqh, SU)
+    skb, sks, skh = _su(skb, SU), _su(sks, SU), _su(skh, SU)
+    svb, svs, svh = _su(svb, SU), _su(svs, SU), _su(svh, SU)
+    sdb, sds, sdh = _su(sdb, SU), _su(sds, SU), _su(sdh, SU)
+    sdqb, sdqs, sdqh = _su(sdqb, SU), _su(sdqs, SU), _su(sdqh, SU)
     pid_m, bh = _query_tile(NUM_M, HEAVY_FIRST)
     b = bh // H
     h = bh % H
     kh = h // GROUP
-    q0, sq = _sequence(cu_q_ptr, b, SQ, VARLEN)
-    k0, sk = _sequence(cu_k_ptr, b, SK, VARLEN)
+    q0, sq = _sequence(cu_q_ptr, b, SQ, TQ, SQ, VARLEN)
+    k0, sk = _sequence(cu_k_ptr, b, SK, TK, SK, VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= sq:
         return

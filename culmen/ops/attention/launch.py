@@ -1,17 +1,26 @@
-"""Launchers of the dense FlashAttention kernels: allocate, pick blocks, launch.
+"""Call plans of FlashAttention: validate once per call signature, then allocate and launch.
 
-``attention_fwd`` / ``attention_bwd`` take BSHD tensors, or packed THD ones with ``cu_seqlens`` (any
-strides; a head dim that is not unit-stride is copied), and follow the conventions of ``reference.py``.
-Block sizes come from ``TUNING`` (swept on an H100, see ``bench/notes/attention.md``); the CPU
+An ``AttnPlan`` holds everything the dense, varlen and KV-cache forms derive from one call signature
+(shapes, strides, dtypes, device, flags, scalars): the checks passed, whether the Triton kernels or the
+reference run, the kernels' integer arguments, what to allocate and the bound ``Launch`` of each kernel.
+A cached no-grad forward costs one allocation (``out``; ``lse`` only when asked) and one launch; a
+backward four allocations (dq, dk, dv and the ``delta`` row sums) and three launches. Inputs are read
+through their strides (only a head dim that is not unit-stride is copied).
+
+Compilation: block configs depend on the head dim, dtype and flags only (``TUNING``, swept on an H100,
+see ``bench/notes/attention.md``), and sizes and strides are not specialized on (``kernels.py``), so
+every sequence length and batch size shares one compiled kernel per configuration. The CPU
 interpreter uses ``interp_block`` so small test shapes still cross several blocks.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
-import triton
 from torch import Tensor
 
+from culmen.ops.attention import checks
 from culmen.ops.attention.kernels import (
     LOG2E_F,
     _attn_bwd_dkdv_kernel,
@@ -19,17 +28,26 @@ from culmen.ops.attention.kernels import (
     _attn_bwd_preprocess_kernel,
     _attn_fwd_kernel,
 )
-from culmen.ops.backend import deterministic_enabled, device_guard
-from culmen.ops.common.launch import FastLauncher
-
-_fwd = FastLauncher(_attn_fwd_kernel)
-_pre = FastLauncher(_attn_bwd_preprocess_kernel)
-_dkdv = FastLauncher(_attn_bwd_dkdv_kernel)
-_dq = FastLauncher(_attn_bwd_dq_kernel)
+from culmen.ops.attention.reference import (
+    attention_bwd_ref,
+    attention_fwd_ref,
+    attention_range_fwd_ref,
+    attention_varlen_bwd_ref,
+    attention_varlen_fwd_ref,
+    round_multiple,
+)
+from culmen.ops.backend import check_values_on, choose_backend, deterministic_enabled
+from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter, traceable_kernels
+from culmen.ops.common.plans import clear_plans
 
 MAX_KERNEL_HEADDIM = 512
+_F32 = torch.float32
 
-TUNING = {
+# ``CULMEN_FLASH_TRITON=0`` sends GPU calls to the reference (an escape hatch for bisecting numerics).
+# Read once, at import; plans read this flag when they are built (change it with ``set_kernels_on_gpu``).
+_KERNELS_ON_GPU = os.environ.get("CULMEN_FLASH_TRITON", "1") != "0"
+
+TUNING = PlanTuning({
     # (max padded head dim, BLOCK_M, BLOCK_N, num_warps, num_stages), first row that fits wins.
     # Forward and dQ hold a BLOCK_M query block and loop over keys; dK/dV hold a BLOCK_N key block and
     # loop over queries. Measured on an H100 (bench/notes/attention.md).
@@ -49,18 +67,36 @@ TUNING = {
     "atomic_dq": False,
     # Block size under the CPU interpreter (tests): small, so odd seqlens span several blocks.
     "interp_block": 16,
-}
+}, clear_plans)
 
 
-def supported(q: Tensor, return_probs: bool) -> bool:
-    """Whether the kernels handle this call (else the caller runs the reference)."""
+def set_kernels_on_gpu(flag: bool) -> None:
+    """Run GPU calls on the Triton kernels (``True``, the default) or on the PyTorch reference (for
+    bisecting numerics; starts from ``CULMEN_FLASH_TRITON``). Drops the cached plans."""
+    global _KERNELS_ON_GPU
+    _KERNELS_ON_GPU = bool(flag)
+    clear_plans()
+
+
+def supported(dtype: torch.dtype, head_dim: int, return_probs: bool = False) -> bool:
+    """Whether the kernels handle this call (else the reference runs it)."""
     # fp32 tiles take twice the shared memory: they use the configs of twice the head dim (so <= 256).
-    max_d = MAX_KERNEL_HEADDIM // (2 if q.dtype == torch.float32 else 1)
-    return not return_probs and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= max_d
+    max_d = MAX_KERNEL_HEADDIM // (2 if dtype == torch.float32 else 1)
+    return not return_probs and dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim <= max_d
 
 
-def _blocks(kind: str, block_d: int, device: torch.device, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    if device.type != "cuda":
+def use_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, return_probs: bool = False) -> bool:
+    """Whether a call on ``device`` runs the Triton kernels: the backend says ``"triton"`` (CUDA, or CPU
+    under ``CULMEN_BACKEND=triton``), GPUs are not sent to the reference, and ``supported``."""
+    if choose_backend(device) != "triton":
+        return False
+    if device.type != "cpu" and not _KERNELS_ON_GPU:
+        return False
+    return supported(dtype, head_dim, return_probs)
+
+
+def _blocks(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    if not on_gpu:
         b = TUNING["interp_block"]
         return b, b, 4, 1
     width = block_d * (2 if dtype == torch.float32 else 1)  # bytes per row / 2
@@ -70,33 +106,382 @@ def _blocks(kind: str, block_d: int, device: torch.device, dtype: torch.dtype) -
     raise ValueError(f"head dim {block_d} too large for the attention kernels")
 
 
+def _stride_unit(strides) -> int:
+    """The largest power of two <= 16 that divides every stride (the kernels' ``SU``)."""
+    unit = 16
+    for s in strides:
+        while unit > 1 and s % unit:
+            unit //= 2
+    return unit
+
+
+def _contiguous_strides(shape) -> tuple:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc = acc * n
+    return tuple(reversed(out))
+
+
+class TensorSpec:
+    """Shape, strides, dtype and device of a tensor that exists only per call (a KV cache gathered
+    through its page table): what a plan needs to know about it."""
+
+    def __init__(self, shape, strides, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = torch.Size(shape)
+        self._strides = tuple(strides)
+        self.dtype, self.device = dtype, device
+
+    def stride(self, dim: int | None = None):
+        return self._strides if dim is None else self._strides[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_contiguous(self) -> bool:
+        return self._strides == _contiguous_strides(self.shape)
+
+
+def _aligned(*ts) -> bool:
+    bits = 0
+    for t in ts:
+        if t is not None:
+            bits |= t.data_ptr()
+    return bits & 15 == 0
+
+
+class AttnPlan:
+    """Everything attention derives from one call signature. Holds no tensors.
+
+    ``kind``: ``"dense"`` (``q (B, sq, h, d)``, ``k``/``v`` ``(B, sk, hk, d)``), ``"varlen"`` (packed
+    ``(total, h, d)`` with ``cu_seqlens``/``max_seqlen``) or ``"kvcache"`` (dense, batch row ``b`` attends
+    to keys ``[k_start[b], k_end[b] + k_add)`` only; validated by the caller). Built from example
+    arguments (real tensors in eager mode, fake ones under ``torch.compile`` with ``traced=True``).
+    """
+
+    def __init__(self, kind: str, q, k, v, alibi, cu_q=None, cu_k=None, max_q=None, max_k=None, *,
+                 dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                 deterministic=False, return_lse=True, return_probs=False, k_range: int = 0, k_add: int = 0,
+                 traced: bool = False) -> None:
+        self.kind = kind
+        self.varlen = varlen = kind == "varlen"
+        if kind == "dense":
+            checks.check_common(q, k, v, dropout_p, window_size, softcap, alibi, q.shape[0] if q.dim() else 0, 4,
+                                "(batch, seqlen, nheads, headdim)")
+            checks.check_dense(q, k, v)
+        elif varlen:
+            checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k)
+            checks.check_common(q, k, v, dropout_p, window_size, softcap, alibi, cu_q.shape[0] - 1, 3,
+                                "(total, nheads, headdim)")
+        self.device, self.dtype = q.device, q.dtype
+        self.q_shape, self.k_shape, self.v_shape = q.shape, k.shape, v.shape
+        D = q.shape[-1]
+        self.scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+        self.dropout_p = float(dropout_p)
+        self.has_dropout = self.dropout_p > 0.0
+        self.causal = bool(causal)
+        self.window_size = (int(window_size[0]), int(window_size[1]))
+        self.left, self.right = self.window_size[0], (0 if self.causal else self.window_size[1])
+        self.softcap = float(softcap)
+        self.deterministic = bool(deterministic)
+        self.return_probs = bool(return_probs)
+        self.return_lse = bool(return_lse) or self.return_probs
+        self.k_range, self.k_add = k_range, k_add
+        self.has_alibi = alibi is not None
+        self.alibi_2d = alibi is not None and alibi.dim() == 2
+        # ALiBi slopes are read as contiguous fp32 on q's device: anything else is converted per call.
+        self.alibi_fix = alibi is not None and (alibi.dtype != _F32 or alibi.device != q.device
+                                                or not alibi.is_contiguous())
+        self.cu_fix = varlen and not (cu_q.is_contiguous() and cu_k.is_contiguous()
+                                      and cu_q.device == q.device and cu_k.device == q.device)
+        if varlen:
+            self.B, self.sq, self.sk = cu_q.shape[0] - 1, int(max_q), int(max_k)
+            self.total_q, self.total_k = q.shape[0], k.shape[0]
+            self.lse_shape = (q.shape[1], q.shape[0])
+        else:
+            self.B, self.sq, self.sk = q.shape[0], q.shape[1], k.shape[1]
+            self.total_q = self.total_k = 0
+            self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+        self.H, self.HK, self.D = q.shape[-2], k.shape[-2], D
+        # Value checks (cu_seqlens): always on CPU; on GPUs only under the checking switch (a host sync).
+        self.check_values = varlen and not traced and (q.device.type == "cpu" or check_values_on())
+        self.use_kernel = use_kernels(q.device, q.dtype, D, self.return_probs)
+        if traced:
+            self.use_kernel = self.use_kernel and traceable_kernels()
+        if not self.use_kernel and q.device.type != "cpu" and not traced:
+            _warn_reference_on_gpu(q)
+        self.stream = stream_getter(q.device)
+        self._fwd: dict = {}
+        self._bwd: dict = {}
+        if self.use_kernel:
+            self._plan_kernels(q, k, v, alibi, traced)
+
+    # ------------------------------------------------------------------------------------ geometry
+    def _bsh(self, t) -> tuple:
+        """``(batch, row, head)`` element strides of ``t`` as the kernels read it (a copy when its head
+        dim is not unit-stride); dims of size 1 get stride 0 (never stepped over)."""
+        shape = t.shape
+        st = _contiguous_strides(shape) if _needs_copy(t) else t.stride()
+        if self.varlen:
+            return (0, 0 if shape[0] == 1 else st[0], 0 if shape[1] == 1 else st[1])
+        return tuple(0 if shape[i] == 1 else st[i] for i in range(3))
+
+    def _out_bsh(self, shape) -> tuple:
+        st = _contiguous_strides(shape)
+        if self.varlen:
+            return (0, 0 if shape[0] == 1 else st[0], 0 if shape[1] == 1 else st[1])
+        return tuple(0 if shape[i] == 1 else st[i] for i in range(3))
+
+    def _plan_kernels(self, q, k, v, alibi, traced: bool) -> None:
+        on_gpu = q.device.type == "cuda"
+        self.copy = (_needs_copy(q), _needs_copy(k), _needs_copy(v))
+        # Outputs shaped and typed like a contiguous input come from empty_like (cheaper on the host).
+        self.q_like = q.is_contiguous() or self.copy[0]
+        self.k_like = k.is_contiguous() or self.copy[1]
+        self.v_like = v.is_contiguous() or self.copy[2]
+        self.qs, self.ks, self.vs = self._bsh(q), self._bsh(k), self._bsh(v)
+        self.os = self._out_bsh(q.shape)
+        self.dks, self.dvs = self._out_bsh(k.shape), self._out_bsh(v.shape)
+        lse_st = _contiguous_strides(self.lse_shape)
+        self.slb, self.slh = (0, lse_st[0]) if self.varlen else (lse_st[0], lse_st[1])
+        self.block_d = max(16, next_pow2(self.D))
+        self.on_gpu = on_gpu
+        self.stride_ab = (self.H if self.alibi_2d else 0)
+        # SQ, SK (the lengths, or the max lengths of varlen), the dropout counters' row strides (the same),
+        # and the packed totals (varlen).
+        self.sizes = (self.sq, self.sk, self.sq, self.sk, self.total_q, self.total_k)
+        self.scal = (self.scale * LOG2E_F, self.softcap if self.softcap > 0 else 1.0, self.dropout_p,
+                     max(self.left, 0), max(self.right, 0))
+        self.flags = dict(
+            DOT_PREC="ieee" if q.dtype == _F32 else "tf32",
+            UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+            EVEN_D=self.D == self.block_d,
+            SOFTCAP=self.softcap > 0.0, ALIBI=self.has_alibi, DROPOUT=self.has_dropout,
+            HAS_LEFT=self.left >= 0, HAS_RIGHT=self.right >= 0, VARLEN=self.varlen,
+        )
+        bm, bn, warps, stages = _blocks("fwd", self.block_d, on_gpu, q.dtype)
+        su = _stride_unit(self.qs + self.ks + self.vs + self.os)
+        self.num_m = cdiv(self.sq, bm)
+        self.fwd_grid = (self.num_m * self.B * self.H,)
+        self.fwd_cfg = (bm, bn, warps, stages, su)
+        self.fwd_ints = (*(s // su for s in self.qs + self.ks + self.vs + self.os), self.slb, self.slh, self.stride_ab,
+                         self.H, self.H // self.HK, *self.sizes, self.D, self.num_m, self.k_add, *self.scal)
+        # TMA descriptors need 16-byte aligned row strides and a Hopper-class GPU (or the interpreter).
+        es = q.element_size()
+        self.tma = (TUNING["tma"] and not traced and not self.varlen and not any(self.copy[1:])
+                    and all((s * es) % 16 == 0 for s in self.ks + self.vs)
+                    and (not on_gpu or (torch.cuda.get_device_capability(q.device)[0] >= 9
+                                        and not getattr(torch.version, "hip", None))))
+        self.fwd_empty = self.fwd_grid[0] == 0
+        self.atomic_ok = TUNING["atomic_dq"] and not self.deterministic
+
+    def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
+        """The forward's ``Launch`` (built on first use)."""
+        key = (store_lse, tma)
+        la = self._fwd.get(key)
+        if la is None:
+            bm, bn, warps, stages, su = self.fwd_cfg
+            meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=self.block_d, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
+                        USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su)
+            la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
+        return la
+
+    # ------------------------------------------------------------------------------------- forward
+    def forward(self, q, k, v, alibi, rng, cu_q=None, cu_k=None, store_lse: bool = True, k_start=None, k_end=None,
+                traced: bool = False):
+        """``(out, lse, probs)``: ``out`` like ``q``; ``lse`` fp32 ``(B, h, sq)`` / ``(h, total_q)`` or
+        ``None`` when not ``store_lse`` (the reference always gives it); ``probs`` only with
+        ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``)."""
+        if self.check_values:
+            self.check_cu(q, k, cu_q, cu_k)
+        if not self.use_kernel:
+            return self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end)
+        cq, ck, cv = self.copy
+        if cq:
+            q = q.contiguous()
+        if ck:
+            k = k.contiguous()
+        if cv:
+            v = v.contiguous()
+        if self.alibi_fix:
+            alibi = alibi.to(device=self.device, dtype=_F32).contiguous()
+        if self.cu_fix:
+            cu_q = cu_q.to(self.device).contiguous()
+            cu_k = cu_k.to(self.device).contiguous()
+        out = torch.empty_like(q) if self.q_like else torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=_F32, device=self.device) if store_lse else None
+        if self.fwd_empty:  # no query block to run (a varlen batch of empty sequences)
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("inf"))
+            return out, lse, None
+        if traced:
+            self.fwd_launch(store_lse).traced(q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end,
+                                              *self.fwd_ints)
+            return out, lse, None
+        aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end)
+        tma = self.tma and aligned
+        if tma:
+            _ensure_allocator(self.device)
+        self.fwd_launch(store_lse, tma)(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start,
+                                        k_end, *self.fwd_ints)
+        return out, lse, None
+
+    def check_cu(self, q, k, cu_q, cu_k) -> None:
+        """Value checks of ``cu_seqlens`` (see ``checks.check_cu_values``)."""
+        checks.check_cu_values("cu_seqlens_q", cu_q, q.shape[0], self.sq, "max_seqlen_q")
+        checks.check_cu_values("cu_seqlens_k", cu_k, k.shape[0], self.sk, "max_seqlen_k")
+
+    def _ref_kw(self, alibi, rng) -> dict:
+        return dict(softmax_scale=self.scale, causal=self.causal, window_size=self.window_size, softcap=self.softcap,
+                    alibi_slopes=alibi, dropout_p=self.dropout_p, rng_state=rng if self.has_dropout else None)
+
+    def _forward_ref(self, q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end):
+        """The plan's forward on the PyTorch reference (CPU, fp64, return_probs, ``set_kernels_on_gpu``)."""
+        if self.k_range:
+            kw = self._ref_kw(alibi, None)
+            del kw["dropout_p"], kw["rng_state"]
+            if self.k_add:
+                k_end = k_end + self.k_add
+            # A cache may hold more rows than the batch (the first B are attended).
+            out, lse = attention_range_fwd_ref(q, k[:self.B], v[:self.B], k_start, k_end, **kw)
+            return out, lse, None
+        if self.varlen:
+            out, lse, probs = attention_varlen_fwd_ref(q, k, v, cu_q, cu_k, self.sq, self.sk,
+                                                       return_probs=self.return_probs, **self._ref_kw(alibi, rng))
+        else:
+            out, lse, probs = attention_fwd_ref(q, k, v, return_probs=self.return_probs, **self._ref_kw(alibi, rng))
+        if probs is not None:
+            sq, sk = probs.shape[-2:]
+            probs = torch.nn.functional.pad(probs, (0, round_multiple(sk, 128) - sk, 0, round_multiple(sq, 128) - sq))
+        return out, lse, probs
+
+    # ------------------------------------------------------------------------------------ backward
+    def _plan_bwd(self, dout) -> _BwdPlan:
+        b = _BwdPlan()
+        b.copy_do = _needs_copy(dout)
+        dos = self._bsh(dout)
+        dqs = self.os  # dq is allocated contiguous like out
+        su = _stride_unit(self.qs + self.ks + self.vs + self.os + dos + dqs + self.dks + self.dvs)
+        u = (lambda st: tuple(s // su for s in st))
+        dev, H, B, gpu, dt, bd = self.device, self.H, self.B, self.on_gpu, self.dtype, self.block_d
+        pbm = TUNING["pre_block_m"] if gpu else TUNING["interp_block"]
+        num_pm = cdiv(self.sq, pbm)
+        b.pre = Launch(_attn_bwd_preprocess_kernel, (num_pm * B * H,),
+                       dict(BLOCK_M=pbm, BLOCK_D=bd, VARLEN=self.varlen, SU=su), 4, 1, device=dev)
+        b.pre_ints = (*u(self.os), *u(dos), self.slb, self.slh, H, self.sq, self.total_q, self.D, num_pm)
+        common = (self.slb, self.slh, self.stride_ab)
+        qkvd = (*u(self.qs), *u(self.ks), *u(self.vs), *u(dos))
+        b.dkdv, b.dkdv_ints = {}, {}
+        for atomic in ((False, True) if self.atomic_ok else (False,)):
+            bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", bd, gpu, dt)
+            num_n = cdiv(self.sk, bn)
+            b.dkdv[atomic] = Launch(_attn_bwd_dkdv_kernel, (num_n * B * self.HK,),
+                                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, ATOMIC_DQ=atomic, SU=su),
+                                    warps, stages, device=dev)
+            b.dkdv_ints[atomic] = (*qkvd, *u(self.dks), *u(self.dvs), *u(dqs), *common, H, self.HK, H // self.HK,
+                                   *self.sizes, self.D, num_n, *self.scal)
+        bm, bn, warps, stages = _blocks("dq", bd, gpu, dt)
+        num_m = cdiv(self.sq, bm)
+        b.dq = Launch(_attn_bwd_dq_kernel, (num_m * B * H,),
+                      dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
+                           SU=su), warps, stages, device=dev)
+        b.dq_ints = (*qkvd, *u(dqs), *common, H, H // self.HK, *self.sizes, self.D, num_m, *self.scal)
+        return b
+
+    def backward(self, dout, q, k, v, out, lse, alibi, rng, cu_q=None, cu_k=None, traced: bool = False):
+        """Gradients ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v`` (dK/dV per KV head). ``dout`` may have
+        any strides; ``out``/``lse`` are this plan's forward outputs."""
+        if not self.use_kernel:
+            kw = self._ref_kw(alibi, rng)
+            if self.varlen:
+                return attention_varlen_bwd_ref(dout, q, k, v, out, lse, cu_q, cu_k, self.sq, self.sk, **kw)
+            return attention_bwd_ref(dout, q, k, v, out, lse, **kw)
+        b = None if traced else self._bwd.get(dout.stride())
+        if b is None:
+            b = self._plan_bwd(dout)
+            if not traced:
+                self._bwd[dout.stride()] = b
+        if b.copy_do:
+            dout = dout.contiguous()
+        cq, ck, cv = self.copy
+        if cq:
+            q = q.contiguous()
+        if ck:
+            k = k.contiguous()
+        if cv:
+            v = v.contiguous()
+        if self.alibi_fix:
+            alibi = alibi.to(device=self.device, dtype=_F32).contiguous()
+        if self.cu_fix:
+            cu_q = cu_q.to(self.device).contiguous()
+            cu_k = cu_k.to(self.device).contiguous()
+        dev = self.device
+        dq = torch.empty_like(q) if self.q_like else torch.empty(self.q_shape, dtype=self.dtype, device=dev)
+        dk = torch.empty_like(k) if self.k_like else torch.empty(self.k_shape, dtype=self.dtype, device=dev)
+        dv = torch.empty_like(v) if self.v_like else torch.empty(self.v_shape, dtype=self.dtype, device=dev)
+        delta = torch.empty(self.lse_shape, dtype=_F32, device=dev)
+        # Per call: torch.use_deterministic_algorithms / culmen.set_deterministic may change any time.
+        atomic = self.atomic_ok and not deterministic_enabled()
+        dq_acc = torch.zeros(self.q_shape, dtype=_F32, device=dev) if atomic else dq
+        stream = None if traced else self.stream()
+        ok = True if traced else _aligned(q, k, v, dout, alibi, cu_q, cu_k)
+        launches = ((b.pre, (out, dout, delta, cu_q, *b.pre_ints), ()),
+                    (b.dkdv[atomic], (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, cu_q, cu_k,
+                                      *b.dkdv_ints[atomic]), (dk, dv)))
+        if not atomic:
+            launches += ((b.dq, (q, k, v, dout, lse, delta, dq, alibi, rng, cu_q, cu_k, *b.dq_ints), (dq,)),)
+        for la, args, outs in launches:
+            if la.grid[0] == 0:  # nothing to run: what it would write is all zeros (no keys / no queries)
+                for t in outs:
+                    t.zero_()
+            elif traced:
+                la.traced(*args)
+            else:
+                la(stream, ok, *args)
+        if atomic:
+            dq.copy_(dq_acc)
+        return dq, dk, dv
+
+
+class _BwdPlan:
+    __slots__ = ("copy_do", "pre", "pre_ints", "dkdv", "dkdv_ints", "dq", "dq_ints")
+
+
+def _needs_copy(t) -> bool:
+    """Whether the kernels must read a contiguous copy of ``t`` (its head dim is not unit-stride)."""
+    return t.shape[-1] != 1 and t.stride(-1) != 1
+
+
+_WARNED_NO_KERNEL = False
+
+
+def _warn_reference_on_gpu(q) -> None:
+    """Say once that a GPU call runs the PyTorch reference: correct, but slow and O(seqlen^2) memory."""
+    import warnings
+
+    global _WARNED_NO_KERNEL
+    if not _WARNED_NO_KERNEL:
+        _WARNED_NO_KERNEL = True
+        warnings.warn(f"culmen.flash_attn: this call ({q.dtype}, head dim {q.shape[-1]}, or return_attn_probs, or "
+                      "CULMEN_FLASH_TRITON=0) runs the PyTorch reference: correct, but slow and O(seqlen^2) memory",
+                      RuntimeWarning, stacklevel=4)
+
+
 def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(*ts: Tensor) -> bool:
-    """Whether the forward can read ``ts`` through device-side TMA descriptors: a Hopper-class GPU (or
-    the interpreter), and 16-byte aligned base addresses and row/head/batch strides."""
-    t0 = ts[0]
-    if not TUNING["tma"]:
-        return False
-    if t0.device.type == "cuda" and torch.cuda.get_device_capability(t0.device)[0] < 9:
-        return False
-    if t0.device.type == "cuda" and getattr(torch.version, "hip", None):
-        return False
-    es = t0.element_size()
-    for t in ts:
-        if t.data_ptr() % 16 or any((st * es) % 16 for st in t.stride()[:-1]):
-            return False
-    _ensure_allocator(t0.device)
-    return True
+def _cpu_scratch(size: int, alignment: int, stream) -> Tensor:
+    return torch.empty(size, dtype=torch.int8)
 
 
 def _ensure_allocator(device: torch.device) -> None:
     """Device-side descriptors need Triton's scratch allocator. Triton keeps it per thread context (and
-    autograd runs backward in its own thread), so this is checked at every launch; an allocator the
+    autograd runs backward in its own thread), so this is checked at every TMA launch; an allocator the
     caller installed is left alone."""
     try:
+        import triton
         from triton.runtime import _allocation
     except ImportError:  # a Triton without the module cannot build descriptors anyway
         return
@@ -104,187 +489,3 @@ def _ensure_allocator(device: torch.device) -> None:
     current = current.get() if hasattr(current, "get") else current
     if isinstance(current, _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch if device.type == "cuda" else _cpu_scratch)
-
-
-def _cpu_scratch(size: int, alignment: int, stream) -> Tensor:
-    return torch.empty(size, dtype=torch.int8)
-
-
-def _unit_last(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _flags(q: Tensor, sk: int, softcap: float, alibi: Tensor | None, dropout_p: float, left: int, right: int,
-           block_d: int, varlen: bool):
-    if left >= sk and not varlen:  # a window wider than every row is no window
-        left = -1
-    return dict(
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
-        EVEN_D=q.shape[-1] == block_d,
-        SOFTCAP=softcap > 0.0, ALIBI=alibi is not None, DROPOUT=dropout_p > 0.0,
-        HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, VARLEN=varlen,
-    ), max(left, 0), max(right, 0)
-
-
-def _alibi_args(alibi: Tensor | None, q: Tensor) -> tuple[Tensor, int]:
-    if alibi is None:
-        return q, 0
-    alibi = alibi.to(device=q.device, dtype=torch.float32).contiguous()
-    return alibi, (alibi.stride(0) if alibi.dim() == 2 else 0)
-
-
-def _rng_arg(rng_state: Tensor | None, q: Tensor) -> Tensor:
-    if rng_state is None:
-        return q  # never read: DROPOUT is off
-    return rng_state.to(device=q.device, dtype=torch.int64).reshape(2).contiguous()
-
-
-class _Geometry:
-    """Batch / sequence geometry shared by the launches of one call, dense or varlen.
-
-    Dense tensors are ``(B, s, h, d)``; varlen ones ``(total, h, d)`` with int32 ``cu_seqlens``, seen
-    by the kernels as batch stride 0 plus a per-sequence row offset.
-    """
-
-    def __init__(self, q: Tensor, k: Tensor, cu_q: Tensor | None, cu_k: Tensor | None, max_q: int | None,
-                 max_k: int | None) -> None:
-        self.varlen = cu_q is not None
-        if self.varlen:
-            self.B = cu_q.shape[0] - 1
-            self.sq, self.sk = int(max_q), int(max_k)
-            self.total_q = q.shape[0]
-            self.cu_q = cu_q.to(device=q.device, dtype=torch.int32).contiguous()
-            self.cu_k = cu_k.to(device=q.device, dtype=torch.int32).contiguous()
-        else:
-            self.B, self.sq = q.shape[0], q.shape[1]
-            self.sk = k.shape[1]
-            self.cu_q = self.cu_k = q  # never read
-        self.H, self.HK, self.D = q.shape[-2], k.shape[-2], q.shape[-1]
-
-    def strides(self, t: Tensor) -> tuple[int, int, int]:
-        """``(batch, row, head)`` element strides of a dense or packed tensor."""
-        if self.varlen:
-            return 0, t.stride(0), t.stride(1)
-        return t.stride(0), t.stride(1), t.stride(2)
-
-    def stats(self, dtype=torch.float32, device=None) -> tuple[Tensor, int, int]:
-        """A fresh ``lse``-shaped buffer and its ``(batch, head)`` strides: ``(B, H, sq)`` or ``(H, total)``."""
-        if self.varlen:
-            t = torch.empty(self.H, self.total_q, dtype=dtype, device=device)
-            return t, 0, t.stride(0)
-        t = torch.empty(self.B, self.H, self.sq, dtype=dtype, device=device)
-        return t, t.stride(0), t.stride(1)
-
-    def lse_strides(self, lse: Tensor) -> tuple[int, int]:
-        return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
-
-
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, window_left: int = -1,
-                  window_right: int = -1, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-                  dropout_p: float = 0.0, rng_state: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
-                  cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
-                  max_seqlen_k: int | None = None, k_start: Tensor | None = None,
-                  k_end: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Forward -> ``(out, lse fp32)``.
-
-    Dense: ``q (B, sq, h, d)``, ``k``/``v`` ``(B, sk, hk, d)``, ``lse (B, h, sq)``. Varlen (with
-    ``cu_seqlens_q/k`` int32 ``(B + 1,)`` and the max lengths): packed ``(total, h, d)`` inputs and
-    ``lse (h, total_q)``. ``window_right`` must already be 0 for causal attention (``op._window``).
-    ``k_end`` (int32 ``(B,)``, dense only), with ``k_start`` (default 0): batch row ``b`` attends to
-    keys ``k_start[b] .. k_end[b]`` only, its causal diagonal aligned to ``k_end[b]`` (a KV cache).
-    """
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    g = _Geometry(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse, slb, slh = g.stats(device=q.device)
-    if g.varlen:  # rows of empty sequences are never visited by a program
-        out.zero_()
-        lse.fill_(float("inf"))
-    if g.B * g.H * g.sq == 0 or q.numel() == 0:
-        return out, lse
-    block_d = max(16, triton.next_power_of_2(g.D))
-    bm, bn, warps, stages = _blocks("fwd", block_d, q.device, q.dtype)
-    meta, left, right = _flags(q, g.sk, softcap, alibi_slopes, dropout_p, window_left, window_right, block_d,
-                               g.varlen)
-    alibi, stride_ab = _alibi_args(alibi_slopes, q)
-    rng = _rng_arg(rng_state if dropout_p > 0.0 else None, q)
-    num_m = triton.cdiv(g.sq, bm)
-    tma = _use_tma(k, v)
-    k_range = k_end is not None
-    if k_range:
-        k_end = k_end.to(device=q.device, dtype=torch.int32).contiguous()
-        k_start = (torch.zeros_like(k_end) if k_start is None
-                   else k_start.to(device=q.device, dtype=torch.int32).contiguous())
-    else:
-        k_start = k_end = q  # never read
-    with device_guard(q.device):
-        _fwd((num_m * g.B * g.H,),
-             (q, k, v, out, lse, alibi, rng, g.cu_q, g.cu_k, k_start, k_end, *g.strides(q), *g.strides(k),
-              *g.strides(v), *g.strides(out), slb, slh, stride_ab, g.H, g.H // g.HK, g.sq, g.sk, g.sq, g.sk, g.D, num_m,
-              float(softmax_scale) * LOG2E_F, float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right),
-             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, HEAVY_FIRST=meta["HAS_RIGHT"],
-                  USE_TMA=tma, K_RANGE=k_range),
-             num_warps=warps, num_stages=stages)
-    return out, lse
-
-
-def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, softmax_scale: float,
-                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, rng_state: Tensor | None = None,
-                  cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
-                  max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                  deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward -> ``(dq, dk, dv)`` in the dtypes and shapes of ``q``, ``k``, ``v`` (dK/dV per KV head);
-    dense or varlen as in ``attention_fwd``.
-
-    dK/dV are always written by one program each. dQ is summed over key blocks with fp32 atomics
-    (``TUNING["atomic_dq"]``, the fast path) unless ``deterministic``, which runs a separate dQ kernel
-    whose programs each own their rows: bitwise reproducible.
-    """
-    q, k, v, dout, out = (_unit_last(t) for t in (q, k, v, dout, out))
-    g = _Geometry(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    lse = lse.to(torch.float32).contiguous()
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=q.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=q.device)
-    if g.varlen:  # rows of empty sequences are never visited by a program
-        dq.zero_(), dk.zero_(), dv.zero_()
-    if g.B * g.H * g.sq == 0 or g.sk == 0 or q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    block_d = max(16, triton.next_power_of_2(g.D))
-    meta, left, right = _flags(q, g.sk, softcap, alibi_slopes, dropout_p, window_left, window_right, block_d,
-                               g.varlen)
-    alibi, stride_ab = _alibi_args(alibi_slopes, q)
-    rng = _rng_arg(rng_state if dropout_p > 0.0 else None, q)
-    delta, _, _ = g.stats(device=q.device)
-    slb, slh = g.lse_strides(lse)
-    pbm = TUNING["pre_block_m"] if q.device.type == "cuda" else TUNING["interp_block"]
-    scal = (float(softmax_scale) * LOG2E_F, float(softcap) if softcap > 0 else 1.0, float(dropout_p), left, right)
-    qkv_strides = (*g.strides(q), *g.strides(k), *g.strides(v), *g.strides(dout))
-    with device_guard(q.device):
-        num_pm = triton.cdiv(g.sq, pbm)
-        _pre((num_pm * g.B * g.H,),
-             (out, dout, delta, g.cu_q, *g.strides(out), *g.strides(dout), slb, slh, g.H, g.sq, g.D, num_pm),
-             dict(BLOCK_M=pbm, BLOCK_D=block_d, VARLEN=g.varlen), num_warps=4, num_stages=1)
-        atomic = TUNING["atomic_dq"] and not deterministic and not deterministic_enabled()
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
-        bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", block_d, q.device, q.dtype)
-        num_n = triton.cdiv(g.sk, bn)
-        _dkdv((num_n * g.B * g.HK,),
-              (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, g.cu_q, g.cu_k, *qkv_strides, *g.strides(dk),
-               *g.strides(dv), *g.strides(dq_acc), slb, slh, stride_ab, g.H, g.HK, g.H // g.HK, g.sq, g.sk, g.sq,
-               g.sk, g.D, num_n, *scal),
-              dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, ATOMIC_DQ=atomic), num_warps=warps,
-              num_stages=stages)
-        if atomic:
-            dq.copy_(dq_acc)
-            return dq, dk, dv
-        bm, bn, warps, stages = _blocks("dq", block_d, q.device, q.dtype)
-        num_m = triton.cdiv(g.sq, bm)
-        _dq((num_m * g.B * g.H,),
-            (q, k, v, dout, lse, delta, dq, alibi, rng, g.cu_q, g.cu_k, *qkv_strides, *g.strides(dq), slb, slh,
-             stride_ab, g.H, g.H // g.HK, g.sq, g.sk, g.sq, g.sk, g.D, num_m, *scal),
-            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, **meta, HEAVY_FIRST=meta["HAS_RIGHT"]),
-            num_warps=warps, num_stages=stages)
-    return dq, dk, dv

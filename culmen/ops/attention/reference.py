@@ -30,42 +30,51 @@ def round_multiple(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _visible(sq: int, sk: int, causal: bool, window_size: tuple[int, int], device) -> Tensor | None:
-    """Bool ``(sq, sk)``: True where query ``i`` may see key ``j``; ``None`` when all are visible."""
+# The layout of every computation below: grouped ``(B, hk, g, sq, d)`` queries against ``(B, hk, 1, sk,
+# d)`` keys; a mask geometry is ``rel`` (key column minus the row's diagonal, broadcastable to ``(B, hk,
+# g, sq, sk)``) plus ``valid`` (bool, the same shape, or ``None``: every (row, key) pair exists). Dense
+# inputs have one diagonal for all rows; padded varlen and KV-cache rows have one per batch row. Only
+# tensor ops, no loops over data and no host syncs: the varlen and KV-cache paths trace under
+# ``torch.compile`` too.
+
+
+def _dense_rel(sq: int, sk: int, device) -> Tensor:
+    i = torch.arange(sq, device=device).view(-1, 1)
+    j = torch.arange(sk, device=device).view(1, -1)
+    return j - (i + (sk - sq))
+
+
+def _rows_rel(sq: int, sk: int, diag_end: Tensor) -> Tensor:
+    """``(B, 1, 1, sq, sk)`` ``rel`` of rows whose last query sits on key ``diag_end[b] - 1``."""
+    dev = diag_end.device
+    i = torch.arange(sq, device=dev).view(1, -1, 1)
+    j = torch.arange(sk, device=dev).view(1, 1, -1)
+    return (j - (i + diag_end.view(-1, 1, 1) - sq)).unsqueeze(1).unsqueeze(1)
+
+
+def _visible(rel: Tensor, valid: Tensor | None, causal: bool, window_size) -> Tensor | None:
+    """Bool mask of the (row, key) pairs attended, or ``None`` when all are."""
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         right = 0
-    if left >= sk:
-        left = -1
-    if left < 0 and right < 0:
-        return None
-    i = torch.arange(sq, device=device).view(-1, 1)
-    j = torch.arange(sk, device=device).view(1, -1)
-    diag = i + sk - sq
-    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    ok = valid
     if right >= 0:
-        ok &= j <= diag + right
+        ok = rel <= right if ok is None else ok & (rel <= right)
     if left >= 0:
-        ok &= j >= diag - left
+        ok = rel >= -left if ok is None else ok & (rel >= -left)
     return ok
 
 
-def _scores(q, k, softmax_scale, causal, window_size, softcap, alibi):
+def _scores(q, k, softmax_scale, rel, vis, softcap, alibi):
     """Scores ``(B, hk, g, sq, sk)`` after scale, softcap, ALiBi and masking (``-inf``), plus the
-    tanh of the softcap (for the backward) or ``None``. ``q``: ``(B, hk, g, sq, d)``, ``k``:
-    ``(B, hk, 1, sk, d)`` in the compute dtype; ``alibi``: ``(B, hk, g)`` or ``None``."""
-    sq, sk = q.shape[-2], k.shape[-2]
+    tanh of the softcap (for the backward) or ``None``. ``alibi``: ``(B, hk, g)`` or ``None``."""
     s = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale
     t = None
     if softcap > 0.0:
         t = torch.tanh(s / softcap)
         s = softcap * t
     if alibi is not None:
-        i = torch.arange(sq, device=q.device).view(-1, 1)
-        j = torch.arange(sk, device=q.device).view(1, -1)
-        dist = (i + sk - sq - j).abs().to(s.dtype)
-        s = s - alibi[..., None, None] * dist
-    vis = _visible(sq, sk, causal, window_size, q.device)
+        s = s - alibi[..., None, None] * rel.abs().to(s.dtype)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
     return s, t
@@ -81,7 +90,7 @@ def _group(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, dt: torch.dtyp
     vg = v.to(dt).permute(0, 2, 1, 3).unsqueeze(2)
     al = None
     if alibi is not None:
-        al = alibi.to(dt)
+        al = alibi.to(device=q.device, dtype=dt)
         al = al.expand(B, h) if al.dim() == 1 else al
         al = al.reshape(B, hk, g)
     return qg, kg, vg, al
@@ -92,19 +101,23 @@ def _keep(rng_state, dropout_p, batch_idx, h, hk, sq, sk, sq_stride, sk_stride):
     return keep.reshape(keep.shape[0], hk, h // hk, sq, sk)
 
 
-def _dense_fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi, dropout_p, rng_state, batch_idx,
-               sq_stride, sk_stride, return_probs):
+def _softmax(s: Tensor) -> tuple[Tensor, Tensor]:
+    """``(p, lse)`` of masked scores; rows that see nothing get ``p = 0`` and ``lse = +inf``."""
+    lse = torch.logsumexp(s, dim=-1)  # -inf on rows that see nothing
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    return torch.exp(s - lse.unsqueeze(-1)), lse  # exp(-inf - inf) = 0 on empty rows
+
+
+def _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi, dropout_p, rng_state, batch_idx, sq_stride,
+               sk_stride, return_probs):
     """One dense block. Returns ``out (B, sq, h, d)`` in the compute dtype, ``lse (B, h, sq)`` and
     the probabilities ``(B, h, sq, sk)`` (dropped entries negated) or ``None``."""
     dt = _compute_dtype(q)
     B, sq, h, d = q.shape
     hk, sk = k.shape[2], k.shape[1]
     qg, kg, vg, al = _group(q, k, v, alibi, dt)
-    s, _ = _scores(qg, kg, softmax_scale, causal, window_size, softcap, al)
-    lse = torch.logsumexp(s, dim=-1)  # -inf on rows that see nothing
-    empty = torch.isneginf(lse)
-    lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
-    p = torch.exp(s - lse.unsqueeze(-1))  # exp(-inf - inf) = 0 on empty rows
+    s, _ = _scores(qg, kg, softmax_scale, rel, vis, softcap, al)
+    p, lse = _softmax(s)
     probs = None
     if dropout_p > 0.0:
         keep = _keep(rng_state, dropout_p, batch_idx, h, hk, sq, sk, sq_stride, sk_stride)
@@ -123,8 +136,8 @@ def _dense_fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi, drop
     return out, lse, probs
 
 
-def _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi, dropout_p, rng_state,
-               batch_idx, sq_stride, sk_stride):
+def _dense_bwd(dout, q, k, v, out, lse, softmax_scale, rel, vis, softcap, alibi, dropout_p, rng_state, batch_idx,
+               sq_stride, sk_stride):
     """Explicit gradient formula for one dense block; dK/dV are summed over each KV head's query
     group inside the contraction (never expanded to ``nheads``)."""
     dt = _compute_dtype(q)
@@ -134,7 +147,7 @@ def _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_size, soft
     qg, kg, vg, al = _group(q, k, v, alibi, dt)
     dog = dout.to(dt).permute(0, 2, 1, 3).reshape(B, hk, g, sq, d)
     og = out.to(dt).permute(0, 2, 1, 3).reshape(B, hk, g, sq, d)
-    s, t = _scores(qg, kg, softmax_scale, causal, window_size, softcap, al)
+    s, t = _scores(qg, kg, softmax_scale, rel, vis, softcap, al)
     lse_g = lse.to(dt).reshape(B, hk, g, sq, 1)
     p = torch.exp(s - lse_g)
     dp = torch.matmul(dog, vg.transpose(-1, -2))  # (B, hk, g, sq, sk)
@@ -173,8 +186,10 @@ def attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, 
     ``(B, h, sq, sk)`` in q's dtype (dropped entries negated) or ``None``."""
     rng = _rng(rng_state, dropout_p, q.device)
     bidx = torch.arange(q.shape[0], device=q.device)
-    out, lse, probs = _dense_fwd(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p,
-                                 rng, bidx, q.shape[1], k.shape[1], return_probs)
+    rel = _dense_rel(q.shape[1], k.shape[1], q.device)
+    vis = _visible(rel, None, causal, window_size)
+    out, lse, probs = _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi_slopes, dropout_p, rng, bidx,
+                                 q.shape[1], k.shape[1], return_probs)
     return out.to(q.dtype), lse, (probs.to(q.dtype) if probs is not None else None)
 
 
@@ -185,13 +200,55 @@ def attention_bwd_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
     """Dense backward: ``(dq, dk, dv)`` in the dtypes of ``q``, ``k``, ``v`` (``dk``/``dv`` per KV head)."""
     rng = _rng(rng_state, dropout_p, q.device)
     bidx = torch.arange(q.shape[0], device=q.device)
-    dq, dk, dv = _dense_bwd(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                            dropout_p, rng, bidx, q.shape[1], k.shape[1])
+    rel = _dense_rel(q.shape[1], k.shape[1], q.device)
+    vis = _visible(rel, None, causal, window_size)
+    dq, dk, dv = _dense_bwd(dout, q, k, v, out, lse, softmax_scale, rel, vis, softcap, alibi_slopes, dropout_p, rng,
+                            bidx, q.shape[1], k.shape[1])
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _bounds(cu: Tensor) -> list[int]:
-    return [int(x) for x in cu.tolist()]
+class _Packing:
+    """Where the rows of packed ``(total, ...)`` tensors sit in a padded ``(B, max_len, ...)`` batch.
+
+    ``pad`` ``(B, max_len)`` indexes the packed row of position ``i`` of sequence ``b`` (clamped: check
+    ``lens``); ``seq`` / ``pos`` ``(total,)`` locate each packed row in the padded batch and ``mine``
+    says whether it belongs to a sequence at all (rows past ``cu[-1]`` or past ``max_len`` do not).
+    Offsets are clamped into range, so bad ``cu_seqlens`` give wrong numbers, never an index error.
+    """
+
+    def __init__(self, cu: Tensor, max_len: int, total: int) -> None:
+        dev = cu.device
+        cu = cu.to(torch.int64)
+        start = cu[:-1].clamp(0, total)
+        end = torch.maximum(cu[1:].clamp(0, total), start)
+        self.lens = (end - start).clamp(max=max_len)
+        B = cu.shape[0] - 1
+        ar = torch.arange(max_len, device=dev)
+        self.pad = (start[:, None] + ar[None, :]).clamp(max=max(total - 1, 0))
+        t = torch.arange(total, device=dev)
+        seq = torch.searchsorted(end.contiguous(), t, right=True).clamp(max=max(B - 1, 0))
+        pos = t - start[seq]
+        self.mine = (pos >= 0) & (pos < self.lens[seq]) & (t < end[-1] if B > 0 else t < 0)
+        self.seq, self.pos = seq, pos.clamp(0, max(max_len - 1, 0))
+
+    def padded(self, x: Tensor) -> Tensor:
+        """``(total, ...)`` -> ``(B, max_len, ...)`` (rows past a sequence's end hold other rows)."""
+        return x[self.pad]
+
+    def packed(self, x: Tensor, fill: float = 0.0) -> Tensor:
+        """``(B, max_len, ...)`` -> ``(total, ...)``, ``fill`` on rows of no sequence."""
+        y = x[self.seq, self.pos]
+        mine = self.mine.view(-1, *([1] * (y.dim() - 1)))
+        return torch.where(mine, y, torch.full_like(y, fill))
+
+
+def _varlen_geometry(cu_q, cu_k, max_q, max_k, total_q, total_k, causal, window_size):
+    pq, pk = _Packing(cu_q, max_q, total_q), _Packing(cu_k, max_k, total_k)
+    rel = _rows_rel(max_q, max_k, pk.lens - pq.lens + max_q)  # each sequence's diagonal: i + lens_k - lens_q
+    i = torch.arange(max_q, device=cu_q.device).view(1, 1, 1, -1, 1)
+    j = torch.arange(max_k, device=cu_q.device).view(1, 1, 1, 1, -1)
+    valid = (i < pq.lens.view(-1, 1, 1, 1, 1)) & (j < pk.lens.view(-1, 1, 1, 1, 1))
+    return pq, pk, rel, _visible(rel, valid, causal, window_size)
 
 
 def attention_varlen_fwd_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -202,27 +259,26 @@ def attention_varlen_fwd_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Varlen forward on packed ``(total, heads, d)`` inputs. Returns ``out (total_q, h, d)``,
     ``lse (h, total_q)`` and, when asked, probabilities ``(B, h, max_seqlen_q, max_seqlen_k)``
-    (zero outside each sequence). Sequence ``b`` is batch index ``b`` for ALiBi and dropout."""
+    (zero outside each sequence). Sequence ``b`` is batch index ``b`` for ALiBi and dropout.
+
+    Computed on a padded ``(B, max_seqlen, ...)`` batch with per-sequence masks: tensor ops only, so
+    it traces under ``torch.compile``. Rows outside every sequence give 0 and ``lse = +inf``."""
     rng = _rng(rng_state, dropout_p, q.device)
-    dt = _compute_dtype(q)
     total_q, h, d = q.shape
-    bq, bk = _bounds(cu_seqlens_q), _bounds(cu_seqlens_k)
-    nb = len(bq) - 1
-    out = torch.zeros(total_q, h, d, dtype=dt, device=q.device)
-    lse = torch.full((h, total_q), float("inf"), dtype=dt, device=q.device)
-    probs = (torch.zeros(nb, h, max_seqlen_q, max_seqlen_k, dtype=dt, device=q.device) if return_probs else None)
-    for b in range(nb):
-        q0, q1, k0, k1 = bq[b], bq[b + 1], bk[b], bk[b + 1]
-        if q1 == q0:
-            continue
-        al = alibi_slopes[b:b + 1] if (alibi_slopes is not None and alibi_slopes.dim() == 2) else alibi_slopes
-        o, ls, pr = _dense_fwd(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, window_size,
-                               softcap, al, dropout_p, rng, torch.tensor([b], device=q.device), max_seqlen_q,
-                               max_seqlen_k, return_probs)
-        out[q0:q1] = o[0]
-        lse[:, q0:q1] = ls[0]
-        if probs is not None:
-            probs[b, :, :q1 - q0, :k1 - k0] = pr[0]
+    B = cu_seqlens_q.shape[0] - 1
+    dt = _compute_dtype(q)
+    if total_q == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((h, total_q), float("inf"), dtype=dt, device=q.device)
+        probs = torch.zeros(B, h, max_seqlen_q, max_seqlen_k, dtype=q.dtype, device=q.device) if return_probs else None
+        return out, lse, probs
+    pq, pk, rel, vis = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, k.shape[0],
+                                        causal, window_size)
+    bidx = torch.arange(B, device=q.device)
+    out, lse, probs = _dense_fwd(pq.padded(q), pk.padded(k), pk.padded(v), softmax_scale, rel, vis, softcap,
+                                 alibi_slopes, dropout_p, rng, bidx, max_seqlen_q, max_seqlen_k, return_probs)
+    out = pq.packed(out)
+    lse = pq.packed(lse.transpose(1, 2), float("inf")).t().contiguous()
     return out.to(q.dtype), lse, (probs.to(q.dtype) if probs is not None else None)
 
 
@@ -231,23 +287,42 @@ def attention_varlen_bwd_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                              softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
                              softcap: float = 0.0, alibi_slopes: Tensor | None = None, dropout_p: float = 0.0,
                              rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Varlen backward: ``(dq, dk, dv)`` packed like ``q``, ``k``, ``v``."""
+    """Varlen backward: ``(dq, dk, dv)`` packed like ``q``, ``k``, ``v`` (0 on rows of no sequence)."""
     rng = _rng(rng_state, dropout_p, q.device)
-    dt = _compute_dtype(q)
-    bq, bk = _bounds(cu_seqlens_q), _bounds(cu_seqlens_k)
-    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-    dk = torch.zeros(k.shape, dtype=dt, device=q.device)
-    dv = torch.zeros(v.shape, dtype=dt, device=q.device)
-    for b in range(len(bq) - 1):
-        q0, q1, k0, k1 = bq[b], bq[b + 1], bk[b], bk[b + 1]
-        if q1 == q0 or k1 == k0:
-            continue
-        al = alibi_slopes[b:b + 1] if (alibi_slopes is not None and alibi_slopes.dim() == 2) else alibi_slopes
-        g = _dense_bwd(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-                       lse[None, :, q0:q1], softmax_scale, causal, window_size, softcap, al, dropout_p, rng,
-                       torch.tensor([b], device=q.device), max_seqlen_q, max_seqlen_k)
-        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    B = cu_seqlens_q.shape[0] - 1
+    pq, pk, rel, vis = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
+                                        k.shape[0], causal, window_size)
+    lse_p = pq.padded(lse.t()).transpose(1, 2)  # (B, h, max_q)
+    bidx = torch.arange(B, device=q.device)
+    dq, dk, dv = _dense_bwd(pq.padded(dout), pq.padded(q), pk.padded(k), pk.padded(v), pq.padded(out), lse_p,
+                            softmax_scale, rel, vis, softcap, alibi_slopes, dropout_p, rng, bidx, max_seqlen_q,
+                            max_seqlen_k)
+    return pq.packed(dq).to(q.dtype), pk.packed(dk).to(k.dtype), pk.packed(dv).to(v.dtype)
+
+
+def attention_range_fwd_ref(q: Tensor, k: Tensor, v: Tensor, k_start: Tensor | None, k_end: Tensor, *,
+                            softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                            softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Dense forward where batch row ``b`` attends to keys ``k_start[b] .. k_end[b]`` of ``k``/``v``
+    ``(B, sk, hk, d)`` only, its causal diagonal aligned to ``k_end[b]`` (a KV cache's filled part).
+    ``k_start`` (default 0) / ``k_end``: integer ``(B,)``, clamped into ``[0, sk]``. Returns ``(out (B,
+    sq, h, d) in q's dtype, lse (B, h, sq))``."""
+    sk = k.shape[1]
+    end = k_end.to(device=q.device, dtype=torch.int64).clamp(0, sk)
+    start = (torch.zeros_like(end) if k_start is None
+             else torch.minimum(k_start.to(device=q.device, dtype=torch.int64).clamp(min=0), end))
+    rel = _rows_rel(q.shape[1], sk, end)
+    j = torch.arange(sk, device=q.device).view(1, 1, 1, 1, -1)
+    valid = (j >= start.view(-1, 1, 1, 1, 1)) & (j < end.view(-1, 1, 1, 1, 1))
+    vis = _visible(rel, valid, causal, window_size)
+    out, lse, _ = _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi_slopes, 0.0, None, None, 0, 0, False)
+    return out.to(q.dtype), lse
+
+
+def _bounds(cu: Tensor) -> list[int]:
+    return [int(x) for x in cu.tolist()]
 
 
 def attention_ref(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
@@ -296,10 +371,9 @@ def _ref_dense(q, k, v, scale, causal, window_size, softcap, alibi, dropout_p, r
     B, sq, h, d = q.shape
     hk, sk = k.shape[2], k.shape[1]
     qg, kg, vg, al = _group(q, k, v, alibi, dt)
-    s, _ = _scores(qg, kg, scale, causal, window_size, softcap, al)
-    lse = torch.logsumexp(s, dim=-1)
-    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    rel = _dense_rel(sq, sk, q.device)
+    s, _ = _scores(qg, kg, scale, rel, _visible(rel, None, causal, window_size), softcap, al)
+    p, lse = _softmax(s)
     if mask is not None:
         p = torch.where(mask.reshape(B, hk, h // hk, sq, sk), p, torch.zeros_like(p)) / (1.0 - dropout_p)
     elif dropout_p > 0.0:
