@@ -93,13 +93,19 @@ def cmd_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
         for mod, err in load_benchmarks().items():
             print(f"warning: benchmark module {mod} failed to import: {err}", file=out)
         for b in registered_benchmarks():
-            print(f"{b.name:<20} {b.family:<16} {b.description}", file=out)
+            print(f"{b.name:<20} {b.family:<16} {b.description}{'' if b.default else ' (run by name only)'}",
+                  file=out)
         return 0
+    from culmen.bench.train_step import TrainOptionsError, options_from_args
+
     try:
-        run_benchmarks(args.names, device=args.device, quick=args.quick, json_path=args.json, timer=args.timer,
-                       plot_path=args.plot, out=out)
+        run_benchmarks(args.names, device=args.device, quick=args.quick, json_path=args.json, graph=not args.no_graph,
+                       plot_path=args.plot, out=out, options=options_from_args(args))
     except KeyError as exc:
         print(f"culmen bench: {exc.args[0]}", file=sys.stderr)
+        return 2
+    except TrainOptionsError as exc:
+        print(f"culmen bench: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -113,6 +119,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``culmen`` command."""
+    from culmen.bench.train_step import add_arguments as add_train_step_arguments
     from culmen.demo import add_arguments as add_demo_arguments
 
     parser = argparse.ArgumentParser(prog="culmen", description="culmen: Apex and FlashAttention in Python + Triton")
@@ -122,15 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="versions, devices, backend dispatch per op")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("bench", help="time culmen against PyTorch eager, torch.compile, Liger, Apex")
-    p.add_argument("names", nargs="*", metavar="NAME", help="benchmark names or families (default: all)")
+    p = sub.add_parser("bench", help="time culmen against PyTorch eager, torch.compile, Liger, Apex",
+                       description="Time culmen against its peers in one process on the same inputs. Every ratio "
+                                   "uses the eager wall time (do_bench of the plain call); CUDA-graph device time "
+                                   "and host microseconds per call are printed beside it. train_step (end-to-end "
+                                   "training of decoder models) runs only when named.")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="benchmark names or families (default: all but train_step)")
     p.add_argument("--json", metavar="PATH", help="write records and metadata as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds on CPU): checks the harness")
     p.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
     p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--timer", choices=("wall", "graph"), default="wall",
-                   help="wall: do_bench, host launch cost included; graph: CUDA-graph replays, device time only")
+    p.add_argument("--no-graph", action="store_true",
+                   help="skip the CUDA-graph (device time) column; ratios always use the eager wall time")
+    add_train_step_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="train a tiny model with culmen's fused norms; the loss must fall")

@@ -59,6 +59,7 @@ def test_bench_quick_layer_norm_writes_json(tmp_path, capsys, monkeypatch):
     assert main(["bench", "--quick", "layer_norm", "--device", "cpu", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "roofline:" in out and "== summary" in out and "json written" in out
+    assert "wall(ms)" in out and "graph(ms)" in out and "host(us)" in out and "host culmen/ref geomean=" in out
     data = json.loads(path.read_text())
     meta = data["metadata"]
     assert meta["torch"] == torch.__version__ and meta["roofline"]["gbps"] > 0
@@ -71,13 +72,25 @@ def test_bench_quick_layer_norm_writes_json(tmp_path, capsys, monkeypatch):
     for r in recs:
         assert r["error"] is None, r
         assert r["ms"] > 0 and r["gbps"] > 0 and r["bytes"] > 0
+        # CPU: no CUDA graphs; every call is host work, so host time is the wall time.
+        assert r["graph_ms"] is None and r["graph_error"] is None
+        assert r["host_us"] == pytest.approx(r["ms"] * 1e3)
     ours = [r for r in recs if r["provider"] == "culmen"]
     for r in ours:
+        torch_rec = next(t for t in recs if t["provider"] == "torch" and t["case"] == r["case"])
+        assert r["host_ratio"] == pytest.approx(r["host_us"] / torch_rec["host_us"])
         assert r["best_peer"] == "torch" and r["speedup"] > 0
         # The reference path must agree with torch eager: this is the sanity check doing its job.
         assert r["max_abs_diff"] is not None and r["max_abs_diff"] < 0.5
         if "fwd+bwd" in r["case"]:
             assert {"y", "dx", "dw", "db"} <= set(r["diffs"])
+
+
+def test_bench_has_no_timer_option(capsys):
+    """Ratios always use the eager wall time; the CUDA-graph column can only be switched off."""
+    with pytest.raises(SystemExit):
+        main(["bench", "--timer", "graph", "layer_norm"])
+    assert "unrecognized arguments: --timer" in capsys.readouterr().err
 
 
 def test_bench_bytes_count_each_tensor_once(tmp_path):

@@ -1,8 +1,13 @@
-"""Benchmark registry: ``@register_benchmark`` over a generator of ``Case`` objects.
+"""Benchmark registry: ``@register_benchmark`` over a generator of ``Case`` objects, and
+``@register_suite`` for end-to-end benchmarks that time whole programs themselves.
 
 A benchmark function takes a ``BenchConfig`` and yields cases one at a time, so that only one
 case's tensors are alive while it is timed. Every provider of a case (culmen and each peer) is a
-zero-argument callable closed over the SAME input tensors.
+zero-argument callable closed over the SAME input tensors; the runner times them.
+
+A suite function (``train_step``) takes a ``BenchConfig`` and an output stream, prints its own table
+and yields one ``SuiteResult`` per case (runner ``Record`` objects for the summary, plus a detail dict
+for the JSON report). Suites registered with ``default=False`` run only when named.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -26,6 +31,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "culmen.bench.mlp",
     "culmen.bench.attention",
     "culmen.bench.group_norm",
+    "culmen.bench.train_step",
 )
 
 CULMEN = "culmen"
@@ -63,24 +69,37 @@ class Case:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What a benchmark function is asked for: the device and whether to use tiny shapes."""
+    """What a benchmark function is asked for: the device, whether to use tiny shapes, and options
+    that only some benchmarks read (``train_step``'s sizes, modes, steps ...; see ``culmen bench -h``)."""
 
     device: torch.device
     quick: bool = False
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass
+class SuiteResult:
+    """One case of a suite: runner records (``culmen.bench.runner.Record``) and a JSON-able detail row."""
+
+    records: list[Any]
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Benchmark:
-    """A registered benchmark."""
+    """A registered benchmark: a case generator ``fn``, or a self-timing ``suite``."""
 
     name: str
     family: str
-    fn: Callable[[BenchConfig], Iterator[Case]]
+    fn: Callable[[BenchConfig], Iterator[Case]] | None
     description: str = ""
+    suite: Callable[[BenchConfig, TextIO], Iterator[SuiteResult]] | None = None
+    default: bool = True
+    """Run by a plain ``culmen bench`` (no names); False: only when named (long end-to-end suites)."""
 
     def cases(self, cfg: BenchConfig) -> Iterator[Case]:
-        """The benchmark's cases for ``cfg``, built lazily."""
-        return iter(self.fn(cfg))
+        """The benchmark's cases for ``cfg``, built lazily (none for a suite)."""
+        return iter(self.fn(cfg)) if self.fn is not None else iter(())
 
 
 _BENCHMARKS: dict[str, Benchmark] = {}
@@ -92,6 +111,19 @@ def register_benchmark(name: str, family: str) -> Callable[[Callable[[BenchConfi
     def deco(fn: Callable[[BenchConfig], Iterator[Case]]) -> Callable[[BenchConfig], Iterator[Case]]:
         doc = (fn.__doc__ or "").strip().splitlines()
         _BENCHMARKS[name] = Benchmark(name, family, fn, doc[0] if doc else "")
+        return fn
+
+    return deco
+
+
+def register_suite(name: str, family: str, default: bool = False) -> Callable:
+    """Decorator registering ``fn(cfg: BenchConfig, out: TextIO) -> Iterator[SuiteResult]`` as benchmark
+    ``name``: it times its cases itself and prints its own table. ``default=False``: not part of a plain
+    ``culmen bench``; run it by name."""
+
+    def deco(fn: Callable[[BenchConfig, TextIO], Iterator[SuiteResult]]) -> Callable:
+        doc = (fn.__doc__ or "").strip().splitlines()
+        _BENCHMARKS[name] = Benchmark(name, family, None, doc[0] if doc else "", suite=fn, default=default)
         return fn
 
     return deco
@@ -114,13 +146,14 @@ def registered_benchmarks() -> list[Benchmark]:
 
 
 def select_benchmarks(names: list[str] | None) -> list[Benchmark]:
-    """Benchmarks matching ``names`` (benchmark names or families); all of them when empty.
+    """Benchmarks matching ``names`` (benchmark names or families); when empty, all of them except those
+    registered with ``default=False``.
 
     Raises ``KeyError`` naming the unknown entries.
     """
     benches = registered_benchmarks()
     if not names:
-        return benches
+        return [b for b in benches if b.default]
     unknown = [n for n in names if not any(n in (b.name, b.family) for b in benches)]
     if unknown:
         known = ", ".join(b.name for b in benches)

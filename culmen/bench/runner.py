@@ -1,11 +1,27 @@
 """Runs registered benchmarks: roofline, sanity check, timing, table, JSON and plot.
 
-On CUDA every provider is timed with ``triton.testing.do_bench`` (median, after warm-up, L2 flushed
-between runs); on CPU a plain median wall-clock timer stands in so the harness is testable there.
+Three numbers per provider (culmen and each peer), all in the same process on the same inputs:
+
+* ``ms`` (the ratio basis): the plain eager call timed by ``triton.testing.do_bench`` (median, after
+  warm-up, L2 flushed between runs), host launch cost included: what a script sees. Every speedup,
+  GB/s and TFLOP/s is computed from it. On CPU a plain median wall-clock timer stands in.
+* ``graph_ms``: median of CUDA-graph replays of the call (``do_bench_cudagraph``), the device time
+  alone, printed beside ``ms`` and never used for a ratio; ``n/a`` when the call can't be captured.
+* ``host_us``: host microseconds per call, measured while the GPU cannot run any of it: a
+  ``torch.cuda._sleep`` kernel is queued first, long enough to outlast the enqueueing, then ``K``
+  back-to-back calls are enqueued and timed with ``perf_counter`` (no sync inside), then the device is
+  drained. An event recorded behind the sleep must still be pending when the last call returns, which
+  proves the host never waited for the GPU (else the sleep is lengthened and the sample retaken; a
+  call that syncs with the device reports ``None``). ``K`` is small (2..16 calls, so that ``K`` x the
+  launches of one call stays far below the ~1000 pending launches a CUDA stream queue holds, past
+  which a launch would block). Medians of several samples. On CPU every call is host work, so
+  ``host_us`` is the wall time per call.
+
 Before the cases, a large device-to-device copy measures the memory roofline that GB/s is set
 against. Each provider runs once first as a sanity check against the reference provider (torch
 eager): the max abs difference is printed, not asserted, so a broken kernel shows in the log
-without stopping the run.
+without stopping the run. Suites (``train_step``) time themselves and add their own records.
+The JSON report is rewritten after every case, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -32,10 +48,13 @@ from culmen.bench.registry import CULMEN, BenchConfig, Benchmark, Case, load_ben
 # do_bench settings (milliseconds of warm-up and of measurement).
 WARMUP_MS = 25
 REP_MS = 100
-# "wall": do_bench, host launch cost included (what a script sees); "graph": replays of a CUDA graph
-# of the call (do_bench_cudagraph), device time only. Set by run_benchmarks(timer=...).
+# time_ms's timers: "wall": do_bench, host launch cost included (what a script sees, the ratio basis);
+# "graph": replays of a CUDA graph of the call (do_bench_cudagraph), device time only. The runner
+# records both; tuning scripts pick one.
 TIMERS = ("wall", "graph")
-_timer = "wall"
+# Host timer: at most HOST_CALLS calls per sample (fewer for slow calls), HOST_SAMPLES samples.
+HOST_CALLS = 16
+HOST_SAMPLES = 5
 
 
 @dataclass
@@ -58,18 +77,26 @@ class Record:
     bytes: int | None = None
     flops: int | None = None
     error: str | None = None
+    graph_ms: float | None = None
+    """Median CUDA-graph replay time (device time only); ``None`` when not measured or not capturable."""
+    graph_error: str | None = None
+    host_us: float | None = None
+    """Host microseconds per call (for ``train_step``: per training step); see the module docstring."""
+    host_ratio: float | None = None
+    """This provider's ``host_us`` / the case reference's (torch eager): > 1 means more host time."""
 
 
 @dataclass
 class BenchReport:
-    """Everything one ``culmen bench`` run measured."""
+    """Everything one ``culmen bench`` run measured; ``extra`` holds suites' detail rows by name."""
 
     metadata: dict[str, Any]
     records: list[Record]
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serializable dict: ``{"metadata": ..., "records": [...]}``."""
-        return {"metadata": self.metadata, "records": [asdict(r) for r in self.records]}
+        """A JSON-serializable dict: ``{"metadata": ..., "records": [...], <suite name>: [...]}``."""
+        return {"metadata": self.metadata, "records": [asdict(r) for r in self.records], **self.extra}
 
 
 # ----------------------------------------------------------------------------------------- timing
@@ -92,10 +119,11 @@ def _wall_median_ms(fn: Callable[[], Any], device: torch.device, budget_s: float
     return statistics.median(times)
 
 
-def time_ms(fn: Callable[[], Any], device: torch.device, quick: bool = False, timer: str | None = None) -> float:
-    """Median time of ``fn()`` in ms: ``do_bench`` (or CUDA-graph replays with ``timer="graph"``) on
-    CUDA, a wall-clock median elsewhere. ``timer`` defaults to the one ``run_benchmarks`` was given."""
-    timer = timer or _timer
+def time_ms(fn: Callable[[], Any], device: torch.device, quick: bool = False, timer: str = "wall") -> float:
+    """Median time of ``fn()`` in ms: ``do_bench`` (``timer="wall"``, host cost included) or CUDA-graph
+    replays (``timer="graph"``, device time only) on CUDA, a wall-clock median elsewhere."""
+    if timer not in TIMERS:
+        raise ValueError(f"timer must be one of {TIMERS}, got {timer!r}")
     if device.type == "cuda":
         try:
             from triton.testing import do_bench
@@ -111,6 +139,91 @@ def time_ms(fn: Callable[[], Any], device: torch.device, quick: bool = False, ti
     fn()  # warm-up: first-call allocations and lazy initialisation
     _sync(device)
     return _wall_median_ms(fn, device, budget_s=0.02 if quick else 0.5)
+
+
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _sleep_cycles_per_ms(device: torch.device) -> float:
+    """GPU clock cycles ``torch.cuda._sleep`` spins per millisecond on ``device`` (measured once)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SLEEP_CYCLES_PER_MS:
+        cycles = 20_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles // 10)  # wake the clocks up
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS[idx] = cycles / max(start.elapsed_time(end), 1e-3)
+    return _SLEEP_CYCLES_PER_MS[idx]
+
+
+def host_us(fn: Callable[[], Any], device: torch.device, wall_ms: float | None = None,
+            calls: int = HOST_CALLS, samples: int = HOST_SAMPLES) -> float | None:
+    """Host microseconds per call of ``fn`` (warm: call it once before), measured without the GPU.
+
+    CUDA: each sample queues a ``torch.cuda._sleep`` kernel that outlasts the enqueueing (sized from
+    ``wall_ms``, an upper bound of the host time per call, e.g. the do_bench time), records an event
+    behind it, enqueues ``k`` calls between two ``perf_counter`` reads and checks that the event is still
+    pending: the GPU was asleep the whole time, so the host never waited for our work. A sample whose
+    sleep ran out is retaken with a 4x longer sleep; after three tries ``fn`` is taken to wait for the
+    device (it syncs) and ``None`` is returned. ``k = clamp(20 ms / wall_ms, 2, calls)`` keeps slow
+    calls cheap and the queue short (``k`` x launches per call << the ~1000-launch stream queue).
+    CPU: the median wall time per call (all of it is host work).
+    """
+    if device.type != "cuda":
+        times = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        if wall_ms is None:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        wall_ms = max(wall_ms, 0.02)
+        k = max(2, min(calls, int(20.0 / wall_ms)))
+        rate = _sleep_cycles_per_ms(device)
+        sleep_ms = 1.5 * k * wall_ms + 1.0
+        out: list[float] = []
+        for _ in range(samples):
+            for _attempt in range(3):
+                torch.cuda._sleep(int(rate * sleep_ms))
+                asleep = torch.cuda.Event()
+                asleep.record()
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    fn()
+                dt = time.perf_counter() - t0
+                pending = not asleep.query()
+                torch.cuda.synchronize()
+                if pending:
+                    out.append(dt / k * 1e6)
+                    break
+                sleep_ms = max(4 * sleep_ms, 2e3 * dt)
+            else:
+                return None
+        return statistics.median(out)
+
+
+def graph_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float | None, str | None]:
+    """``(median CUDA-graph replay ms, None)``, or ``(None, reason)`` when ``fn`` can't be captured."""
+    if device.type != "cuda":
+        return None, None
+    try:
+        from triton.testing import do_bench_cudagraph  # noqa: F401
+    except ImportError:
+        return None, None
+    try:
+        return time_ms(fn, device, timer="graph"), None
+    except Exception as exc:  # uncapturable calls (host syncs, CPU tensors ...): the column says n/a
+        torch.cuda.synchronize(device)
+        return None, _short_error(exc)
 
 
 def _copy_ms(nbytes: int, device: torch.device, quick: bool) -> float:
@@ -183,7 +296,7 @@ def device_name(device: torch.device) -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
-def _metadata(device: torch.device, quick: bool, roofline: dict[str, Any]) -> dict[str, Any]:
+def _metadata(device: torch.device, quick: bool, roofline: dict[str, Any], graph: bool = True) -> dict[str, Any]:
     from culmen.ops.backend import backend_mode, choose_backend
 
     try:
@@ -209,9 +322,13 @@ def _metadata(device: torch.device, quick: bool, roofline: dict[str, Any]) -> di
         "culmen_backend_mode": backend_mode(),
         "culmen_backend": backend,
         "quick": quick,
-        "timer": ({"wall": "triton.testing.do_bench median (host launch cost included)",
-                   "graph": "triton.testing.do_bench_cudagraph median (CUDA-graph replay, device time)"}[_timer]
-                  if device.type == "cuda" else "wall-clock median"),
+        "timer": ("ms: triton.testing.do_bench median of the eager call (host launch cost included; every "
+                  "ratio uses it)" if device.type == "cuda" else "ms: wall-clock median"),
+        "graph_timer": ("graph_ms: triton.testing.do_bench_cudagraph median (CUDA-graph replay, device time, "
+                        "not a ratio basis)" if device.type == "cuda" and graph else None),
+        "host_timer": ("host_us: perf_counter around K back-to-back calls enqueued behind a torch.cuda._sleep "
+                       "kernel that outlasts them (GPU idle for our work, no sync inside), median per call"
+                       if device.type == "cuda" else "host_us: wall time per call (CPU: all work is host work)"),
         "roofline": roofline,
     }
 
@@ -220,11 +337,17 @@ def _metadata(device: torch.device, quick: bool, roofline: dict[str, Any]) -> di
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
+    """``v`` formatted by ``spec`` + ``suffix``; a missing value is ``-`` padded to the same width."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        width = spec.split(".")[0].lstrip("+-<>^ ")
+        return "-".rjust(int(width) + len(suffix)) if width.isdigit() else "-"
+    return f"{v:{spec}}{suffix}"
 
 
-_HEADER = f"{'case':<30} {'provider':<9} {'time(ms)':>10} {'GB/s':>9} {'TFLOP/s':>8} {'%roof':>7} " \
-          f"{'speedup':>16}  max|diff| vs ref"
+_HEADER = f"{'case':<30} {'provider':<9} {'wall(ms)':>10} {'graph(ms)':>10} {'host(us)':>9} {'GB/s':>9} " \
+          f"{'TFLOP/s':>8} {'%roof':>7} {'speedup':>16}  max|diff| vs ref"
+_LEGEND = ("wall: do_bench of the eager call (ratio basis); graph: CUDA-graph replay (device time, "
+           "n/a: not capturable); host: host us per call")
 
 
 def _row(rec: Record, first: bool, reference: str) -> str:
@@ -242,8 +365,10 @@ def _row(rec: Record, first: bool, reference: str) -> str:
         diff = f"{worst}={rec.diffs[worst]:.3g}" + (" (NaN!)" if math.isnan(rec.diffs[worst]) else "")
     else:
         diff = "(reference)" if rec.provider == reference else "-"
-    return (f"{case:<30} {rec.provider:<9} {_fmt(rec.ms, '10.4f')} {_fmt(rec.gbps, '9.1f')} "
-            f"{_fmt(rec.tflops, '8.1f')} {_fmt(rec.pct_roofline, '6.1f', '%')} {speed:>16}  {diff}")
+    graph = "n/a" if rec.graph_error is not None else _fmt(rec.graph_ms, ".4f")
+    return (f"{case:<30} {rec.provider:<9} {_fmt(rec.ms, '10.4f')} {graph:>10} {_fmt(rec.host_us, '9.1f')} "
+            f"{_fmt(rec.gbps, '9.1f')} {_fmt(rec.tflops, '8.1f')} {_fmt(rec.pct_roofline, '6.1f', '%')} "
+            f"{speed:>16}  {diff}")
 
 
 # ------------------------------------------------------------------------------------------- run
@@ -255,7 +380,7 @@ def _short_error(exc: BaseException) -> str:
 
 
 def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, roof_gbps: float,
-              out: TextIO, seen_notes: set[str]) -> list[Record]:
+              out: TextIO, seen_notes: set[str], graph: bool = True) -> list[Record]:
     records: dict[str, Record] = {}
     outputs_ref: Any = None
     order = sorted(case.providers, key=lambda p: (p != case.reference, p != CULMEN, p))
@@ -286,8 +411,12 @@ def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, r
         rec = records[name]
         if rec.error is not None:
             continue
+        fn = case.providers[name]
         try:
-            rec.ms = time_ms(case.providers[name], device, quick)
+            rec.ms = time_ms(fn, device, quick, timer="wall")
+            if graph:
+                rec.graph_ms, rec.graph_error = graph_ms(fn, device)
+            rec.host_us = host_us(fn, device, wall_ms=rec.ms) if device.type == "cuda" else rec.ms * 1e3
         except Exception as exc:
             rec.error = _short_error(exc)
             if device.type == "cuda":
@@ -308,6 +437,11 @@ def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, r
             best = min(rivals, key=lambda r: r.ms)
             ours.speedup = best.ms / ours.ms
             ours.best_peer = best.provider
+    ref = records.get(case.reference)
+    if ref is not None and ref.host_us:
+        for r in records.values():
+            if r.host_us is not None:
+                r.host_ratio = r.host_us / ref.host_us
     recs = [records[n] for n in sorted(records, key=lambda p: (p != CULMEN, p))]
     for i, rec in enumerate(recs):
         print(_row(rec, i == 0, case.reference), file=out)
@@ -321,7 +455,8 @@ def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, r
 
 def summarize(records: list[Record]) -> list[str]:
     """Summary lines: per benchmark, culmen's geometric-mean speedup vs the best peer, wins, failures."""
-    lines = ["== summary (speedup = best peer time / culmen time; >1 means culmen wins) =="]
+    lines = ["== summary (speedup = best peer wall time / culmen wall time, >1 means culmen wins; host = culmen "
+             "host time per call / the reference peer's (torch eager), <1 means culmen costs the host less) =="]
     benches: dict[str, list[Record]] = {}
     for r in records:
         benches.setdefault(r.benchmark, []).append(r)
@@ -335,6 +470,11 @@ def summarize(records: list[Record]) -> list[str]:
         line = f"{name:<18} cases={len(ours):<3} culmen geomean={_fmt(geo, '.2f', 'x')} wins={wins}/{len(sp)}"
         if worst is not None and worst.speedup is not None:
             line += f" worst={worst.speedup:.2f}x ({worst.case} vs {worst.best_peer})"
+        hr = [r for r in ours if r.host_ratio]
+        if hr:
+            hgeo = math.exp(sum(math.log(r.host_ratio) for r in hr) / len(hr))
+            hmax = max(hr, key=lambda r: r.host_ratio)
+            line += f" host culmen/ref geomean={hgeo:.2f}x max={hmax.host_ratio:.2f}x ({hmax.case})"
         if failed:
             line += f" failed={len(failed)} [" + ", ".join(sorted({f'{r.provider}' for r in failed})) + "]"
         lines.append(line)
@@ -361,6 +501,11 @@ def write_plot(report: BenchReport, path: str | os.PathLike, out: TextIO | None 
     benches: dict[str, list[Record]] = {}
     for r in report.records:
         benches.setdefault(r.benchmark, []).append(r)
+    # Bandwidth panels only (train_step records have no GB/s; its table is in the log and the JSON).
+    benches = {k: v for k, v in benches.items() if any(r.gbps is not None for r in v)}
+    if not benches:
+        print(f"plot: no GB/s records to draw; not writing {path}", file=out)
+        return False
     n = max(1, len(benches))
     fig, axes = plt.subplots(n, 1, figsize=(14, 4.2 * n), squeeze=False)
     roof = report.metadata.get("roofline", {}).get("gbps")
@@ -397,6 +542,15 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _write_json(report: BenchReport, json_path: str | os.PathLike) -> None:
+    path = Path(json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(report.to_json(), f, indent=1)
+    os.replace(tmp, path)
+
+
 def run_benchmarks(
     names: list[str] | None = None,
     *,
@@ -405,17 +559,17 @@ def run_benchmarks(
     json_path: str | os.PathLike | None = None,
     plot_path: str | os.PathLike | None = None,
     out: TextIO | None = None,
-    timer: str = "wall",
+    graph: bool = True,
+    options: dict[str, Any] | None = None,
 ) -> BenchReport:
-    """Run the benchmarks named in ``names`` (names or families; all when empty) and report.
+    """Run the benchmarks named in ``names`` (names or families; when empty, all but the opt-in suites)
+    and report.
 
     Prints the roofline, one table block per case and a summary to ``out``; writes JSON to
-    ``json_path`` and a PNG to ``plot_path`` when given. Raises ``KeyError`` for unknown names.
+    ``json_path`` (rewritten after every case) and a PNG to ``plot_path`` when given. ``graph=False``
+    skips the CUDA-graph column; ``options`` reach the benchmarks as ``BenchConfig.options``
+    (``train_step``'s sizes, modes, steps ...). Raises ``KeyError`` for unknown names.
     """
-    global _timer
-    if timer not in TIMERS:
-        raise ValueError(f"timer must be one of {TIMERS}, got {timer!r}")
-    _timer = timer
     out = out or sys.stdout
     failed = load_benchmarks()
     for mod, err in failed.items():
@@ -423,31 +577,41 @@ def run_benchmarks(
     benches = select_benchmarks(names)
     dev = torch.device(device) if device is not None else default_device()
     roofline = measure_roofline(dev, quick)
-    meta = _metadata(dev, quick, roofline)
+    meta = _metadata(dev, quick, roofline, graph)
+    meta["options"] = dict(options or {})
     print(f"culmen bench on {meta['gpu']} | torch {meta['torch']} | triton {meta['triton']} | "
           f"backend {meta['culmen_backend']} (CULMEN_BACKEND={meta['culmen_backend_mode']}) | "
           f"commit {str(meta['git_commit'])[:12]}{' (dirty)' if meta['git_dirty'] else ''}", file=out)
     print(f"roofline: {roofline['gbps']:.1f} GB/s ({roofline['method']}, {roofline['copy_bytes'] >> 20} MiB, "
-          f"read+write counted); timer: {meta['timer']}", file=out)
-    records: list[Record] = []
-    cfg = BenchConfig(device=dev, quick=quick)
+          f"read+write counted)", file=out)
+    report = BenchReport(meta, [])
+    records = report.records
+    cfg = BenchConfig(device=dev, quick=quick, options=dict(options or {}))
     for bench in benches:
         print(f"\n== {bench.name} ({bench.family}) {bench.description}", file=out)
-        print(_HEADER, file=out)
-        seen_notes: set[str] = set()
-        for case in bench.cases(cfg):
-            records.extend(_run_case(bench, case, dev, quick, roofline["gbps"], out, seen_notes))
-            del case
+        if bench.suite is not None:
+            details = report.extra.setdefault(bench.name, [])
+            for res in bench.suite(cfg, out):
+                records.extend(res.records)
+                details.append(res.detail)
+                if json_path:
+                    _write_json(report, json_path)
+        else:
+            print(_LEGEND, file=out)
+            print(_HEADER, file=out)
+            seen_notes: set[str] = set()
+            for case in bench.cases(cfg):
+                records.extend(_run_case(bench, case, dev, quick, roofline["gbps"], out, seen_notes, graph))
+                del case
+                if json_path:
+                    _write_json(report, json_path)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    report = BenchReport(meta, records)
     print("", file=out)
     for line in summarize(records):
         print(line, file=out)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(report.to_json(), f, indent=1)
+        _write_json(report, json_path)
         print(f"json written to {json_path}", file=out)
     if plot_path:
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
