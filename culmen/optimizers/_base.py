@@ -14,12 +14,15 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
-from itertools import chain
+from itertools import chain, compress, repeat
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from culmen.ops.multi_tensor.common import CONTIG, DTYPE, GENERATION, PTR
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -72,6 +75,73 @@ except ImportError:  # pragma: no cover
 required = _Required
 
 
+_GRAD = operator.attrgetter("grad")
+_IS = operator.is_
+_IS_NOT = operator.is_not
+
+
+class GroupPlan:
+    """A fused optimizer's cached view of one param group: which params have gradients, their state lists
+    and the kernels' plans, reused while the group holds the same params (by identity and data address)
+    with gradients present in the same places and of the same dtypes.
+
+    Gradients may be new tensors every step (``zero_grad(set_to_none=True)``): ``refresh`` then re-reads
+    their addresses (``gkey``, the key of the kernels' address tables) with a few C-level passes.
+    ``fast``: one device, every tensor contiguous, the Triton backend: the optimizer's cached launches
+    run; otherwise it takes the general (per-call) path of the ops.
+    """
+
+    def __init__(self, group: dict, params: list[Tensor], grads: list, mask: tuple[bool, ...],
+                 check: Callable[[list, list], None] | None = None) -> None:
+        self.group = group
+        self.params = params
+        self.n = len(params)
+        self.pptrs = tuple(map(PTR, params))
+        self.gen = GENERATION.value
+        self.mask = mask
+        self.all_live = all(mask)
+        self.live = params if self.all_live else list(compress(params, mask))
+        self.grads = grads
+        self.live_grads = grads if self.all_live else list(compress(grads, mask))
+        if check is not None:  # before any data_ptr (a sparse gradient has none)
+            check(self.live, self.live_grads)
+        self.gdtypes = tuple(map(DTYPE, self.live_grads))
+        self.gkey = tuple(map(PTR, self.live_grads))
+        self.device = self.live[0].device
+        self.calls: list = []
+        self.variants: dict = {}
+        self.fast = False
+
+    def valid(self, group: dict, params: list[Tensor], grads: list) -> bool:
+        """Whether this plan still describes ``group`` (refreshing the gradient addresses if they moved)."""
+        if self.group is not group or self.params is not params or self.gen != GENERATION.value \
+                or len(grads) != self.n or tuple(map(PTR, params)) != self.pptrs:
+            return False
+        if all(map(_IS, grads, self.grads)):
+            return True
+        mask = tuple(map(_IS_NOT, grads, repeat(None)))
+        if mask != self.mask:
+            return False
+        live = grads if self.all_live else list(compress(grads, mask))
+        try:
+            if tuple(map(DTYPE, live)) != self.gdtypes or (self.fast and not all(map(CONTIG, live))):
+                return False
+            self.gkey = tuple(map(PTR, live))
+        except RuntimeError:  # e.g. a sparse gradient: the rebuild's checks explain it
+            return False
+        self.grads, self.live_grads = grads, live
+        return True
+
+    def select(self, idx: list[int] | None):
+        """A function taking the live gradients' addresses to those of the live positions ``idx``."""
+        if idx is None:
+            return None
+        if len(idx) == 1:
+            i = idx[0]
+            return lambda key: (key[i],)
+        return operator.itemgetter(*idx)
+
+
 def _device_of(group: dict) -> torch.device | None:
     params = group["params"]
     return params[0].device if params else None
@@ -85,7 +155,29 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
         self._noop_flags: dict[tuple[str, torch.device], Tensor] = {}
         self._lists_cache: dict[Any, tuple[list[Tensor], Any]] = {}
+        self._plans: dict[int, GroupPlan] = {}
         super().__init__(params, defaults)
+
+    def _group_plan(self, group: dict, build: Callable[[dict, list, list, tuple], GroupPlan]) -> GroupPlan | None:
+        """The cached ``GroupPlan`` of ``group`` (``None``: no param has a gradient), rebuilt by
+        ``build(group, params, grads, mask)`` when the params, the gradients' presence or dtypes changed.
+        ``build`` validates, creates missing state and may return a plan not to be cached
+        (``plan.cacheable`` false, e.g. on a param's first momentum step)."""
+        params = group["params"]
+        grads = list(map(_GRAD, params))
+        plan = self._plans.get(id(group))
+        if plan is not None and plan.valid(group, params, grads):
+            return plan
+        mask = tuple(map(_IS_NOT, grads, repeat(None)))
+        if not any(mask):
+            self._plans.pop(id(group), None)
+            return None
+        plan = build(group, params, grads, mask)
+        if getattr(plan, "cacheable", True):
+            self._plans[id(group)] = plan
+        else:
+            self._plans.pop(id(group), None)
+        return plan
 
     # ------------------------------------------------------------------------------------ grads
 
@@ -155,6 +247,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         self._lists_cache = {}
+        self._plans = {}
 
     # ---------------------------------------------------------------------------------- flags
 
@@ -309,6 +402,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
         self._lists_cache = {}
+        self._plans = {}
         super().load_state_dict(state_dict)
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                           chain.from_iterable(g["params"] for g in self.param_groups)))
@@ -341,6 +435,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not hasattr(self, "_noop_flags"):
             self._noop_flags = {}
         self._lists_cache = {}
+        self._plans = {}
 
 
 def group_by_device(tensors: list[Tensor]) -> dict[torch.device, list[int]]:

@@ -8,9 +8,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from culmen.ops.multi_tensor.adam import ADAM_MODE_ADAMW, ADAM_MODE_L2, adam_update
+from culmen.ops.backend import choose_backend
+from culmen.ops.multi_tensor.adam import (
+    ADAM_MODE_ADAMW,
+    ADAM_MODE_L2,
+    INV_DIVIDE,
+    INV_NONE,
+    STEP_ADVANCE,
+    STEP_AS_IS,
+    STEP_NEXT,
+    AdamPlan,
+    adam_update,
+)
 from culmen.optimizers._base import (
     FusedOptimizer,
+    GroupPlan,
     check_betas,
     check_eps,
     check_lr,
@@ -18,6 +30,7 @@ from culmen.optimizers._base import (
 )
 
 _LOW = (torch.float16, torch.bfloat16)
+_F32, _I32 = torch.float32, torch.int32
 
 
 class FusedAdam(FusedOptimizer):
@@ -110,28 +123,108 @@ class FusedAdam(FusedOptimizer):
         Keyword ``grad_scaler`` (a ``torch.amp.GradScaler``) is accepted for the older GradScaler contract;
         Apex's removed ``grads`` / ``output_params`` / ``scale`` / ``grad_norms`` raise.
         """
-        loss, grad_scaler = self._begin_step(closure, kwargs, legacy=("grads", "output_params", "scale", "grad_norms"))
+        loss = grad_scaler = None
+        if closure is not None or kwargs:
+            loss, grad_scaler = self._begin_step(closure, kwargs,
+                                                 legacy=("grads", "output_params", "scale", "grad_norms"))
         grad_scale, found_inf = self._amp_scaling(grad_scaler)
-        inv_scale = self._inv_scale(grad_scale)
-        mode = ADAM_MODE_ADAMW if self.adam_w_mode else ADAM_MODE_L2
-
         for group in self.param_groups:
-            live, grads = self._live(group)
-            if not live:
+            plan = self._group_plan(group, self._build_plan)
+            if plan is None:
                 continue
-            entries = self._state_lists(group, "adam", live, grads, self._build)
-            dev = live[0].device
-            beta1, beta2 = group["betas"]
-            noop = self._noop(dev) if found_inf is None else self._found_inf_flag(found_inf, dev)
-            step = self._advance_step(group, dev, self.capturable or found_inf is not None,
-                                      noop if found_inf is not None else None)
-            kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step, mode=mode,
-                      bias_correction=bool(group["bias_correction"]), weight_decay=group["weight_decay"],
-                      noop_flag=noop, inv_scale=inv_scale, op="FusedAdam")
-            for idx, static in entries:
-                gs = grads if idx is None else [grads[i] for i in idx]
-                adam_update([gs, *static], **kw)
+            if plan.fast:
+                self._step_fast(group, plan, grad_scale, found_inf)
+            else:
+                self._step_general(group, plan, grad_scale, found_inf)
         return loss
+
+    def _build_plan(self, group: dict, params: list, grads: list, mask: tuple) -> GroupPlan:
+        plan = GroupPlan(group, params, grads, mask, self._check_live)
+        entries, _ = self._build(plan.live)
+        plan.calls = [(idx, static, plan.select(idx)) for idx, static in entries]
+        dev = plan.device
+        plan.fast = (choose_backend(dev) == "triton"
+                     and all(t.device == dev and t.is_contiguous() for t in plan.live_grads)
+                     and all(t.device == dev and t.is_contiguous() for _, static, _ in plan.calls for lst in static
+                             for t in lst))
+        return plan
+
+    def _step_general(self, group: dict, plan: GroupPlan, grad_scale, found_inf) -> None:
+        """Any device layout / backend: the per-call ``adam_update`` path, the step counter advanced here."""
+        dev = plan.device
+        noop = self._noop(dev) if found_inf is None else self._found_inf_flag(found_inf, dev)
+        step = self._advance_step(group, dev, self.capturable or found_inf is not None,
+                                  noop if found_inf is not None else None)
+        beta1, beta2 = group["betas"]
+        kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step,
+                  mode=ADAM_MODE_ADAMW if self.adam_w_mode else ADAM_MODE_L2,
+                  bias_correction=bool(group["bias_correction"]), weight_decay=group["weight_decay"], noop_flag=noop,
+                  inv_scale=self._inv_scale(grad_scale), op="FusedAdam")
+        grads = plan.live_grads
+        for idx, static, _ in plan.calls:
+            adam_update([grads if idx is None else [grads[i] for i in idx], *static], **kw)
+
+    def _step_fast(self, group: dict, plan: GroupPlan, grad_scale, found_inf) -> None:
+        """One device, contiguous tensors: the cached ``AdamPlan`` launches, nothing else per step.
+
+        A device step counter (capturable, or a GradScaler step) is advanced by the last launch itself,
+        only where the step was not skipped (``found_inf`` is the kernels' noop flag, read on the device).
+        """
+        dev = plan.device
+        if found_inf is None:
+            noop = self._noop(dev)
+        else:
+            noop = found_inf if found_inf.device == dev else found_inf.to(dev)
+        step = group.get("step", 0)
+        on_device = self.capturable or found_inf is not None or isinstance(step, Tensor)
+        if on_device:
+            if not isinstance(step, Tensor) or step.device != dev or step.dtype != _I32:
+                step = group["step"] = (step.to(device=dev, dtype=_I32).reshape(1) if isinstance(step, Tensor)
+                                        else torch.full((1,), int(step), dtype=_I32, device=dev))
+        else:
+            step = group["step"] = int(step) + 1
+        lr = group["lr"]
+        lr_t = isinstance(lr, Tensor)
+        if lr_t and (lr.device != dev or lr.dtype != _F32):
+            lr = lr.to(device=dev, dtype=_F32)
+        inv = INV_NONE
+        if grad_scale is not None:
+            inv = INV_DIVIDE
+            if grad_scale.device != dev or grad_scale.dtype != _F32:
+                grad_scale = grad_scale.to(device=dev, dtype=_F32)
+        bc = bool(group["bias_correction"])
+        key = (lr_t, on_device, inv, bc, noop.dtype)
+        plans = plan.variants.get(key)
+        if plans is None:
+            plans = plan.variants[key] = self._variant(plan, noop, lr_t, on_device, inv, bc)
+        if on_device and plans[-1].step_mode != STEP_ADVANCE:
+            step.add_(noop.eq(0))  # the last launch has no chunk to advance it: a torch op does
+        beta1, beta2 = group["betas"]
+        b1, b2, eps, wd = float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"])
+        key = plan.gkey
+        for ap, (_, _, sel) in zip(plans, plan.calls):
+            ap.run(ap.tables.ptrs(key if sel is None else sel(key)), noop, lr, step, grad_scale, b1, b2, eps, wd)
+
+    def _variant(self, plan: GroupPlan, noop: Tensor, lr_t: bool, on_device: bool, inv: int, bc: bool) -> list:
+        """One ``AdamPlan`` per call of ``plan`` (plain / master params) for this step's argument kinds.
+        A device step is read as ``step + 1`` by every launch and advanced by the last one (when it has
+        chunks; else ``_step_fast`` advances it)."""
+        grads = plan.live_grads
+        mode = ADAM_MODE_ADAMW if self.adam_w_mode else ADAM_MODE_L2
+        out = []
+        last = len(plan.calls) - 1
+        for k, (idx, static, _) in enumerate(plan.calls):
+            lists = [grads if idx is None else [grads[i] for i in idx], *static]
+            step_mode = (STEP_NEXT if k != last else STEP_ADVANCE) if on_device else STEP_AS_IS
+            ap = AdamPlan("FusedAdam", lists, noop, mode=mode, lr_t=lr_t, step_t=on_device, inv=inv,
+                          bias_correction=bc, step_mode=step_mode, static=tuple(range(1, len(lists))))
+            out.append(ap)
+        if on_device and out[-1].tables.groups[-1].C == 0:
+            # Nothing to launch last: the counter is advanced by _step_fast and every launch reads it as is.
+            for ap in out:
+                ap.step_mode = STEP_AS_IS
+                ap._la.clear()
+        return out
 
     def _build(self, live: list[Tensor]) -> tuple[list, bool]:
         """State for ``live`` (created on a param's first step) as ``[(grad indices | None, lists)]``:
