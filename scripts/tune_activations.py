@@ -15,7 +15,7 @@ device time only) and ``host`` (wall time per call at the quick shape, where the
 negligible). A case is host-bound when wall is well above graph and close to host. ``--trace`` lists
 culmen's kernels of one call (torch.profiler) for the fwd+bwd cases.
 
-``dbias``: device time of the fused activation-backward + bias-gradient pass (``launch.act_bwd`` with
+``dbias``: device time of the fused activation-backward + bias-gradient pass (``act_bwd`` with
 ``want_dbias``) over a grid of its tile / split settings, next to the same pass without the bias
 gradient (the bandwidth it should reach).
 
@@ -41,7 +41,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from culmen.bench.tuning import host_us, sweep_tuning  # noqa: E402
-from culmen.ops.activations import launch  # noqa: E402
+from culmen.ops.activations import act_bwd, launch  # noqa: E402
+from culmen.ops.activations.op import act_plan  # noqa: E402
 
 GRID = {
     "block_elems": [1024, 2048, 8192, 16384],
@@ -140,7 +141,7 @@ def dbias_main(argv: list[str]) -> None:
         gb = 3 * M * N * 2 + 2 * N * 2
 
         def run(want_db=True, g=g, x=x, b=b, act=act):
-            return launch.act_bwd(g, x, b, act, False, want_db, torch.bfloat16)
+            return act_bwd(g, x, b, act, dbias_dtype=torch.bfloat16 if want_db else None)
 
         launch.TUNING.update(base)
         ref = do_bench_cudagraph(lambda run=run: run(False), rep=40, return_mode="median")
@@ -185,14 +186,15 @@ def prefetch_main(argv: list[str]) -> None:
         x = (torch.randn(M, N, device=dev) * 2).to(torch.bfloat16)
         b = torch.randn(N, device=dev).to(torch.bfloat16)
         if act == "relu":
-            _, mask, geo = launch.relu_mask_fwd(x, b, act)
+            _, mask = act_plan(x, b, act).forward_mask(x, b)
 
-            def run(g=g, mask=mask, geo=geo):
-                return launch.relu_mask_bwd(g, mask, geo, torch.bfloat16, True, torch.bfloat16)
+            def run(g=g, x=x, b=b, mask=mask):
+                # The plan is looked up per run: a TUNING change drops the cached plans.
+                return act_plan(x, b, "relu").backward_mask(g, mask, True)
             gb = 2 * M * N * 2 + M * N // 8
         else:
             def run(g=g, x=x, b=b, act=act):
-                return launch.act_bwd(g, x, b, act, False, True, torch.bfloat16)
+                return act_bwd(g, x, b, act, dbias_dtype=torch.bfloat16)
             gb = 3 * M * N * 2
         times = {}
         for pf in (False, True):

@@ -18,13 +18,13 @@ from torch import Tensor, nn
 
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
 from culmen.ops.activations.dense import (
-    check_layers,
+    checked_linear,
+    linear_act_linear,
     linear_act_linear_backward,
     linear_act_linear_forward,
     linear_backward,
     linear_forward,
 )
-from culmen.ops.activations.op import apply_function, raw_apply
 
 __all__ = [
     "DenseNoBiasFunc",
@@ -69,55 +69,46 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight1, bias1, weight2, bias2):
-        return linear_act_linear_forward(ctx, input, weight1, bias1, weight2, bias2, "gelu", 0)
+        return linear_act_linear_forward(ctx, None, input, weight1, bias1, weight2, bias2, "gelu", 0)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return linear_act_linear_backward(ctx, grad_output)[:5]
+        return linear_act_linear_backward(ctx, grad_output)
 
 
-def _half_function(fn):
-    """Apex's ``amp.half_function``: under autocast, cast the tensors to the autocast dtype and run with
-    autocast off."""
-
-    def wrapped(*args):
-        device_type = args[0].device.type if isinstance(args[0], Tensor) else "cuda"
-        args = _cast_if_autocast_enabled(device_type, *args)
+def _dense(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Apex's ``amp.half_function`` behaviour around the checked linear: under autocast the tensors are
+    cast to the autocast dtype and the op runs with autocast off."""
+    device_type = input.device.type if isinstance(input, Tensor) else "cuda"
+    if torch.is_autocast_enabled(device_type):
+        input, weight, bias = _cast_if_autocast_enabled(device_type, input, weight, bias)
         with _autocast_off(device_type):
-            return fn(*args)
-
-    wrapped.__name__ = getattr(fn, "__name__", "function")
-    return wrapped
+            return checked_linear(input, weight, bias)
+    return checked_linear(input, weight, bias)
 
 
-# C-level ``apply`` of each function (skips ``Function.apply``'s Python wrapper in eager mode).
-_DENSE_APPLY = raw_apply(FusedDenseFunc)
-_NO_BIAS_APPLY = raw_apply(DenseNoBiasFunc)
-_GELU_DENSE_APPLY = raw_apply(FusedDenseGeluDenseFunc)
+def fused_dense_function(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``input (..., in) @ weight (out, in)^T + bias (out,) -> (..., out)``, differentiable (``FusedDenseFunc``).
+    The arguments are checked once per call signature."""
+    return _dense(input, weight, bias)
 
 
-def _fused_dense(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    check_layers(input, [("weight", weight, bias)])
-    return apply_function(FusedDenseFunc, _DENSE_APPLY, input, weight, bias)
+def dense_no_bias_function(input: Tensor, weight: Tensor) -> Tensor:
+    """``input (..., in) @ weight (out, in)^T -> (..., out)``, differentiable (``DenseNoBiasFunc``)."""
+    return _dense(input, weight, None)
 
 
-def _dense_no_bias(input: Tensor, weight: Tensor) -> Tensor:
-    check_layers(input, [("weight", weight, None)])
-    return apply_function(DenseNoBiasFunc, _NO_BIAS_APPLY, input, weight)
-
-
-def _fused_dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor) -> Tensor:
-    check_layers(input, [("weight1", weight1, bias1), ("weight2", weight2, bias2)])
-    return apply_function(FusedDenseGeluDenseFunc, _GELU_DENSE_APPLY, input, weight1, bias1, weight2,
-                          bias2)
-
-
-fused_dense_function = _half_function(_fused_dense)
-"""``fused_dense_function(input (..., in), weight (out, in), bias (out,)) -> (..., out)``."""
-dense_no_bias_function = _half_function(_dense_no_bias)
-"""``dense_no_bias_function(input (..., in), weight (out, in)) -> (..., out)``."""
-fused_dense_gelu_dense_function = _half_function(_fused_dense_gelu_dense)
-"""``fused_dense_gelu_dense_function(input, weight1 (hid, in), bias1, weight2 (out, hid), bias2) -> (..., out)``."""
+def fused_dense_gelu_dense_function(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor
+                                    ) -> Tensor:
+    """``gelu(input @ weight1^T + bias1) @ weight2^T + bias2``: ``input (..., in)``, ``weight1 (hid, in)``,
+    ``weight2 (out, hid)`` -> ``(..., out)`` (exact GELU; ``FusedDenseGeluDenseFunc``)."""
+    device_type = input.device.type if isinstance(input, Tensor) else "cuda"
+    if torch.is_autocast_enabled(device_type):
+        input, weight1, bias1, weight2, bias2 = _cast_if_autocast_enabled(device_type, input, weight1, bias1, weight2,
+                                                                          bias2)
+        with _autocast_off(device_type):
+            return linear_act_linear(input, weight1, bias1, weight2, bias2, "gelu")
+    return linear_act_linear(input, weight1, bias1, weight2, bias2, "gelu")
 
 
 def _init_linear(weight: Tensor, bias: Tensor | None) -> None:

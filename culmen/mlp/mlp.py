@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
-from culmen.ops.activations.dense import mlp_backward, mlp_forward
-from culmen.ops.activations.op import apply_function, raw_apply
+from culmen.ops.activations.dense import DENSE_PLANS, DensePlan, mlp_backward, mlp_forward, tensor_key
+from culmen.ops.activations.op import raw_apply
 
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 
@@ -44,6 +44,8 @@ def _split_args(bias: int, args: tuple) -> tuple[Tensor, list[Tensor], list[Tens
 
 
 def _validate(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"MLP input must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1:
         raise ValueError("MLP input must have at least one dimension")
     feats = x.shape[-1]
@@ -61,53 +63,111 @@ def _validate(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> None:
             raise ValueError(f"MLP parameters must be on the input's device {x.device}, a {name} is on {t.device}")
 
 
+def _check(bias: int, activation: int, args: tuple) -> tuple[int, str]:
+    """Validate ``mlp_function``'s arguments; return the layer count and the activation name."""
+    if activation not in _ACT_NAMES:
+        raise ValueError(f"activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
+    x, weights, biases = _split_args(bias, args)
+    _validate(x, weights, biases)
+    return len(weights), _ACT_NAMES[activation]
+
+
+class _MlpPlan(DensePlan):
+    """A checked ``mlp_function`` signature: layer count, bias flag, activation name, and (from
+    ``DensePlan``) the activation plans of every layer."""
+
+    __slots__ = ("n", "bias")
+
+    def __init__(self, bias: int, activation: int, args: tuple) -> None:
+        n, act = _check(bias, activation, args)
+        super().__init__(act)
+        self.n = n
+        self.bias = bool(bias)
+
+
+def _forward(ctx, plan: _MlpPlan | None, n: int, has_bias: bool, act: str, args: tuple) -> Tensor:
+    x = args[0]
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    weights = args[1:1 + n]
+    outs = mlp_forward(x2, weights, args[1 + n:] if has_bias else None, act, plan)
+    ctx.save_for_backward(x2, *weights, *outs)
+    ctx.state = (plan, n, has_bias, act, x.shape)
+    y = outs[-1]
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _backward(ctx, grad_o: Tensor) -> tuple:
+    plan, n, has_bias, act, x_shape = ctx.state
+    saved = ctx.saved_tensors
+    x2, weights, outs = saved[0], saved[1:1 + n], saved[1 + n:]
+    g2 = grad_o if grad_o.dim() == 2 else grad_o.reshape(-1, grad_o.shape[-1])
+    # The input is the first of the 1 + n (+ n biases) trailing tensor arguments.
+    need_x = ctx.needs_input_grad[-(1 + n + (n if has_bias else 0))]
+    dx, dws, dbs = mlp_backward(g2, x2, weights, outs, act, has_bias, need_x, plan)
+    if dx is not None and len(x_shape) != 2:
+        dx = dx.view(x_shape)
+    return (dx, *dws, *(dbs if has_bias else ()))
+
+
 class MlpFunction(torch.autograd.Function):
     """Apex's ``MlpFunction.apply(bias, activation, input, *weights, *biases)``.
 
     ``bias``: 0/1; ``activation``: 0 none, 1 relu, 2 sigmoid; ``input`` ``(..., sizes[0])``; returns
-    ``(..., sizes[-1])`` in the input's dtype.
+    ``(..., sizes[-1])`` in the input's dtype. Checks its arguments on every call (``mlp_function``
+    checks once per signature).
     """
 
     @staticmethod
     def forward(ctx, bias, activation, *args):
-        x, weights, biases = _split_args(bias, args)
-        if activation not in _ACT_NAMES:
-            raise ValueError(f"activation must be 0 (none), 1 (relu) or 2 (sigmoid), got {activation!r}")
-        _validate(x, weights, biases)
-        x2 = x if (x.dim() == 2 and x.is_contiguous()) else x.reshape(-1, x.shape[-1]).contiguous()
-        outs = mlp_forward(x2, weights, biases, _ACT_NAMES[activation])
-        ctx.save_for_backward(x2, *weights, *outs)
-        ctx.n_layers = len(weights)
-        ctx.bias = bool(bias)
-        ctx.activation = _ACT_NAMES[activation]
-        ctx.x_shape = x.shape
-        return outs[-1] if x.dim() == 2 else outs[-1].reshape(*x.shape[:-1], outs[-1].shape[-1])
+        n, act = _check(bias, activation, args)
+        return _forward(ctx, None, n, bool(bias), act, args)
 
     @staticmethod
     def backward(ctx, grad_o):
-        n = ctx.n_layers
-        saved = ctx.saved_tensors
-        x2, weights, outs = saved[0], list(saved[1:1 + n]), list(saved[1 + n:])
-        need_x = ctx.needs_input_grad[2]
-        g2 = grad_o if grad_o.dim() == 2 else grad_o.reshape(-1, grad_o.shape[-1])
-        dx, dws, dbs = mlp_backward(g2, x2, weights, outs, ctx.activation, ctx.bias, need_x)
-        if dx is not None and len(ctx.x_shape) != 2:
-            dx = dx.reshape(ctx.x_shape)
-        return (None, None, dx, *dws, *(dbs if ctx.bias else ()))
+        return (None, None, *_backward(ctx, grad_o))
 
 
-_MLP_APPLY = raw_apply(MlpFunction)
+class _MlpPlanned(torch.autograd.Function):
+    """``MlpFunction`` with the call's cached plan (eager mode)."""
+
+    @staticmethod
+    def forward(ctx, plan, *args):
+        return _forward(ctx, plan, plan.n, plan.bias, plan.act, args)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        return (None, *_backward(ctx, grad_o))
+
+
+_MLP_APPLY = raw_apply(_MlpPlanned)
 
 
 def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
     """``MlpFunction.apply`` with Apex's autocast behaviour (``amp.half_function``): under autocast the
-    input and parameters are cast to the autocast dtype and the op runs with autocast off."""
+    input and parameters are cast to the autocast dtype and the op runs with autocast off.
+
+    ``args``: ``input (..., sizes[0]), *weights, *biases``. The arguments are checked once per call
+    signature (shapes, dtypes and devices of all tensors).
+    """
     if not args:
         raise ValueError("mlp_function needs the input tensor")
-    device_type = args[0].device.type
-    args = _cast_if_autocast_enabled(device_type, *args)
-    with _autocast_off(device_type):
-        return apply_function(MlpFunction, _MLP_APPLY, bias, activation, *args)
+    x = args[0]
+    device_type = x.device.type if isinstance(x, Tensor) else "cpu"
+    if (torch.is_autocast_enabled(device_type) or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
+        args = _cast_if_autocast_enabled(device_type, *args)
+        with _autocast_off(device_type):
+            return MlpFunction.apply(bias, activation, *args)
+    try:
+        key = ("mlp", bias, activation, *map(tensor_key, args))
+        plan = DENSE_PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors / unhashable flags: the checks say why
+        key, plan = None, None
+    if plan is None:
+        plan = _MlpPlan(bias, activation, args)
+        if key is not None:
+            DENSE_PLANS.put(key, plan)
+    return _MLP_APPLY(plan, *args)
 
 
 class MLP(nn.Module):

@@ -37,7 +37,7 @@ def forward(use_bias: int, activation: int, inputs) -> list[Tensor]:
     if x.dim() != 2:
         raise ValueError(f"mlp_cuda.forward needs a 2-D input (batch, features), got shape {tuple(x.shape)}")
     with torch.no_grad():
-        outs = mlp_forward(x.contiguous(), weights, biases, _act(activation))
+        outs = mlp_forward(x, weights, biases, _act(activation))
         reserved = torch.cat([o.reshape(-1) for o in outs])
     return [outs[-1], reserved]
 
@@ -53,7 +53,7 @@ def backward(use_bias: int, activation: int, grad_o: Tensor, fprop_outputs, inpu
         outs.append(reserved[off:off + n].view(batch, w.shape[0]))
         off += n
     with torch.no_grad():
-        dx, dws, dbs = mlp_backward(grad_o, x.contiguous(), weights, outs, _act(activation), bool(use_bias),
+        dx, dws, dbs = mlp_backward(grad_o, x, weights, outs, _act(activation), bool(use_bias),
                                     bool(x.requires_grad))
     if dx is None:
         dx = torch.zeros_like(x)

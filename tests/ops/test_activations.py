@@ -4,7 +4,7 @@ Every numerical case runs on the pure-PyTorch reference path and on the Triton k
 interpreter. The tolerance rule (DESIGN.md): the op's error against ``act_ref`` / ``glu_ref`` on
 float64 copies (gradients by autograd of the oracle, so the closed-form derivatives of the kernels are
 checked independently) must be at most 2x PyTorch's own error in the input dtype, plus a small atol.
-Output buffers are poisoned with NaN (``launch._empty``) so an element a kernel forgets shows up.
+Output buffers are poisoned with NaN (``poisoned_allocations``) so an element a kernel forgets shows up.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from culmen.ops.activations import (
     glu_fwd,
 )
 from culmen.ops.activations import launch as act_launch
-from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
+from culmen.ops.activations.op import act_plan
+from culmen.testing import assert_close_tolerance, make_noncontiguous, poisoned_allocations, randn
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 _SHORT = {F32: "f32", F16: "f16", BF16: "bf16", None: "none"}
@@ -39,14 +40,10 @@ def backend(request):
 
 
 @pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    """Every buffer the launchers allocate starts as NaN."""
-    real = act_launch._empty
-
-    def empty(shape, device, dtype):
-        return poison_(real(shape, device, dtype))
-
-    monkeypatch.setattr(act_launch, "_empty", empty)
+def poisoned():
+    """Every buffer the plans allocate starts as NaN."""
+    with poisoned_allocations():
+        yield
 
 
 def _layout(t: torch.Tensor, how: str) -> torch.Tensor:
@@ -230,21 +227,15 @@ def test_relu_bit_mask(triton_backend, monkeypatch, shape, bias, prefetch):
                 torch.testing.assert_close(grads[1], ref_dx.reshape(-1, N).sum(0), rtol=1e-6, atol=1e-5)
 
 
-def test_flat_and_row_launches(triton_backend, monkeypatch):
+def test_flat_and_row_launches(triton_backend):
     """Contiguous input without bias runs as one flat row; a bias or padded rows give a 2-D launch."""
-    seen = []
-    real = act_launch._fwd
-
-    def spy(grid, args, meta, num_warps, num_stages=3):
-        seen.append((args[3], args[4], meta["HAS_BIAS"], args[5]))  # M, N, bias, stride_x
-        return real(grid, args, meta, num_warps, num_stages)
-
-    monkeypatch.setattr(act_launch, "_fwd", spy)
-    monkeypatch.setattr(act_launch, "_PLANS", {})  # plans keep the launcher they were built with
     x = randn((6, 50))
-    bias_act(x, None, "silu")
-    bias_act(x, randn(50), "silu")
-    bias_act(make_noncontiguous(x), None, "silu")
+    seen = []
+    for xi, b in ((x, None), (x, randn(50)), (make_noncontiguous(x), None)):
+        plan = act_plan(xi, b, "silu")
+        M, N, sx = plan.tail[:3]
+        seen.append((M, N, plan.has_bias, sx))
+        torch.testing.assert_close(bias_act(xi, b, "silu"), act_ref(xi + (b if b is not None else 0), "silu"))
     assert seen == [(1, 300, False, 0), (6, 50, True, 50), (6, 50, False, 53)]
 
 

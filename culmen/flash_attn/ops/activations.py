@@ -3,10 +3,16 @@ single Triton pass forward and backward (fp32 math, results in the input's dtype
 
 Same names and argument orders as flash_attn (note ``swiglu_bwd(x, y, g)`` but ``gelu_bwd(g, x)``).
 GELU here is flash_attn's tanh approximation; ``bias_gelu_erf_impl`` (exact GELU) and ``geglu`` are
-culmen additions. Differences, on purpose: ``bias_gelu_back`` reduces the bias gradient over every
-leading dim (flash_attn sums dim 0 only, which is wrong for 3-D input); the ``*_fwd`` functions are
+culmen additions. Every function is a thin call of ``culmen.ops.activations`` (cached call plans: the
+arguments are checked once per call signature). ``swiglu`` on the two halves of one tensor
+(``h.chunk(2, -1)``) reads them in place and returns the gradient of ``h`` as one buffer (see
+``culmen.ops.activations.op``).
+
+Differences, on purpose: ``bias_gelu_back`` reduces the bias gradient over every leading dim
+(flash_attn sums dim 0 only, which is wrong for 3-D input); the ``*_fwd`` functions are
 differentiable (their autograd uses the fused backward), the ``*_bwd`` ones are not (flash_attn's,
-being plain PyTorch expressions, could be differentiated twice).
+being plain PyTorch expressions, could be differentiated twice); ``bias_gelu_impl``, ``fast_gelu_impl``
+and ``swiglu`` are functions with the ``apply`` signatures of the autograd functions they name.
 """
 
 from __future__ import annotations
@@ -14,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.activations import act_bwd, bias_act, gated_act, glu_bwd
-from culmen.ops.activations.op import _check_bias, _check_same, _check_tensor
+from culmen.ops.activations import act_bwd, act_fwd, bias_act, gated_act, glu_bwd, glu_fwd
 
 __all__ = [
     "FastGeLUFunction",
@@ -39,11 +44,6 @@ __all__ = [
 ]
 
 
-def _check_grad(g: Tensor, x: Tensor) -> None:
-    _check_tensor("g", g)
-    _check_same("g", g, x)
-
-
 def swish(x: Tensor) -> Tensor:
     """``silu(x)`` (flash_attn's older ``swish``), differentiable."""
     return bias_act(x, None, "silu")
@@ -57,9 +57,6 @@ def bias_gelu(y: Tensor, bias: Tensor) -> Tensor:
 def bias_gelu_back(g: Tensor, y: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """``(grad_y, grad_bias)`` of ``bias_gelu`` for output gradient ``g``: ``grad_y`` in ``y``'s dtype,
     ``grad_bias`` ``(D,)`` in ``bias``'s dtype (fp32 accumulation), from one fused pass."""
-    _check_tensor("y", y)
-    _check_grad(g, y)
-    bias = _check_bias(y, bias)
     dx, db, _ = act_bwd(g, y, bias, "gelu_tanh", dbias_dtype=bias.dtype if bias is not None else y.dtype)
     return dx, db
 
@@ -69,10 +66,6 @@ class GeLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, bias):
-        from culmen.ops.activations import act_fwd
-
-        _check_tensor("input", input)
-        bias = _check_bias(input, bias)
         ctx.save_for_backward(input, bias)
         return act_fwd(input, bias, "gelu_tanh")
 
@@ -84,7 +77,9 @@ class GeLUFunction(torch.autograd.Function):
         return dx, db
 
 
-bias_gelu_impl = GeLUFunction.apply
+def bias_gelu_impl(input: Tensor, bias: Tensor | None) -> Tensor:
+    """``GeLUFunction.apply(input, bias)``: differentiable tanh-GELU of ``input + bias``."""
+    return bias_act(input, bias, "gelu_tanh")
 
 
 def bias_gelu_erf_impl(input: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -99,8 +94,6 @@ def gelu_fwd(x: Tensor) -> Tensor:
 
 def gelu_bwd(g: Tensor, x: Tensor) -> Tensor:
     """``g * gelu_tanh'(x)`` in ``x``'s dtype."""
-    _check_tensor("x", x)
-    _check_grad(g, x)
     return act_bwd(g, x, None, "gelu_tanh")[0]
 
 
@@ -109,9 +102,6 @@ class FastGeLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input):
-        from culmen.ops.activations import act_fwd
-
-        _check_tensor("input", input)
         ctx.save_for_backward(input)
         return act_fwd(input, None, "gelu_tanh")
 
@@ -121,13 +111,13 @@ class FastGeLUFunction(torch.autograd.Function):
         return act_bwd(grad_output, input, None, "gelu_tanh")[0]
 
 
-fast_gelu_impl = FastGeLUFunction.apply
+def fast_gelu_impl(input: Tensor) -> Tensor:
+    """``FastGeLUFunction.apply(input)``: differentiable tanh-GELU."""
+    return bias_act(input, None, "gelu_tanh")
 
 
 def relu_bwd(g: Tensor, x: Tensor) -> Tensor:
     """``g`` where ``x >= 0``, else 0 (flash_attn's convention: the derivative at 0 is 1), in ``x``'s dtype."""
-    _check_tensor("x", x)
-    _check_grad(g, x)
     return act_bwd(g, x, None, "relu_ge0")[0]
 
 
@@ -138,8 +128,6 @@ def sqrelu_fwd(x: Tensor) -> Tensor:
 
 def sqrelu_bwd(g: Tensor, x: Tensor) -> Tensor:
     """``2 * g * relu(x)`` in ``x``'s dtype."""
-    _check_tensor("x", x)
-    _check_grad(g, x)
     return act_bwd(g, x, None, "sqrelu")[0]
 
 
@@ -150,10 +138,6 @@ def swiglu_fwd(x: Tensor, y: Tensor) -> Tensor:
 
 def swiglu_bwd(x: Tensor, y: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     """``(dx, dy)`` of ``silu(x) * y`` for output gradient ``g`` (note the argument order)."""
-    for name, t in (("x", x), ("y", y), ("g", g)):
-        _check_tensor(name, t)
-    _check_same("y", y, x)
-    _check_same("g", g, x)
     return glu_bwd(g, x, y, "silu")
 
 
@@ -162,11 +146,6 @@ class SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y):
-        from culmen.ops.activations import glu_fwd
-
-        for name, t in (("x", x), ("y", y)):
-            _check_tensor(name, t)
-        _check_same("y", y, x)
         ctx.save_for_backward(x, y)
         return glu_fwd(x, y, "silu")
 
@@ -176,7 +155,10 @@ class SwiGLUFunction(torch.autograd.Function):
         return glu_bwd(dout, x, y, "silu")
 
 
-swiglu = SwiGLUFunction.apply
+def swiglu(x: Tensor, y: Tensor) -> Tensor:
+    """``SwiGLUFunction.apply(x, y)``: differentiable ``silu(x) * y`` (``x``, ``y`` ``(..., N)`` of one shape,
+    any strides; a contiguous result in ``x``'s dtype)."""
+    return gated_act(x, y, "silu")
 
 
 def geglu(x: Tensor, y: Tensor, approximate: str = "tanh") -> Tensor:

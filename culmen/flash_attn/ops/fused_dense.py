@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
-from culmen.ops.activations.dense import check_layers, linear, linear_act_linear
+from culmen.ops.activations.dense import checked_linear, linear_act_linear
 
 __all__ = [
     "ColumnParallelLinear",
@@ -162,13 +162,20 @@ def _parallel_input(x: Tensor, pg: ProcessGroup | None, sequence_parallel: bool)
 def fused_dense_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, return_residual: bool = False,
                      process_group: ProcessGroup | None = None, sequence_parallel: bool = True):
     """``x @ weight^T + bias``: ``x`` ``(..., in)`` (local rows when sequence parallel), ``weight``
-    ``(out, in)``. Returns ``(..., out)``, or ``(out, x)`` with ``return_residual``."""
-    device_type = x.device.type
-    x, weight, bias = _cast_if_autocast_enabled(device_type, x, weight, bias)
-    check_layers(x, [("weight", weight, bias)], "x")
-    with _autocast_off(device_type):
-        out = linear(_parallel_input(x, process_group, sequence_parallel), weight, bias)
+    ``(out, in)``. Returns ``(..., out)``, or ``(out, x)`` with ``return_residual``. The arguments are
+    checked once per call signature."""
+    device_type = x.device.type if isinstance(x, Tensor) else "cuda"
+    if torch.is_autocast_enabled(device_type):
+        x, weight, bias = _cast_if_autocast_enabled(device_type, x, weight, bias)
+        with _autocast_off(device_type):
+            out = _dense(x, weight, bias, process_group, sequence_parallel)
+    else:
+        out = _dense(x, weight, bias, process_group, sequence_parallel)
     return (out, x) if return_residual else out
+
+
+def _dense(x, weight, bias, process_group, sequence_parallel):
+    return checked_linear(_parallel_input(x, process_group, sequence_parallel), weight, bias, "x")
 
 
 class FusedDenseFunc:
@@ -266,12 +273,16 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Tensor | 
     _check_mlp_args(activation, checkpoint_lvl, heuristic)
     if not save_pre_act:
         checkpoint_lvl = 2
-    device_type = x.device.type
-    x, weight1, bias1, weight2, bias2 = _cast_if_autocast_enabled(device_type, x, weight1, bias1, weight2, bias2)
-    check_layers(x, [("weight1", weight1, bias1), ("weight2", weight2, bias2)], "x")
-    with _autocast_off(device_type):
-        out = linear_act_linear(_parallel_input(x, process_group, sequence_parallel), weight1, bias1, weight2,
-                                bias2, _MLP_ACTS[activation], checkpoint_lvl)
+    act = _MLP_ACTS[activation]
+    device_type = x.device.type if isinstance(x, Tensor) else "cuda"
+    if torch.is_autocast_enabled(device_type):
+        x, weight1, bias1, weight2, bias2 = _cast_if_autocast_enabled(device_type, x, weight1, bias1, weight2, bias2)
+        with _autocast_off(device_type):
+            out = linear_act_linear(_parallel_input(x, process_group, sequence_parallel), weight1, bias1, weight2,
+                                    bias2, act, checkpoint_lvl, "x")
+    else:
+        out = linear_act_linear(_parallel_input(x, process_group, sequence_parallel), weight1, bias1, weight2, bias2,
+                                act, checkpoint_lvl, "x")
     return (out, x) if return_residual else out
 
 

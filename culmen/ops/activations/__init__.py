@@ -1,10 +1,10 @@
 """Fused bias + activation and gated activations, in Triton, with a PyTorch reference.
 
-Layers (DESIGN.md): Triton kernels in ``kernels.py``; launchers ``act_fwd`` / ``act_bwd`` / ``glu_fwd`` /
-``glu_bwd`` / ``relu_mask_fwd`` / ``relu_mask_bwd`` in ``launch.py`` (cached per-geometry launch plans);
-references in ``reference.py``; custom ops ``culmen::act_fwd`` / ``act_bwd`` / ``glu_fwd`` / ``glu_bwd``
-with autograd and the op-level entry points in ``op.py``; the cuBLAS + fused-epilogue dense compositions
-(linear+bias, linear-act-linear, MLP stacks) in ``dense.py``.
+Layers (DESIGN.md): Triton kernels in ``kernels.py``; the cached call plans (validation, geometry,
+allocation, bound launches) in ``launch.py``; references in ``reference.py``; the entry points
+``bias_act`` / ``gated_act`` / ``act_fwd`` / ``act_bwd`` / ``glu_fwd`` / ``glu_bwd``, their eager autograd
+and the ``torch.compile`` ops ``culmen::act_fwd`` / ``act_bwd`` / ``glu_fwd`` / ``glu_bwd`` in ``op.py``; the
+cuBLAS + fused-epilogue dense compositions (linear+bias, linear-act-linear, MLP stacks) in ``dense.py``.
 
 Eager autograd of ``bias_act`` with ReLU saves a 1-bit-per-element mask instead of the input, so its
 fwd+bwd moves 4.125 tensor-sized passes instead of 5 (and keeps 1/16 of a bf16 input alive); every

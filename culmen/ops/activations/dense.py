@@ -1,4 +1,4 @@
-"""Dense layers with fused epilogues: cuBLAS GEMMs (``torch.addmm`` / ``mm``) plus the Triton activation
+"""Dense layers with fused epilogues: cuBLAS GEMMs (``F.linear`` / ``mm``) plus the Triton activation
 kernels of this package, and one autograd function per composition that saves only what its
 backward needs.
 
@@ -14,13 +14,16 @@ backward needs.
   only the layer outputs (ReLU / sigmoid derivatives come from the outputs).
 
 In every backward the activation derivative and the bias gradient come from ONE Triton pass over the
-hidden activations (``act_bwd`` with a fused column reduction), written in place over the GEMM's
-``dL/d(out)`` buffer: no extra ``(tokens, hidden)`` buffer is allocated.
+hidden activations, written in place over the GEMM's ``dL/d(out)`` buffer: no extra ``(tokens, hidden)``
+buffer is allocated.
 
-Host cost matters as much as device time here: an 8192 x 1024-4096-1024 bf16 step is ~0.7 ms of GPU
-work, about what a Python autograd step of these compositions costs on a slow host. So the GEMMs are
-``F.linear`` (the transpose happens in C++), 2-D contiguous inputs are used as they are, the backend is
-chosen once per autograd node (``_fast``), and the activation launchers are called directly in eager mode.
+Host cost matters as much as device time here (an 8192 x 1024-4096-1024 bf16 step is ~0.7 ms of GPU
+work, about what a Python autograd step of these compositions costs on a slow host). So the call path
+of DESIGN.md: the API functions check their arguments once per call signature (``checked``) and get a
+``DensePlan`` that keeps the activation plans of every layer (``launch.ActPlan`` / ``ActBwdPlan``, built
+on first use); a cached call makes the GEMMs, the activation launches and the allocations, nothing
+else. Under ``torch.compile`` the same bodies run with ``plan=None``: the activations then go through
+the traced ops (``op.act_fwd`` / ``op.act_bwd``).
 """
 
 from __future__ import annotations
@@ -29,13 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.ops.activations.op import _launch, _use_triton, act_bwd, act_fwd, apply_function, raw_apply
+from culmen.ops.activations.launch import ActBwdPlan, ActPlan
+from culmen.ops.activations.op import act_bwd, act_fwd, apply_function, raw_apply
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import PlanCache, clear_plans
 
-TUNING = {
+TUNING = PlanTuning({
     # Fuse bias + ReLU into the cuBLASLt GEMM epilogue (torch._addmm_activation) instead of a
     # separate in-place Triton pass over the GEMM output.
     "relu_epilogue": True,
-}
+}, clear_plans)
+
+DENSE_PLANS = PlanCache("dense")
 
 
 def check_layers(x: Tensor, layers: list[tuple[str, Tensor, Tensor | None]], x_name: str = "input") -> None:
@@ -49,6 +57,8 @@ def check_layers(x: Tensor, layers: list[tuple[str, Tensor, Tensor | None]], x_n
     feats = shape[-1]
     dtype, device = x.dtype, x.device
     for name, w, b in layers:
+        if not isinstance(w, Tensor) or (b is not None and not isinstance(b, Tensor)):
+            raise TypeError(f"{name} and its bias must be torch.Tensors")
         ws = w.shape
         if len(ws) != 2 or ws[1] != feats:
             raise ValueError(f"{name} must have shape (out_features, {feats}), got {tuple(ws)}")
@@ -65,71 +75,111 @@ def check_layers(x: Tensor, layers: list[tuple[str, Tensor, Tensor | None]], x_n
                 raise ValueError(f"{x_name} is on {device} but {name}'s parameters are on {t.device}")
 
 
-def _mm_bias(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``x2 @ weight^T (+ bias)``: ``x2`` ``(M, K)``, ``weight`` ``(N, K)``, ``bias`` ``(N,)``. ``F.linear``
-    is cuBLAS(Lt) ``addmm`` with the bias epilogue, transposing in C++ (a Python ``.t()`` costs
-    microseconds of host time)."""
-    return F.linear(x2, weight, bias)
+class DensePlan:
+    """What a dense composition derives from one call signature (its checks passed): the activation
+    and the activation plans of its layers, built from the first call's tensors (the hidden tensors
+    are fresh contiguous GEMM outputs, so one signature has one geometry). Holds no tensors."""
+
+    __slots__ = ("act", "relu_epilogue", "fwd", "bwd")
+
+    def __init__(self, act: str) -> None:
+        self.act = act
+        self.relu_epilogue = TUNING["relu_epilogue"]
+        self.fwd: dict = {}
+        self.bwd: dict = {}
 
 
-def _fast(t: Tensor) -> bool:
-    """Whether the activation launchers can be called directly (eager mode, Triton backend): one
-    backend decision per autograd node instead of one per op-level call."""
-    return not torch.compiler.is_compiling() and _use_triton(t)
+def dense_plan(key: tuple, act: str, check) -> DensePlan:
+    """The cached ``DensePlan`` of ``key``; ``check()`` (raising on bad arguments) runs on a miss. A key
+    that cannot be hashed (``None``: not tensors) is checked on every call and never cached."""
+    plan = DENSE_PLANS.get(key) if key is not None else None
+    if plan is None:
+        check()
+        plan = DensePlan(act)
+        if key is not None:
+            DENSE_PLANS.put(key, plan)
+    return plan
 
 
-def _mm_bias_act(x2: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
+def tensor_key(t: Tensor | None):
+    """The part of a plan key describing ``t`` (shape, dtype, device)."""
+    return None if t is None else (t.shape, t.dtype, t.device)
+
+
+# ------------------------------------------------------------------------------ activations
+
+
+def _act(plan: DensePlan | None, slot, t: Tensor, act: str, inplace: bool) -> Tensor:
+    """``act(t)`` (``t`` a fresh contiguous GEMM output), in place when ``inplace``."""
+    if plan is None:
+        return act_fwd(t, None, act, inplace=inplace)
+    ap = plan.fwd.get(slot)
+    if ap is None:
+        ap = plan.fwd[slot] = ActPlan(t, None, act)
+    return ap.forward(t, None, t if inplace and ap.inplace_ok else None)
+
+
+def _act_grad(plan: DensePlan | None, slot, g: Tensor, t: Tensor, act: str, from_output: bool,
+              db_dtype: torch.dtype | None, store_out: bool, inplace: bool) -> tuple:
+    """``(dL/dpre, dbias, act(pre))`` from ``g = dL/d act(pre)`` (contiguous) and ``t`` (the pre-activation,
+    or the output with ``from_output``), in one pass; ``dL/dpre`` over ``g`` when ``inplace``."""
+    if plan is None:
+        return act_bwd(g, t, None, act, from_output=from_output, dbias_dtype=db_dtype, store_out=store_out,
+                       inplace=inplace)
+    key = (slot, db_dtype, store_out)
+    bp = plan.bwd.get(key)
+    if bp is None:
+        bp = plan.bwd[key] = ActBwdPlan(g, t, None, act, from_output, db_dtype is not None, db_dtype or t.dtype,
+                                        store_out)
+    return bp.run(g, t, None, g if inplace and bp.inplace_ok else None)
+
+
+def _mm_bias_act(plan: DensePlan | None, slot, x2: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
     """``act(x2 @ weight^T + bias)``: ReLU in the GEMM epilogue when it can be, else one in-place pass."""
-    if act == "relu" and bias is not None and TUNING["relu_epilogue"]:
+    if act == "relu" and bias is not None and (TUNING["relu_epilogue"] if plan is None else plan.relu_epilogue):
         return torch._addmm_activation(bias, x2, weight.t())
-    out = _mm_bias(x2, weight, bias)
+    out = F.linear(x2, weight, bias)
     if act == "none":
         return out
-    return act_fwd(out, None, act, inplace=True)
+    return _act(plan, slot, out, act, True)
 
 
 def _rows(t: Tensor) -> Tensor:
-    """``t`` as a contiguous 2-D ``(rows, features)`` tensor (itself when it already is one)."""
-    if t.dim() == 2 and t.is_contiguous():
-        return t
-    return t.reshape(-1, t.shape[-1]).contiguous()
+    """``t`` as 2-D ``(rows, features)`` (itself when it already is; a view when the strides allow)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def _unrows(t: Tensor, shape: torch.Size) -> Tensor:
     """A 2-D result ``t`` back in the caller's leading dims ``shape[:-1]``."""
-    return t if len(shape) == 2 else t.reshape(*shape[:-1], t.shape[-1])
+    return t if len(shape) == 2 else t.view(*shape[:-1], t.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------ linear
 
 
-# The forward / backward bodies are plain functions taking ``ctx`` so that the Apex- and
-# flash_attn-named autograd functions can share them (torch.compile does not trace one
-# autograd.Function calling another's staticmethods).
-
-
 def linear_forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """Forward of ``y = x @ W^T + b``; saves what ``linear_backward`` needs on ``ctx``."""
-    x2 = _rows(x)
-    y = _mm_bias(x2, weight, bias)
+    """Forward of ``y = x @ W^T + b`` (any leading dims: ``F.linear`` folds them); saves what
+    ``linear_backward`` needs on ``ctx``."""
     # The weight gradient needs x; without it only W is kept.
-    ctx.save_for_backward(x2 if weight.requires_grad else None, weight)
-    ctx.x_shape = x.shape
+    ctx.save_for_backward(x if weight.requires_grad else None, weight)
     ctx.has_bias = bias is not None
-    return _unrows(y, x.shape)
+    return F.linear(x, weight, bias)
 
 
 def linear_backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dx, dW, db)`` of ``linear_forward`` (``None`` where ``ctx.needs_input_grad`` says so)."""
-    x2, weight = ctx.saved_tensors
-    g2 = _rows(g)
+    x, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_x, need_w, need_b = need[0], need[1], ctx.has_bias and need[2]
     dx = dw = db = None
-    if ctx.needs_input_grad[0]:
-        dx = _unrows(torch.mm(g2, weight), ctx.x_shape)
-    if ctx.needs_input_grad[1]:
-        dw = torch.mm(g2.t(), x2)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = g2.sum(0)
+    if need_x:
+        dx = g.matmul(weight)
+    if need_w or need_b:
+        g2 = _rows(g)
+        if need_w:
+            dw = torch.mm(g2.t(), _rows(x))
+        if need_b:
+            db = g2.sum(0)
     return dx, dw, db
 
 
@@ -149,148 +199,169 @@ _LINEAR_APPLY = raw_apply(LinearFunction)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Differentiable ``x @ weight^T + bias`` (``x`` ``(..., K)``; result ``(..., N)`` in ``x``'s dtype)."""
+    """Differentiable ``x @ weight^T + bias`` (``x`` ``(..., K)``; result ``(..., N)`` in ``x``'s dtype).
+    Unchecked: the API functions check once per signature (``checked_linear``)."""
+    return apply_function(LinearFunction, _LINEAR_APPLY, x, weight, bias)
+
+
+def checked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, x_name: str = "input") -> Tensor:
+    """``linear`` with ``check_layers``' checks, run once per call signature."""
+    try:
+        key = ("linear", x_name, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
+               tensor_key(bias))
+    except AttributeError:
+        key = None
+    dense_plan(key, "none", lambda: check_layers(x, [("weight", weight, bias)], x_name))
     return apply_function(LinearFunction, _LINEAR_APPLY, x, weight, bias)
 
 
 # ------------------------------------------------------------------------------- linear-act-linear
 
 
-def linear_act_linear_forward(ctx, x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
-                              act: str, checkpoint_lvl: int) -> Tensor:
-    """Forward of ``act(x @ W1^T + b1) @ W2^T + b2``; saves per ``checkpoint_lvl`` on ``ctx``."""
+def linear_act_linear_forward(ctx, plan: DensePlan | None, x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor,
+                              b2: Tensor | None, act: str, checkpoint_lvl: int) -> Tensor:
+    """Forward of ``act(x @ W1^T + b1) @ W2^T + b2``; saves per ``checkpoint_lvl`` on ``ctx``. ``plan``:
+    the cached activation plans (``None`` under ``torch.compile``)."""
     x2 = _rows(x)
     relu = act == "relu"
-    fast = _fast(x2)
     if relu:
-        out1 = _mm_bias_act(x2, w1, b1, "relu")
+        out1 = _mm_bias_act(plan, 0, x2, w1, b1, "relu")
         pre = None
     else:
-        pre = _mm_bias(x2, w1, b1)
-        out1 = _launch().act_fwd(pre, None, act) if fast else act_fwd(pre, None, act)
-    out2 = _mm_bias(out1, w2, b2)
+        pre = F.linear(x2, w1, b1)
+        out1 = _act(plan, 0, pre, act, False)
+    out2 = F.linear(out1, w2, b2)
     if checkpoint_lvl == 2:
-        saved = (None, None)
+        ctx.save_for_backward(x2, w1, b1, w2, None, None)
     elif relu:
-        saved = (None, out1)  # ReLU' comes from its output: the pre-activation is never needed
+        ctx.save_for_backward(x2, w1, b1, w2, None, out1)  # ReLU' comes from its output: no pre-activation
     elif checkpoint_lvl == 1:
-        saved = (pre, None)
+        ctx.save_for_backward(x2, w1, b1, w2, pre, None)
     else:
-        saved = (pre, out1)
-    ctx.save_for_backward(x2, w1, b1, w2, *saved)
-    ctx.state = (act, x.shape, b1 is not None, b2 is not None, fast)
+        ctx.save_for_backward(x2, w1, b1, w2, pre, out1)
+    ctx.state = (plan, act, x.shape, b1 is not None, b2 is not None)
     return _unrows(out2, x.shape)
 
 
-def linear_act_linear_backward(ctx, g: Tensor) -> tuple:
-    """``(dx, dW1, db1, dW2, db2, None, None)`` of ``linear_act_linear_forward``."""
+def linear_act_linear_backward(ctx, g: Tensor, first: int = 0) -> tuple:
+    """``(dx, dW1, db1, dW2, db2)`` of ``linear_act_linear_forward``; ``first``: the index of ``x`` among the
+    autograd function's inputs."""
     x2, w1, b1, w2, pre, out1 = ctx.saved_tensors
-    act, x_shape, has_b1, has_b2, fast = ctx.state
-    need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+    plan, act, x_shape, has_b1, has_b2 = ctx.state
+    need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[first:first + 5]
     need_b1 = need_b1 and has_b1
-    need_first = need_x or need_w1 or need_b1
     g2 = _rows(g)
+    relu = act == "relu"
     if pre is None and out1 is None:  # checkpoint_lvl 2: redo the first GEMM
-        if act == "relu":
-            out1 = _mm_bias_act(x2, w1, b1, "relu")
+        if relu:
+            out1 = _mm_bias_act(plan, 0, x2, w1, b1, "relu")
         else:
-            pre = _mm_bias(x2, w1, b1)
+            pre = F.linear(x2, w1, b1)
     dpre = db1 = None
-    if need_first:
+    if need_x or need_w1 or need_b1:
         d_out1 = torch.mm(g2, w2)
-        if fast:
-            # The launcher directly: dL/dpre in place over d_out1 (fresh, contiguous), the bias grad and,
-            # when not saved, act(pre), in one pass.
-            relu = act == "relu"
-            dpre, db1, y = _launch().act_bwd(d_out1, out1 if relu else pre, None, act, relu, need_b1,
-                                             b1.dtype if need_b1 else x2.dtype, out1 is None, d_out1)
-            if out1 is None:
-                out1 = y
-        elif act == "relu":
-            dpre, db1, _ = act_bwd(d_out1, out1, None, "relu", from_output=True,
-                                   dbias_dtype=b1.dtype if need_b1 else None, inplace=True)
-        else:
-            # One pass: dL/dpre (in place over d_out1), the bias grad and, when not saved, act(pre).
-            dpre, db1, y = act_bwd(d_out1, pre, None, act, dbias_dtype=b1.dtype if need_b1 else None,
-                                   store_out=out1 is None, inplace=True)
-            if out1 is None:
-                out1 = y
+        # dL/dpre in place over d_out1 (fresh, contiguous), the bias grad and, when not saved, act(pre): one pass.
+        dpre, db1, y = _act_grad(plan, 0, d_out1, out1 if relu else pre, act, relu, b1.dtype if need_b1 else None,
+                                 out1 is None, True)
+        if out1 is None:
+            out1 = y
     elif out1 is None:
-        out1 = act_fwd(pre, None, act)
+        out1 = _act(plan, 0, pre, act, False)
     dw2 = torch.mm(g2.t(), out1) if need_w2 else None
     db2 = g2.sum(0) if (need_b2 and has_b2) else None
     dx = _unrows(torch.mm(dpre, w1), x_shape) if need_x else None
     dw1 = torch.mm(dpre.t(), x2) if need_w1 else None
-    return dx, dw1, db1, dw2, db2, None, None
+    return dx, dw1, db1, dw2, db2
 
 
 class LinearActLinearFunction(torch.autograd.Function):
-    """``act(x @ W1^T + b1) @ W2^T + b2``; see the module docstring for ``checkpoint_lvl``."""
+    """``act(x @ W1^T + b1) @ W2^T + b2``; see the module docstring for ``checkpoint_lvl``. Unchecked:
+    ``linear_act_linear`` checks once per signature."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, act, checkpoint_lvl):
-        return linear_act_linear_forward(ctx, x, w1, b1, w2, b2, act, checkpoint_lvl)
+        return linear_act_linear_forward(ctx, None, x, w1, b1, w2, b2, act, checkpoint_lvl)
 
     @staticmethod
     def backward(ctx, g):
-        return linear_act_linear_backward(ctx, g)
+        return (*linear_act_linear_backward(ctx, g), None, None)
 
 
-_LAL_APPLY = raw_apply(LinearActLinearFunction)
+class _LinearActLinearPlanned(torch.autograd.Function):
+    """``LinearActLinearFunction`` with the call's cached ``DensePlan`` (eager mode)."""
+
+    @staticmethod
+    def forward(ctx, plan, x, w1, b1, w2, b2, act, checkpoint_lvl):
+        return linear_act_linear_forward(ctx, plan, x, w1, b1, w2, b2, act, checkpoint_lvl)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (None, *linear_act_linear_backward(ctx, g, 1), None, None)
+
+
+_LAL_APPLY = raw_apply(_LinearActLinearPlanned)
 
 
 def linear_act_linear(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
-                      activation: str, checkpoint_lvl: int = 0) -> Tensor:
-    """Differentiable ``act(x @ w1^T + b1) @ w2^T + b2``.
+                      activation: str, checkpoint_lvl: int = 0, x_name: str = "input",
+                      names: tuple[str, str] = ("weight1", "weight2")) -> Tensor:
+    """Differentiable ``act(x @ w1^T + b1) @ w2^T + b2``, checked once per call signature.
 
     Args:
         x: ``(..., K)``; w1: ``(H, K)``; b1: ``(H,)`` or None; w2: ``(N, H)``; b2: ``(N,)`` or None, one dtype.
         activation: ``gelu`` / ``gelu_tanh`` / ``relu`` / ``sqrelu`` / ``silu`` / ``sigmoid`` / ``none``.
         checkpoint_lvl: 0, 1 or 2 (what is saved for the backward, see the module docstring).
+        x_name, names: the argument names the errors use.
 
     Returns ``(..., N)`` in ``x``'s dtype.
     """
-    return apply_function(LinearActLinearFunction, _LAL_APPLY, x, w1, b1, w2, b2, activation, checkpoint_lvl)
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        check_layers(x, [(names[0], w1, b1), (names[1], w2, b2)], x_name)
+        return LinearActLinearFunction.apply(x, w1, b1, w2, b2, activation, checkpoint_lvl)
+    try:
+        key = ("lal", x_name, names, x.shape, x.dtype, x.device, w1.shape, w1.dtype, w1.device, tensor_key(b1),
+               w2.shape, w2.dtype, w2.device, tensor_key(b2), activation, checkpoint_lvl)
+    except AttributeError:
+        key = None
+    plan = dense_plan(key, activation,
+                      lambda: check_layers(x, [(names[0], w1, b1), (names[1], w2, b2)], x_name))
+    return _LAL_APPLY(plan, x, w1, b1, w2, b2, activation, checkpoint_lvl)
 
 
 # ------------------------------------------------------------------------------------ MLP stacks
 
 
-def mlp_forward(x2: Tensor, weights: list[Tensor], biases: list[Tensor] | None, act: str) -> list[Tensor]:
+def mlp_forward(x2: Tensor, weights: list[Tensor], biases: list[Tensor] | None, act: str,
+                plan: DensePlan | None = None) -> list[Tensor]:
     """Outputs of every layer of ``h -> act(h @ W_i^T + b_i)`` (2-D ``x2``); the last one is the result."""
     outs = []
     h = x2
     for i, w in enumerate(weights):
-        h = _mm_bias_act(h, w, biases[i] if biases else None, act)
+        h = _mm_bias_act(plan, i, h, w, biases[i] if biases else None, act)
         outs.append(h)
     return outs
 
 
 def mlp_backward(g: Tensor, x2: Tensor, weights: list[Tensor], outputs: list[Tensor], act: str, has_bias: bool,
-                 need_x: bool) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
+                 need_x: bool, plan: DensePlan | None = None) -> tuple[Tensor | None, list[Tensor], list[Tensor]]:
     """``(dx, [dW_i], [db_i])`` of ``mlp_forward`` from its saved outputs (``act`` in none/relu/sigmoid)."""
     n = len(weights)
-    dws: list[Tensor] = [None] * n  # type: ignore[list-item]
-    dbs: list[Tensor] = [None] * n  # type: ignore[list-item]
-    g = g.contiguous()
+    dws: list = [None] * n
+    dbs: list = [None] * n
+    if not g.is_contiguous():
+        g = g.contiguous()
     owned = False  # the first g belongs to autograd: never overwrite it
-    fast = act != "none" and _fast(x2)
-    for i in reversed(range(n)):
-        bias_dtype = weights[i].dtype if has_bias else None
+    for i in range(n - 1, -1, -1):
+        w = weights[i]
         if act == "none":
             dpre = g
             if has_bias:
                 dbs[i] = g.sum(0)
-        elif fast:
-            y = outputs[i]
-            dpre, dbs[i], _ = _launch().act_bwd(g, y, None, act, True, has_bias, bias_dtype or y.dtype, False,
-                                                g if owned else None)
         else:
-            dpre, dbs[i], _ = act_bwd(g, outputs[i], None, act, from_output=True, dbias_dtype=bias_dtype,
-                                      inplace=owned)
-        h = outputs[i - 1] if i > 0 else x2
-        dws[i] = torch.mm(dpre.t(), h)
+            dpre, dbs[i], _ = _act_grad(plan, i, g, outputs[i], act, True, w.dtype if has_bias else None, False,
+                                        owned)
+        dws[i] = torch.mm(dpre.t(), outputs[i - 1] if i > 0 else x2)
         if i > 0 or need_x:
-            g = torch.mm(dpre, weights[i])
+            g = torch.mm(dpre, w)
             owned = True
     return (g if need_x else None), dws, dbs

@@ -116,7 +116,7 @@ def _tile(n_col_blocks, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return rows, cols, (rows < M) & (cols < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _act_fwd_kernel(X, B, Y, M, N, stride_x, stride_y, n_col_blocks,
                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``Y = act(X + B)``; ``B`` (N,) broadcast over rows. ``Y`` may be ``X`` (in place)."""
@@ -127,7 +127,7 @@ def _act_fwd_kernel(X, B, Y, M, N, stride_x, stride_y, n_col_blocks,
     tl.store(Y + rows * stride_y + cols, _act(x, ACT).to(Y.dtype.element_ty), mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _act_bwd_kernel(G, X, B, DX, OUT, M, N, stride_g, stride_x, stride_dx, stride_out, n_col_blocks,
                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
                     STORE_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -147,7 +147,7 @@ def _act_bwd_kernel(G, X, B, DX, OUT, M, N, stride_g, stride_x, stride_dx, strid
     tl.store(DX + rows * stride_dx + cols, (g * d).to(DX.dtype.element_ty), mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_split"])
 def _act_bwd_dbias_kernel(G, X, B, DX, OUT, DB_PART, M, N, stride_g, stride_x, stride_dx, stride_out,
                           rows_per_split,
                           ACT: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
@@ -204,30 +204,33 @@ def _act_bwd_dbias_kernel(G, X, B, DX, OUT, DB_PART, M, N, stride_g, stride_x, s
              mask=cols1 < N)
 
 
-@triton.jit
-def _glu_fwd_kernel(X, U, Y, M, N, stride_x, stride_u, stride_y, n_col_blocks,
+@triton.jit(do_not_specialize=["M"])
+def _glu_fwd_kernel(X, U, Y, M, N, stride_x, stride_u, stride_y, x_off, u_off, n_col_blocks,
                     ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``Y = act(X) * U`` (SwiGLU: silu, GeGLU: gelu / gelu_tanh, ReGLU: relu, GLU: sigmoid)."""
+    """``Y = act(X) * U`` (SwiGLU: silu, GeGLU: gelu / gelu_tanh, ReGLU: relu, GLU: sigmoid). ``x_off`` /
+    ``u_off``: element offsets of the operands from ``X`` / ``U`` (both halves of one packed tensor are
+    then read through one pointer; 0 for separate tensors)."""
     rows, cols, tile = _tile(n_col_blocks, M, N, BLOCK_M, BLOCK_N)
-    x = tl.load(X + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
-    u = tl.load(U + rows * stride_u + cols, mask=tile, other=0.0).to(tl.float32)
+    x = tl.load(X + x_off + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
+    u = tl.load(U + u_off + rows * stride_u + cols, mask=tile, other=0.0).to(tl.float32)
     tl.store(Y + rows * stride_y + cols, (_act(x, ACT) * u).to(Y.dtype.element_ty), mask=tile)
 
 
-@triton.jit
-def _glu_bwd_kernel(G, X, U, DX, DU, M, N, stride_g, stride_x, stride_u, stride_dx, stride_du, n_col_blocks,
-                    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``DX = G * U * act'(X)``, ``DU = G * act(X)``."""
+@triton.jit(do_not_specialize=["M"])
+def _glu_bwd_kernel(G, X, U, DX, DU, M, N, stride_g, stride_x, stride_u, stride_dx, stride_du, x_off, u_off,
+                    n_col_blocks, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``DX = G * U * act'(X)``, ``DU = G * act(X)``. ``DX`` / ``DU`` sit at the offsets of ``X`` / ``U``
+    (the gradient of a packed input is one packed buffer)."""
     rows, cols, tile = _tile(n_col_blocks, M, N, BLOCK_M, BLOCK_N)
-    x = tl.load(X + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
-    u = tl.load(U + rows * stride_u + cols, mask=tile, other=0.0).to(tl.float32)
+    x = tl.load(X + x_off + rows * stride_x + cols, mask=tile, other=0.0).to(tl.float32)
+    u = tl.load(U + u_off + rows * stride_u + cols, mask=tile, other=0.0).to(tl.float32)
     g = tl.load(G + rows * stride_g + cols, mask=tile, other=0.0).to(tl.float32)
     y, d = _act_and_grad(x, ACT)
-    tl.store(DX + rows * stride_dx + cols, (g * u * d).to(DX.dtype.element_ty), mask=tile)
-    tl.store(DU + rows * stride_du + cols, (g * y).to(DU.dtype.element_ty), mask=tile)
+    tl.store(DX + x_off + rows * stride_dx + cols, (g * u * d).to(DX.dtype.element_ty), mask=tile)
+    tl.store(DU + u_off + rows * stride_du + cols, (g * y).to(DU.dtype.element_ty), mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _dbias_sum_kernel(PART, DB, S, N, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
     """``DB[n] = sum_s PART[s, n]`` (fp32, fixed order: deterministic), stored in ``DB``'s dtype."""
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,7 +253,7 @@ def _mask_tile(n_col_blocks, M, NB, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr
     return rows2, byts2, (rows2 < M) & (byts2 < NB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _relu_mask_fwd_kernel(X, B, Y, MASK, M, N, NB, stride_x, stride_y, n_col_blocks,
                           GE0: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_B: tl.constexpr):
@@ -272,7 +275,7 @@ def _relu_mask_fwd_kernel(X, B, Y, MASK, M, N, NB, stride_x, stride_y, n_col_blo
     tl.store(MASK + rows2 * NB + byts2, packed.to(tl.uint8), mask=tile2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _relu_mask_bwd_kernel(G, MASK, DX, M, N, NB, stride_g, stride_dx, n_col_blocks,
                           BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
     """``DX = G`` where the mask bit is set, else 0."""
@@ -287,7 +290,7 @@ def _relu_mask_bwd_kernel(G, MASK, DX, M, N, NB, stride_g, stride_dx, n_col_bloc
     tl.store(DX + rows * stride_dx + cols, tl.where(on, g, 0.0).to(DX.dtype.element_ty), mask=tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_split"])
 def _relu_mask_bwd_dbias_kernel(G, MASK, DX, DB_PART, M, N, NB, stride_g, stride_dx, rows_per_split,
                                 PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
     """``_relu_mask_bwd_kernel`` plus column sums of ``DX``: program ``(b, s)`` walks the rows of split ``s``

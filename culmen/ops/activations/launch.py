@@ -1,14 +1,27 @@
-"""Launchers of the activation kernels: pick the 2-D view, allocate, choose blocks, launch.
+"""Call plans of the activation kernels: validate once, then allocate and launch.
 
-Host cost decides the wall time of these ops: a bf16 fwd+bwd of 16384x4096 is ~0.2 ms on an H100, about
-what one Python ``autograd.Function`` round trip costs on the lent GPU machines. So everything that
-depends only on the call's geometry (shapes, strides, dtypes, flags, ``TUNING``) is computed once into a
-plan (``_PLANS``): views, strides, grids, constexprs and one ``BoundLaunch`` per kernel, which calls the
-compiled kernel directly after the first launch. A repeated call costs the plan lookup, its output
-allocations and one ``CompiledKernel.run`` per kernel.
+A plan holds everything an activation op derives from one call signature (shapes, strides, dtypes,
+device, activation, flags): the checks passed, how each operand is addressed as ``(M, N)`` rows, what
+to allocate, and the bound ``Launch`` of every kernel. A cached call costs one key, one dict lookup,
+one allocation per output and one launch per kernel.
 
-``TUNING`` holds the block rules so a sweep on the GPU can change them at run time (a change drops the
-cached plans).
+* ``ActPlan``: ``act(x + bias)`` (``bias_act``, the raw ``act_fwd``), with ReLU's bit-mask forward and
+  the backward plans of ``bias_act``'s autograd.
+* ``ActBwdPlan``: the backward of ``act(x + bias)`` (the raw ``act_bwd``): ``dx``, optionally the bias
+  gradient in the same pass (fp32 partial column sums, then one small summing kernel) and the
+  recomputed activation.
+* ``GluPlan``: ``act(x) * u`` and its backward (``gated_act``, the raw ``glu_fwd`` / ``glu_bwd``),
+  including the packed variant whose two operands are the halves of one ``(..., 2N)`` tensor and whose
+  gradient is one ``(..., 2N)`` buffer.
+
+Geometry: a contiguous operand set without a per-column operand is launched as one flat row (``M == 1``,
+row stride 0, which lets Triton prove 16-byte alignment whatever the shape); otherwise rows of the
+last dim, each operand with its own row stride (halves of a packed tensor need no copy), and only an
+operand whose leading dims cannot be merged is copied per call. Plans built for ``torch.compile``
+(``traced``) always use rows, so a symbolic row count never reaches a specialization.
+
+``TUNING`` holds the block rules so a sweep on the GPU can change them at run time (every change drops
+the cached plans).
 """
 
 from __future__ import annotations
@@ -27,26 +40,22 @@ from culmen.ops.activations.kernels import (
     _relu_mask_bwd_kernel,
     _relu_mask_fwd_kernel,
 )
-from culmen.ops.backend import device_guard, num_programs_hint
-from culmen.ops.common.launch import BoundLaunch, FastLauncher, PlanTuning, cdiv, next_pow2, raw_stream
+from culmen.ops.activations.reference import act_bwd_ref, act_fwd_ref, glu_bwd_ref, glu_fwd_ref
+from culmen.ops.backend import choose_backend, num_programs_hint
+from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter, traceable_kernels
+from culmen.ops.common.plans import PlanCache, clear_plans
 
 ACT_CODES: dict[str, int] = {
     "none": 0, "relu": 1, "sigmoid": 2, "gelu": 3, "gelu_tanh": 4, "sqrelu": 5, "silu": 6, "relu_ge0": 7,
 }
-
-_fwd = FastLauncher(_act_fwd_kernel)
-_bwd = FastLauncher(_act_bwd_kernel)
-_bwd_dbias = FastLauncher(_act_bwd_dbias_kernel)
-_dbias_sum = FastLauncher(_dbias_sum_kernel)
-_glu_fwd = FastLauncher(_glu_fwd_kernel)
-_glu_bwd = FastLauncher(_glu_bwd_kernel)
-_mask_fwd = FastLauncher(_relu_mask_fwd_kernel)
-_mask_bwd = FastLauncher(_relu_mask_bwd_kernel)
-_mask_bwd_dbias = FastLauncher(_relu_mask_bwd_dbias_kernel)
-
-
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+ACTIVATIONS: tuple[str, ...] = tuple(ACT_CODES)
+"""Activations of ``bias_act`` (``relu_ge0``: ReLU whose derivative at 0 is 1, flash_attn's convention)."""
+GATED_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "sqrelu", "none")
+"""Activations applied to the gate ``x`` of ``gated_act``."""
+FROM_OUTPUT_ACTIVATIONS: tuple[str, ...] = ("none", "relu", "sigmoid")
+"""Activations whose derivative can be computed from their output (no pre-activation saved)."""
+MASK_ACTIVATIONS: tuple[str, ...] = ("relu", "relu_ge0")
+"""Activations whose derivative is one bit per element: ``bias_act`` saves a bit mask for them."""
 
 TUNING = PlanTuning({
     # Elements per program of the elementwise kernels, and their warps.
@@ -67,68 +76,117 @@ TUNING = PlanTuning({
     # The final sum of the bias-grad partials (one program per column block).
     "dbias_sum_block_n": 256,
     "dbias_sum_block_s": 8,
-}, _PLANS.clear)
+}, clear_plans)
+
+ACT_PLANS = PlanCache("activations")
+ACT_BWD_PLANS = PlanCache("activations_bwd")
+GLU_PLANS = PlanCache("gated_activations")
+
+_F32 = torch.float32
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _empty(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Every output buffer comes from here (tests swap in a NaN-poisoning version)."""
-    return torch.empty(shape, device=device, dtype=dtype)
+# ------------------------------------------------------------------------------------ validation
 
 
-def _aligned(*ts: Tensor | None) -> bool:
-    """Whether every given tensor's data pointer is 16-byte aligned (``None`` entries are skipped)."""
-    bits = 0
-    for t in ts:
-        if t is not None:
-            bits |= t.data_ptr()
-    return bits & 15 == 0
+def check_activation(act: str, allowed: tuple[str, ...] = ACTIVATIONS, name: str = "activation") -> str:
+    """Return ``act`` when it is one of ``allowed``; else raise ``ValueError`` listing them."""
+    if not isinstance(act, str) or act not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {act!r}")
+    return act
 
 
-def _plan(key: tuple, build, *args):
-    """Build and cache the plan of ``key`` (callers try ``_PLANS.get(key)`` first)."""
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    plan = _PLANS[key] = build(*args)
-    return plan
+def check_tensor(name: str, t: Tensor) -> None:
+    """``t`` must be a floating-point tensor (``TypeError`` naming ``name`` otherwise)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
 
 
-# ------------------------------------------------------------------------------------- geometry
+def check_bias(x: Tensor, bias: Tensor | None) -> None:
+    """``bias`` must be ``None`` or a float ``(N,)`` tensor on ``x``'s device (``N = x.shape[-1]``)."""
+    if bias is None:
+        return
+    check_tensor("bias", bias)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension when a bias is given")
+    if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
+        raise ValueError(f"bias must have shape ({x.shape[-1]},) (the last dim of x), got {tuple(bias.shape)}")
+    if bias.device != x.device:
+        raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
 
 
-def _row_layout(t: Tensor, N: int) -> tuple[bool, int]:
-    """``(copy, row stride)`` of ``t`` seen as ``(M, N)`` rows with unit-stride columns: a view when the
-    strides allow (``copy`` False), else a contiguous copy per call (row stride ``N``)."""
-    try:
-        v = t.view(-1, N)
-    except RuntimeError:
-        return True, N
-    if v.stride(-1) != 1 and N > 1:
-        return True, N
-    return False, v.stride(0)
+def check_same(name: str, t: Tensor, x: Tensor, xname: str = "x") -> None:
+    """``t`` must have ``x``'s shape and device."""
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have the shape of {xname} {tuple(x.shape)}, got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but {xname} is on {x.device}")
 
 
-def _geometry(tensors: list[Tensor], per_column: bool) -> tuple[int, int, list[bool], list[int]]:
+# -------------------------------------------------------------------------------------- geometry
+
+
+def _use_kernel(x: Tensor, traced: bool) -> bool:
+    # fp64 keeps fp64 math: the kernels compute in fp32, so fp64 runs the (fp64) reference. Under
+    # Triton's CPU interpreter kernels cannot be traced: compiled graphs take the reference there.
+    ok = x.dtype != torch.float64 and choose_backend(x.device) == "triton"
+    if traced:
+        return ok and traceable_kernels()
+    return ok and x.numel() > 0
+
+
+def row_stride(t: Tensor) -> int | None:
+    """The stride between consecutive rows when ``t (..., N)`` can be addressed as ``(M, N)`` rows with a
+    unit column stride and one row stride, else ``None`` (the caller then makes a contiguous copy)."""
+    shape, strides = t.shape, t.stride()
+    if not shape:
+        return 1
+    n = shape[-1]
+    if n != 1 and strides[-1] != 1:
+        return None
+    rs = expected = None
+    for size, st in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+        if size == 1:
+            continue
+        if rs is None:
+            rs, expected = st, st * size
+        elif st != expected:
+            return None
+        else:
+            expected = st * size
+    return max(n, 1) if rs is None else rs
+
+
+def _geometry(tensors: list[Tensor], per_column: bool, traced: bool) -> tuple:
     """``(M, N, copies, row strides)`` of the views the kernels run on: one flat row when every operand
-    is contiguous and nothing is indexed by column; rows of the last dim otherwise. A one-row launch
-    gets row stride 0, which lets Triton's specialization prove 16-byte alignment."""
-    if not per_column and all(t.is_contiguous() for t in tensors):
-        return 1, tensors[0].numel(), [False] * len(tensors), [0] * len(tensors)
-    N = tensors[0].shape[-1] if tensors[0].dim() > 0 else 1
-    M = tensors[0].numel() // N
-    layouts = [_row_layout(t, N) for t in tensors]
-    strides = [s if M > 1 else 0 for _, s in layouts]
-    return M, N, [c for c, _ in layouts], strides
+    is contiguous and nothing is indexed by column (eager only); rows of the last dim otherwise. A
+    one-row launch gets row stride 0, which lets Triton's specialization prove 16-byte alignment."""
+    x = tensors[0]
+    if not traced and not per_column and all(t.is_contiguous() for t in tensors):
+        return 1, x.numel(), [False] * len(tensors), [0] * len(tensors)
+    N = x.shape[-1] if x.dim() else 1
+    M = x.numel() // N if N else 0
+    copies, strides = [], []
+    for t in tensors:
+        rs = row_stride(t)
+        copies.append(rs is None)
+        strides.append(N if rs is None else rs)
+    if isinstance(M, int) and M == 1:
+        strides = [0] * len(tensors)
+    return M, N, copies, strides
 
 
-def _as_rows(t: Tensor, copy: bool, N: int) -> Tensor:
-    """``t`` as the kernels read it: itself (its data pointer is the view's), or a contiguous copy."""
-    return t.reshape(-1, N).contiguous() if copy else t
+def _cap(M) -> int:
+    # A symbolic row count (torch.compile) takes no part in the block choice.
+    return next_pow2(M) if isinstance(M, int) else 64
 
 
-def _blocks(M: int, N: int) -> tuple[int, int, int]:
+def _blocks(M, N: int) -> tuple[int, int, int]:
     elems = TUNING["block_elems"]
-    block_n = min(next_pow2(max(N, 1)), elems if M == 1 else TUNING["max_block_n"])
-    block_m = max(1, min(elems // block_n, next_pow2(max(M, 1))))
+    block_n = min(next_pow2(max(N, 1)), elems if (isinstance(M, int) and M == 1) else TUNING["max_block_n"])
+    block_m = max(1, min(elems // block_n, _cap(M)))
     return block_m, block_n, cdiv(N, block_n)
 
 
@@ -136,252 +194,440 @@ def _warps(block_m: int, block_n: int) -> int:
     return max(1, min(TUNING["warps"], (block_m * block_n) // 256))
 
 
-def _split_rows(M: int, ncb: int, block_m: int, dev: torch.device) -> tuple[int, int]:
-    """``(splits, rows per split)`` of a bias-grad launch with ``ncb`` column blocks; every split has rows."""
-    splits = max(1, min(cdiv(M, block_m), TUNING["dbias_programs_per_sm"] * num_programs_hint(dev) // ncb))
+def _split_rows(M, ncb: int, block_m: int, dev: torch.device) -> tuple[int, object]:
+    """``(splits, rows per split)`` of a bias-grad launch with ``ncb`` column blocks. With a symbolic ``M``
+    the split count is fixed and trailing splits may be empty (they write zero partials)."""
+    target = max(1, TUNING["dbias_programs_per_sm"] * num_programs_hint(dev) // ncb)
+    if not isinstance(M, int):
+        return target, (M + target - 1) // target
+    splits = max(1, min(cdiv(M, block_m), target))
     rows_per_split = cdiv(M, splits)
     return cdiv(M, rows_per_split), rows_per_split
 
 
-def _dbias_sum_launch(splits: int, N: int) -> tuple[BoundLaunch, tuple]:
-    bn = min(TUNING["dbias_sum_block_n"], next_pow2(N))
-    bs = min(TUNING["dbias_sum_block_s"], next_pow2(splits))
-    return BoundLaunch(_dbias_sum, (cdiv(N, bn),), dict(BLOCK_S=bs, BLOCK_N=bn), 4), (splits, N)
+def _empty_like_is_contiguous(t: Tensor) -> bool:
+    """Whether ``torch.empty_like(t)`` is contiguous (then it is the cheapest allocation of an output
+    shaped and typed like ``t``): ``t`` contiguous, or not dense (``empty_like`` then falls back to
+    contiguous strides). Decided once per plan on a meta tensor."""
+    if t.is_contiguous():
+        return True
+    try:
+        return torch.empty_like(t, device="meta").is_contiguous()
+    except Exception:  # noqa: BLE001 - fake / exotic tensors: allocate explicitly
+        return False
 
 
-# ---------------------------------------------------------------------------------- act forward
+def _rows(t: Tensor, N: int) -> Tensor:
+    """``t`` as contiguous ``(M, N)`` rows (a copy: its leading dims could not be merged)."""
+    return t.reshape(-1, N).contiguous()
 
 
-class _FwdPlan:
-    __slots__ = ("copy", "N", "launch", "tail")
+class _DBias:
+    """The bias-gradient part of a backward: fp32 partials of ``splits`` row splits, summed by a second
+    kernel (one split: the main kernel writes the gradient itself, in its dtype)."""
 
-    def __init__(self, x: Tensor, has_bias: bool, act: str):
-        M, N, (copy,), (sx,) = _geometry([x], has_bias)
-        block_m, block_n, ncb = _blocks(M, N)
-        self.copy, self.N = copy, N
-        self.launch = BoundLaunch(_fwd, (cdiv(M, block_m) * ncb,),
-                                  dict(ACT=ACT_CODES[act], HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n),
-                                  _warps(block_m, block_n))
-        self.tail = (M, N, sx, N if M > 1 else 0, ncb)
+    __slots__ = ("part", "final", "splits", "N")
 
-
-def act_fwd(x: Tensor, bias: Tensor | None, act: str, out: Tensor | None = None) -> Tensor:
-    """``act(x + bias)`` of ``x`` ``(..., N)``; ``bias`` ``(N,)`` or ``None``. Returns a contiguous tensor of
-    ``x``'s shape and dtype (``out`` when given: contiguous, may be ``x`` itself for in-place)."""
-    dev = x.device
-    key = ("f", act, x.shape, x.stride(), x.dtype, None if bias is None else bias.dtype, dev)
-    plan = _PLANS.get(key) or _plan(key, _FwdPlan, x, bias is not None, act)
-    xa = _as_rows(x, True, plan.N) if plan.copy else x
-    y = _empty(x.shape, dev, x.dtype) if out is None else out
-    with device_guard(dev):
-        plan.launch((xa, bias, y, *plan.tail), _aligned(xa, bias, y), raw_stream(dev))
-    return y
+    def __init__(self, splits: int, N: int, dev: torch.device):
+        self.splits, self.N = splits, N
+        self.part = (splits, N) if splits > 1 else None
+        self.final = None
+        if splits > 1:
+            bn = min(TUNING["dbias_sum_block_n"], next_pow2(N))
+            bs = min(TUNING["dbias_sum_block_s"], next_pow2(splits))
+            self.final = Launch(_dbias_sum_kernel, (cdiv(N, bn),), dict(BLOCK_S=bs, BLOCK_N=bn), 4, device=dev)
 
 
-# --------------------------------------------------------------------------------- act backward
+# -------------------------------------------------------------------------------------- act fwd
 
 
-class _BwdPlan:
-    __slots__ = ("copy_g", "copy_x", "N", "launch", "tail", "part", "final")
+class ActPlan:
+    """``act(x + bias)`` of one signature: the forward launch, ReLU's bit-mask forward (eager autograd),
+    and the backward plans of ``bias_act``'s autograd. Holds no tensors.
 
-    def __init__(self, g: Tensor, x: Tensor, has_bias: bool, act: str, from_output: bool, want_dbias: bool,
-                 store_out: bool, dev: torch.device):
-        M, N, (self.copy_g, self.copy_x), (sg, sx) = _geometry([g, x], has_bias or want_dbias)
-        self.N = N
-        so = N if M > 1 else 0  # dx and y are contiguous
-        meta = dict(ACT=ACT_CODES[act], HAS_BIAS=has_bias, FROM_OUTPUT=from_output, STORE_OUT=store_out)
-        self.part = self.final = None
-        if want_dbias:
-            block_m = TUNING["dbias_block_m"]
-            block_n = min(TUNING["dbias_block_n"], next_pow2(N))
-            ncb = cdiv(N, block_n)
-            splits, rows_per_split = _split_rows(M, ncb, block_m, dev)
-            self.launch = BoundLaunch(_bwd_dbias, (ncb, splits),
-                                      dict(**meta, PREFETCH=TUNING["dbias_prefetch"], BLOCK_M=block_m,
-                                           BLOCK_N=block_n), TUNING["dbias_warps"])
-            self.tail = (M, N, sg, sx, so, so, rows_per_split)
-            if splits > 1:  # fp32 partials, then one small summing kernel; else the kernel writes dbias
-                self.part = (splits, N)
-                self.final = _dbias_sum_launch(splits, N)
-        else:
-            block_m, block_n, ncb = _blocks(M, N)
-            self.launch = BoundLaunch(_bwd, (cdiv(M, block_m) * ncb,), dict(**meta, BLOCK_M=block_m, BLOCK_N=block_n),
-                                      _warps(block_m, block_n))
-            self.tail = (M, N, sg, sx, so, so, ncb)
-
-
-def act_bwd(g: Tensor, x: Tensor, bias: Tensor | None, act: str, from_output: bool, want_dbias: bool,
-            dbias_dtype: torch.dtype, store_out: bool = False, out: Tensor | None = None
-            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Backward of ``act(x + bias)``: ``(dx, dbias, y)``.
-
-    ``g`` and ``x`` ``(..., N)``; ``dx`` has ``x``'s shape and dtype (written into ``out`` when given: a
-    contiguous tensor such as ``g`` itself). ``from_output``: ``x`` holds ``act``'s output (none / relu /
-    sigmoid). ``want_dbias``: also the column sums of ``dx`` (fp32 accumulation) in ``dbias_dtype``.
-    ``store_out``: also return ``y = act(x + bias)`` (recomputed for checkpointing). Absent results are
-    ``None``.
+    Built from example tensors (real in eager mode, fake under ``torch.compile``: ``traced``).
     """
-    dev = x.device
-    key = ("b", act, x.shape, x.stride(), g.stride(), x.dtype, g.dtype, None if bias is None else bias.dtype,
-           from_output, want_dbias, dbias_dtype, store_out, dev)
-    plan = _PLANS.get(key) or _plan(key, _BwdPlan, g, x, bias is not None, act, from_output, want_dbias, store_out,
-                                    dev)
-    ga = _as_rows(g, True, plan.N) if plan.copy_g else g
-    xa = _as_rows(x, True, plan.N) if plan.copy_x else x
-    dx = _empty(x.shape, dev, x.dtype) if out is None else out
-    y = _empty(x.shape, dev, x.dtype) if store_out else None
-    dbias = _empty((plan.N,), dev, dbias_dtype) if want_dbias else None
-    with device_guard(dev):
-        stream = raw_stream(dev)
-        if want_dbias:
-            part = _empty(plan.part, dev, torch.float32) if plan.part is not None else dbias
-            plan.launch((ga, xa, bias, dx, y, part, *plan.tail), _aligned(ga, xa, bias, dx, y, part), stream)
-            if plan.final is not None:
-                launch, tail = plan.final
-                launch((part, dbias, *tail), _aligned(part, dbias), stream)
+
+    __slots__ = ("act", "shape", "dtype", "device", "has_bias", "bias_dtype", "bias_copy", "use_kernel", "mask_ok",
+                 "inplace_ok", "copy", "like", "M", "N", "fwd", "tail", "stream", "_mask", "_bwd", "_mask_bwd")
+
+    def __init__(self, x: Tensor, bias: Tensor | None, act: str, traced: bool = False) -> None:
+        check_tensor("x", x)
+        check_activation(act)
+        check_bias(x, bias)
+        self.act = act
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.has_bias = bias is not None
+        self.bias_dtype = bias.dtype if bias is not None else x.dtype
+        self.inplace_ok = x.is_contiguous()
+        self.bias_copy = bias is not None and not bias.is_contiguous()
+        self.use_kernel = _use_kernel(x, traced)
+        self.mask_ok = self.use_kernel and act in MASK_ACTIVATIONS and not traced
+        self._mask = None
+        self._bwd: dict = {}
+        self._mask_bwd: dict = {}
+        if not self.use_kernel:
+            return
+        self.stream = stream_getter(x.device)
+        self.like = not traced and _empty_like_is_contiguous(x)
+        M, N, (self.copy,), (sx,) = _geometry([x], bias is not None, traced)
+        self.M, self.N = M, N
+        block_m, block_n, ncb = _blocks(M, N)
+        one_row = isinstance(M, int) and M == 1
+        self.fwd = Launch(_act_fwd_kernel, (cdiv(M, block_m) * ncb,),
+                          dict(ACT=ACT_CODES[act], HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n),
+                          _warps(block_m, block_n), device=x.device)
+        self.tail = (M, N, sx, 0 if one_row else N, ncb)
+
+    def _out(self, x: Tensor) -> Tensor:
+        return torch.empty_like(x) if self.like else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def forward(self, x: Tensor, bias: Tensor | None, out: Tensor | None = None, traced: bool = False) -> Tensor:
+        """``act(x + bias)``: a contiguous tensor of ``x``'s shape and dtype (``out`` when given: contiguous
+        like ``x``, may be ``x`` itself)."""
+        if not self.use_kernel:
+            y = act_fwd_ref(x, bias, self.act)
+            if out is None:
+                return y
+            out.copy_(y)
+            return out
+        y = self._out(x) if out is None else out
+        if self.copy:
+            x = _rows(x, self.N)
+        if self.bias_copy:
+            bias = bias.contiguous()
+        if traced:
+            self.fwd.traced(x, bias, y, *self.tail)
         else:
-            plan.launch((ga, xa, bias, dx, y, *plan.tail), _aligned(ga, xa, bias, dx, y), stream)
-    return dx, dbias, y
+            # Fresh allocations are aligned: only the caller's tensors are checked.
+            p = x.data_ptr() if out is None else x.data_ptr() | out.data_ptr()
+            if bias is not None:
+                p |= bias.data_ptr()
+            self.fwd(self.stream(), p & 15 == 0, x, bias, y, *self.tail)
+        return y
 
-
-# ------------------------------------------------------------------------ ReLU with a bit mask
-
-
-class _MaskFwdPlan:
-    __slots__ = ("copy", "M", "N", "NB", "launch", "tail")
-
-    def __init__(self, x: Tensor, has_bias: bool, act: str):
-        M, N, (copy,), (sx,) = _geometry([x], has_bias)
+    # ------------------------------------------------------------------ ReLU with a bit mask
+    def _plan_mask(self):
+        M, N = self.M, self.N
         NB = cdiv(N, 8)
         elems = TUNING["block_elems"]
         block_b = min(next_pow2(NB), (elems if M == 1 else TUNING["max_block_n"]) // 8)
         block_m = max(1, min(elems // (8 * block_b), next_pow2(M)))
         nbb = cdiv(NB, block_b)
-        self.copy, self.M, self.N, self.NB = copy, M, N, NB
-        self.launch = BoundLaunch(_mask_fwd, (cdiv(M, block_m) * nbb,),
-                                  dict(GE0=act == "relu_ge0", HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_B=block_b),
-                                  _warps(block_m, 8 * block_b))
-        self.tail = (M, N, NB, sx, N if M > 1 else 0, nbb)
+        la = Launch(_relu_mask_fwd_kernel, (cdiv(M, block_m) * nbb,),
+                    dict(GE0=self.act == "relu_ge0", HAS_BIAS=self.has_bias, BLOCK_M=block_m, BLOCK_B=block_b),
+                    _warps(block_m, 8 * block_b), device=self.device)
+        self._mask = (la, (M, NB), (M, N, NB, self.tail[2], N if M > 1 else 0, nbb))
+        return self._mask
 
+    def forward_mask(self, x: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``relu(x + bias)`` and its bit mask (``x + bias > 0``, ``>= 0`` for ``relu_ge0``): uint8
+        ``(M, cdiv(N, 8))``, bit ``c % 8`` of byte ``c // 8``. Eager kernels only (``mask_ok``)."""
+        la, mask_shape, tail = self._mask or self._plan_mask()
+        y = self._out(x)
+        if self.copy:
+            x = _rows(x, self.N)
+        if self.bias_copy:
+            bias = bias.contiguous()
+        mask = torch.empty(mask_shape, dtype=torch.uint8, device=self.device)
+        p = x.data_ptr()
+        if bias is not None:
+            p |= bias.data_ptr()
+        la(self.stream(), p & 15 == 0, x, bias, y, mask, *tail)
+        return y, mask
 
-def relu_mask_fwd(x: Tensor, bias: Tensor | None, act: str) -> tuple[Tensor, Tensor, tuple[int, int]]:
-    """``relu(x + bias)`` and the bit mask its backward needs (``act``: ``relu``, or ``relu_ge0`` whose mask
-    bit is ``x + bias >= 0``).
-
-    Returns ``(y, mask, (M, N))``: ``y`` contiguous like ``x``; ``mask`` uint8 ``(M, cdiv(N, 8))``, the
-    geometry ``(M, N)`` it was packed in (to pass to ``relu_mask_bwd``).
-    """
-    dev = x.device
-    key = ("mf", act, x.shape, x.stride(), x.dtype, None if bias is None else bias.dtype, dev)
-    plan = _PLANS.get(key) or _plan(key, _MaskFwdPlan, x, bias is not None, act)
-    xa = _as_rows(x, True, plan.N) if plan.copy else x
-    y = _empty(x.shape, dev, x.dtype)
-    mask = _empty((plan.M, plan.NB), dev, torch.uint8)
-    with device_guard(dev):
-        plan.launch((xa, bias, y, mask, *plan.tail), _aligned(xa, bias, y), raw_stream(dev))
-    return y, mask, (plan.M, plan.N)
-
-
-class _MaskBwdPlan:
-    __slots__ = ("copy", "N", "launch", "tail", "part", "final")
-
-    def __init__(self, g: Tensor, M: int, N: int, want_dbias: bool, dev: torch.device):
+    def _plan_mask_bwd(self, want_db: bool):
+        M, N, dev = self.M, self.N, self.device
         NB = cdiv(N, 8)
-        copy, sg = _row_layout(g, N) if M > 1 else (not g.is_contiguous(), 0)
-        self.copy, self.N = copy, N
-        sg = sg if M > 1 else 0
-        sdx = N if M > 1 else 0
-        self.part = self.final = None
-        if want_dbias:
+        s = N if M > 1 else 0  # dy and dx are contiguous
+        if want_db:
             block_m = TUNING["dbias_block_m"]
             block_b = max(1, min(TUNING["dbias_block_n"] // 8, next_pow2(NB)))
             nbb = cdiv(NB, block_b)
             splits, rows_per_split = _split_rows(M, nbb, block_m, dev)
-            self.launch = BoundLaunch(_mask_bwd_dbias, (nbb, splits),
-                                      dict(PREFETCH=TUNING["dbias_prefetch"], BLOCK_M=block_m, BLOCK_B=block_b),
-                                      TUNING["dbias_warps"])
-            self.tail = (M, N, NB, sg, sdx, rows_per_split)
-            if splits > 1:
-                self.part = (splits, N)
-                self.final = _dbias_sum_launch(splits, N)
+            la = Launch(_relu_mask_bwd_dbias_kernel, (nbb, splits),
+                        dict(PREFETCH=TUNING["dbias_prefetch"], BLOCK_M=block_m, BLOCK_B=block_b),
+                        TUNING["dbias_warps"], device=dev)
+            entry = (la, (M, N, NB, s, s, rows_per_split), _DBias(splits, N, dev))
         else:
             elems = TUNING["block_elems"]
             block_b = min(next_pow2(NB), (elems if M == 1 else TUNING["max_block_n"]) // 8)
             block_m = max(1, min(elems // (8 * block_b), next_pow2(M)))
             nbb = cdiv(NB, block_b)
-            self.launch = BoundLaunch(_mask_bwd, (cdiv(M, block_m) * nbb,), dict(BLOCK_M=block_m, BLOCK_B=block_b),
-                                      _warps(block_m, 8 * block_b))
-            self.tail = (M, N, NB, sg, sdx, nbb)
+            la = Launch(_relu_mask_bwd_kernel, (cdiv(M, block_m) * nbb,), dict(BLOCK_M=block_m, BLOCK_B=block_b),
+                        _warps(block_m, 8 * block_b), device=dev)
+            entry = (la, (M, N, NB, s, s, nbb), None)
+        self._mask_bwd[want_db] = entry
+        return entry
 
-
-def relu_mask_bwd(g: Tensor, mask: Tensor, geometry: tuple[int, int], dx_dtype: torch.dtype, want_dbias: bool,
-                  dbias_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """Backward of ``relu_mask_fwd``: ``(dx, dbias)``; ``dx`` contiguous of ``g``'s shape in ``dx_dtype``,
-    ``dbias`` ``(N,)`` in ``dbias_dtype`` (fp32 accumulation) when ``want_dbias``, else ``None``."""
-    M, N = geometry
-    dev = g.device
-    key = ("mb", g.shape, g.stride(), g.dtype, M, N, dx_dtype, want_dbias, dbias_dtype, dev)
-    plan = _PLANS.get(key) or _plan(key, _MaskBwdPlan, g, M, N, want_dbias, dev)
-    ga = g if not plan.copy else (_as_rows(g, True, N) if M > 1 else g.contiguous())
-    dx = _empty(g.shape, dev, dx_dtype)
-    dbias = _empty((N,), dev, dbias_dtype) if want_dbias else None
-    with device_guard(dev):
-        stream = raw_stream(dev)
-        if want_dbias:
-            part = _empty(plan.part, dev, torch.float32) if plan.part is not None else dbias
-            plan.launch((ga, mask, dx, part, *plan.tail), _aligned(ga, mask, dx, part), stream)
-            if plan.final is not None:
-                launch, tail = plan.final
-                launch((part, dbias, *tail), _aligned(part, dbias), stream)
+    def backward_mask(self, dy: Tensor, mask: Tensor, want_db: bool) -> tuple[Tensor, Tensor | None]:
+        """``(dx, dbias)`` of ``forward_mask`` from the incoming gradient and the saved mask (``dbias`` in
+        the bias dtype, ``None`` unless ``want_db``)."""
+        la, tail, dbias = self._mask_bwd.get(want_db) or self._plan_mask_bwd(want_db)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        dx = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        stream = self.stream()
+        aligned = dy.data_ptr() & 15 == 0
+        if dbias is None:
+            la(stream, aligned, dy, mask, dx, *tail)
+            return dx, None
+        db = torch.empty((self.N,), dtype=self.bias_dtype, device=self.device)
+        if dbias.part is None:
+            la(stream, aligned, dy, mask, dx, db, *tail)
         else:
-            plan.launch((ga, mask, dx, *plan.tail), _aligned(ga, mask, dx), stream)
-    return dx, dbias
+            part = torch.empty(dbias.part, dtype=_F32, device=self.device)
+            la(stream, aligned, dy, mask, dx, part, *tail)
+            dbias.final(stream, True, part, db, dbias.splits, dbias.N)
+        return dx, db
+
+    # ----------------------------------------------------------------- bias_act's backward
+    def backward(self, dy: Tensor, x: Tensor, bias: Tensor | None, want_db: bool) -> tuple[Tensor, Tensor | None]:
+        """``(dx, dbias)`` of ``act(x + bias)`` (eager autograd of ``bias_act``; ``dbias`` in the bias dtype)."""
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        b = self._bwd.get(want_db)
+        if b is None:
+            b = self._bwd[want_db] = ActBwdPlan(dy, x, bias, self.act, False, want_db, self.bias_dtype, False)
+        dx, db, _ = b.run(dy, x, bias)
+        return dx, db
 
 
-# --------------------------------------------------------------------------------------- gated
+# ------------------------------------------------------------------------------------- act bwd
 
 
-class _GluPlan:
-    __slots__ = ("copies", "N", "launch", "tail")
+class ActBwdPlan:
+    """The backward of ``act(x + bias)`` for one signature: ``dx = g * act'(x + bias)`` (``act'`` from the
+    output ``x = act(.)`` with ``from_output``), the bias gradient (column sums of ``dx``, fp32
+    accumulation) with ``want_db``, ``act(x + bias)`` again with ``store_out``."""
 
-    def __init__(self, tensors: list[Tensor], act: str, fwd: bool):
-        M, N, self.copies, strides = _geometry(tensors, False)
+    __slots__ = ("act", "from_output", "want_db", "db_dtype", "store_out", "shape", "dtype", "device", "use_kernel",
+                 "copy_g", "copy_x", "bias_copy", "N", "main", "tail", "dbias", "stream", "inplace_ok", "like")
+
+    def __init__(self, g: Tensor, x: Tensor, bias: Tensor | None, act: str, from_output: bool, want_db: bool,
+                 db_dtype: torch.dtype, store_out: bool, traced: bool = False) -> None:
+        check_tensor("x", x)
+        check_tensor("g", g)
+        check_same("g", g, x)
+        check_activation(act)
+        check_bias(x, bias)
+        if from_output and act not in FROM_OUTPUT_ACTIVATIONS:
+            raise ValueError(f"act' from the output is not defined for {act!r} (only {list(FROM_OUTPUT_ACTIVATIONS)})")
+        if from_output and store_out:
+            raise ValueError("store_out needs the pre-activation (from_output=False)")
+        if want_db and x.dim() == 0:
+            raise ValueError("the bias gradient needs x with at least one dimension")
+        self.act, self.from_output, self.want_db = act, bool(from_output), bool(want_db)
+        self.db_dtype, self.store_out = db_dtype, bool(store_out)
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.use_kernel = _use_kernel(x, traced)
+        self.inplace_ok = g.dtype == x.dtype and g.is_contiguous()
+        self.bias_copy = bias is not None and not bias.is_contiguous()
+        self.dbias = None
+        if not self.use_kernel:
+            return
+        dev = x.device
+        self.stream = stream_getter(dev)
+        self.like = not traced and _empty_like_is_contiguous(x)
+        M, N, (self.copy_g, self.copy_x), (sg, sx) = _geometry([g, x], bias is not None or want_db, traced)
         self.N = N
+        so = 0 if (isinstance(M, int) and M == 1) else N  # dx and the recomputed output are contiguous
+        meta = dict(ACT=ACT_CODES[act], HAS_BIAS=bias is not None, FROM_OUTPUT=self.from_output,
+                    STORE_OUT=self.store_out)
+        if want_db:
+            block_m = TUNING["dbias_block_m"]
+            block_n = min(TUNING["dbias_block_n"], next_pow2(N))
+            ncb = cdiv(N, block_n)
+            splits, rows_per_split = _split_rows(M, ncb, block_m, dev)
+            self.main = Launch(_act_bwd_dbias_kernel, (ncb, splits),
+                               dict(**meta, PREFETCH=TUNING["dbias_prefetch"], BLOCK_M=block_m, BLOCK_N=block_n),
+                               TUNING["dbias_warps"], device=dev)
+            self.tail = (M, N, sg, sx, so, so, rows_per_split)
+            self.dbias = _DBias(splits, N, dev)
+        else:
+            block_m, block_n, ncb = _blocks(M, N)
+            self.main = Launch(_act_bwd_kernel, (cdiv(M, block_m) * ncb,), dict(**meta, BLOCK_M=block_m,
+                                                                                  BLOCK_N=block_n),
+                               _warps(block_m, block_n), device=dev)
+            self.tail = (M, N, sg, sx, so, so, ncb)
+
+    def run(self, g: Tensor, x: Tensor, bias: Tensor | None, out: Tensor | None = None, traced: bool = False
+            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(dx, dbias, y)``, absent results ``None``. ``dx`` is contiguous of ``x``'s shape and dtype
+        (``out`` when given: contiguous like ``x``, such as ``g`` itself)."""
+        if not self.use_kernel:
+            dx, db, y = act_bwd_ref(g, x, bias, self.act, self.from_output, self.want_db, self.db_dtype,
+                                    self.store_out)
+            if out is not None:
+                out.copy_(dx)
+                dx = out
+            return dx, db, y
+        dev = self.device
+        if out is not None:
+            dx = out
+        elif self.like:
+            dx = torch.empty_like(x)
+        else:
+            dx = torch.empty(self.shape, dtype=self.dtype, device=dev)
+        y = torch.empty_like(dx) if self.store_out else None
+        if self.copy_g:
+            g = _rows(g, self.N)
+        if self.copy_x:
+            x = _rows(x, self.N)
+        if self.bias_copy:
+            bias = bias.contiguous()
+        if traced:
+            stream, aligned = None, True
+        else:
+            stream = self.stream()
+            p = g.data_ptr() | x.data_ptr()  # dx is g or fresh
+            if bias is not None:
+                p |= bias.data_ptr()
+            aligned = p & 15 == 0
+        d = self.dbias
+        if d is None:
+            args = (g, x, bias, dx, y, *self.tail)
+            self.main.traced(*args) if traced else self.main(stream, aligned, *args)
+            return dx, None, y
+        db = torch.empty((d.N,), dtype=self.db_dtype, device=dev)
+        part = db if d.part is None else torch.empty(d.part, dtype=_F32, device=dev)
+        args = (g, x, bias, dx, y, part, *self.tail)
+        self.main.traced(*args) if traced else self.main(stream, aligned, *args)
+        if d.final is not None:
+            args = (part, db, d.splits, d.N)
+            d.final.traced(*args) if traced else d.final(stream, True, *args)
+        return dx, db, y
+
+
+# ---------------------------------------------------------------------------------------- gated
+
+
+class GluPlan:
+    """``act(x) * u`` and its backward for one signature (``x``, ``u`` of one shape, any row strides).
+
+    ``packable``: ``x`` and ``u`` are laid out like the two halves of one contiguous ``(..., 2N)`` tensor
+    (row stride ``2N``); the caller checks per call that they really are (``packed_order``), and then
+    ``forward_packed`` / ``backward_packed`` read the whole tensor through one pointer and write its
+    gradient as one ``(..., 2N)`` buffer, which saves the concatenation autograd does for ``chunk``.
+    """
+
+    __slots__ = ("act", "shape", "dtype", "u_dtype", "device", "use_kernel", "copies", "N", "fwd", "fwd_tail",
+                 "bwd", "bwd_tail", "stream", "like_x", "like_u", "packable", "base_shape", "half_bytes", "_packed",
+                 "geom")
+
+    def __init__(self, x: Tensor, u: Tensor, act: str, traced: bool = False) -> None:
+        check_tensor("x", x)
+        check_tensor("u", u)
+        check_same("u", u, x)
+        check_activation(act, GATED_ACTIVATIONS)
+        self.act = act
+        self.shape, self.dtype, self.u_dtype, self.device = x.shape, x.dtype, u.dtype, x.device
+        self.use_kernel = _use_kernel(x, traced)
+        self.packable = False
+        self._packed: dict = {}
+        self.bwd = None
+        if not self.use_kernel:
+            return
+        self.stream = stream_getter(x.device)
+        self.like_x = not traced and _empty_like_is_contiguous(x)
+        self.like_u = not traced and _empty_like_is_contiguous(u)
+        M, N, self.copies, (sx, su) = _geometry([x, u], False, traced)
+        self.N = N
+        self.geom = (M, N, sx, su)
         block_m, block_n, ncb = _blocks(M, N)
-        so = N if M > 1 else 0
+        one_row = isinstance(M, int) and M == 1
+        so = 0 if one_row else N
         meta = dict(ACT=ACT_CODES[act], BLOCK_M=block_m, BLOCK_N=block_n)
         grid = (cdiv(M, block_m) * ncb,)
-        if fwd:
-            self.launch = BoundLaunch(_glu_fwd, grid, meta, _warps(block_m, block_n))
-            self.tail = (M, N, *strides, so, ncb)
+        warps = _warps(block_m, block_n)
+        self.fwd = Launch(_glu_fwd_kernel, grid, meta, warps, device=x.device)
+        self.fwd_tail = (M, N, sx, su, so, 0, 0, ncb)
+        self.bwd = Launch(_glu_bwd_kernel, grid, meta, warps, device=x.device)
+        self.bwd_tail = (M, N, so, sx, su, so, so, 0, 0, ncb)
+        self.packable = (not traced and not one_row and N > 0 and sx == su == 2 * N and not any(self.copies)
+                         and x.dtype == u.dtype)
+        if self.packable:
+            self.base_shape = torch.Size((*x.shape[:-1], 2 * N))
+            self.half_bytes = N * x.element_size()
+
+    def _outs(self, x: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+        dx = torch.empty_like(x) if self.like_x else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        du = torch.empty_like(u) if self.like_u else torch.empty(self.shape, dtype=self.u_dtype, device=self.device)
+        return dx, du
+
+    def forward(self, x: Tensor, u: Tensor, traced: bool = False) -> Tensor:
+        """``act(x) * u``: a contiguous tensor of ``x``'s shape and dtype."""
+        if not self.use_kernel:
+            return glu_fwd_ref(x, u, self.act)
+        y = torch.empty_like(x) if self.like_x else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        cx, cu = self.copies
+        if cx:
+            x = _rows(x, self.N)
+        if cu:
+            u = _rows(u, self.N)
+        if traced:
+            self.fwd.traced(x, u, y, *self.fwd_tail)
         else:
-            self.launch = BoundLaunch(_glu_bwd, grid, meta, _warps(block_m, block_n))
-            self.tail = (M, N, *strides, so, so, ncb)
+            self.fwd(self.stream(), (x.data_ptr() | u.data_ptr()) & 15 == 0, x, u, y, *self.fwd_tail)
+        return y
 
+    def backward(self, dy: Tensor, x: Tensor, u: Tensor, traced: bool = False) -> tuple[Tensor, Tensor]:
+        """``(dx, du)`` of ``act(x) * u``: contiguous, in the dtypes of ``x`` and ``u``."""
+        if not self.use_kernel:
+            return glu_bwd_ref(dy, x, u, self.act)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        dx, du = self._outs(x, u)
+        cx, cu = self.copies
+        if cx:
+            x = _rows(x, self.N)
+        if cu:
+            u = _rows(u, self.N)
+        if traced:
+            self.bwd.traced(dy, x, u, dx, du, *self.bwd_tail)
+        else:
+            aligned = (dy.data_ptr() | x.data_ptr() | u.data_ptr()) & 15 == 0
+            self.bwd(self.stream(), aligned, dy, x, u, dx, du, *self.bwd_tail)
+        return dx, du
 
-def glu_fwd(x: Tensor, u: Tensor, act: str) -> Tensor:
-    """``act(x) * u`` of two ``(..., N)`` tensors of one shape; a contiguous result in ``x``'s dtype."""
-    dev = x.device
-    key = ("gf", act, x.shape, x.stride(), u.stride(), x.dtype, u.dtype, dev)
-    plan = _PLANS.get(key) or _plan(key, _GluPlan, [x, u], act, True)
-    cx, cu = plan.copies
-    xa, ua = _as_rows(x, cx, plan.N), _as_rows(u, cu, plan.N)
-    y = _empty(x.shape, dev, x.dtype)
-    with device_guard(dev):
-        plan.launch((xa, ua, y, *plan.tail), _aligned(xa, ua, y), raw_stream(dev))
-    return y
+    # ----------------------------------------------------------------------- packed halves
+    def packed_order(self, x: Tensor, u: Tensor, base: Tensor) -> int:
+        """``0`` when ``x`` / ``u`` are the first / second half of every row of ``base`` (contiguous
+        ``(..., 2N)``), ``1`` when the other way round, ``-1`` when they are not its two halves."""
+        if base.shape != self.base_shape or not base.is_contiguous():
+            return -1
+        px, pu, pb = x.data_ptr(), u.data_ptr(), base.data_ptr()
+        if px == pb and pu - px == self.half_bytes:
+            return 0
+        if pu == pb and px - pu == self.half_bytes:
+            return 1
+        return -1
 
+    def _plan_packed(self, order: int):
+        M, N, _, _ = self.geom
+        block_m, block_n, ncb = _blocks(M, N)
+        meta = dict(ACT=ACT_CODES[self.act], BLOCK_M=block_m, BLOCK_N=block_n)
+        grid = (cdiv(M, block_m) * ncb,)
+        warps = _warps(block_m, block_n)
+        xo, uo = (0, N) if order == 0 else (N, 0)
+        entry = (Launch(_glu_fwd_kernel, grid, meta, warps, device=self.device), (M, N, 2 * N, 2 * N, N, xo, uo, ncb),
+                 Launch(_glu_bwd_kernel, grid, meta, warps, device=self.device),
+                 (M, N, N, 2 * N, 2 * N, 2 * N, 2 * N, xo, uo, ncb))
+        self._packed[order] = entry
+        return entry
 
-def glu_bwd(g: Tensor, x: Tensor, u: Tensor, act: str) -> tuple[Tensor, Tensor]:
-    """Backward of ``act(x) * u``: ``(dx, du)``, contiguous, in the dtypes of ``x`` and ``u``."""
-    dev = x.device
-    key = ("gb", act, x.shape, g.stride(), x.stride(), u.stride(), g.dtype, x.dtype, u.dtype, dev)
-    plan = _PLANS.get(key) or _plan(key, _GluPlan, [g, x, u], act, False)
-    cg, cx, cu = plan.copies
-    N = plan.N
-    ga, xa, ua = _as_rows(g, cg, N), _as_rows(x, cx, N), _as_rows(u, cu, N)
-    dx = _empty(x.shape, dev, x.dtype)
-    du = _empty(x.shape, dev, u.dtype)
-    with device_guard(dev):
-        plan.launch((ga, xa, ua, dx, du, *plan.tail), _aligned(ga, xa, ua, dx, du), raw_stream(dev))
-    return dx, du
+    def forward_packed(self, base: Tensor, order: int) -> Tensor:
+        """``act(x) * u`` with ``x`` / ``u`` the halves of ``base`` (``packed_order``'s ``order``)."""
+        fwd, tail, _, _ = self._packed.get(order) or self._plan_packed(order)
+        y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        fwd(self.stream(), base.data_ptr() & 15 == 0, base, base, y, *tail)
+        return y
+
+    def backward_packed(self, dy: Tensor, base: Tensor, order: int) -> Tensor:
+        """The gradient of ``base`` (contiguous, its shape): ``dx`` and ``du`` in their halves."""
+        _, _, bwd, tail = self._packed.get(order) or self._plan_packed(order)
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        d = torch.empty_like(base)
+        bwd(self.stream(), (dy.data_ptr() | base.data_ptr()) & 15 == 0, dy, base, base, d, d, *tail)
+        return d
