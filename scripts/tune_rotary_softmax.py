@@ -40,14 +40,6 @@ GRIDS = {
 }
 
 
-def _forget_rotary_geometry() -> None:
-    """The rotary op caches its launch geometry (tile included) per call signature."""
-    from culmen.ops.rotary import op as rotary_op
-
-    rotary_launch.clear_cache()
-    rotary_op._PLANS.clear()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("names", nargs="*",
@@ -63,15 +55,13 @@ def main() -> None:
             results = []
             for key, values in grid.items():
                 for v in values:
-                    tuning.update(base)
+                    tuning.update(base)  # every change of a TUNING table drops the cached plans
                     tuning[key] = v
-                    _forget_rotary_geometry()
                     try:
                         results.append((time_ms(case.providers["culmen"], dev, timer=args.timer), key, v))
                     except Exception as exc:  # a setting that fails to compile must not stop the sweep
                         print(f"  {key}={v} failed: {type(exc).__name__}: {exc}")
             tuning.update(base)
-            _forget_rotary_geometry()
             results.sort()
             default = time_ms(case.providers["culmen"], dev, timer=args.timer)
             gbps = case.bytes / (default * 1e6) if case.bytes else float("nan")

@@ -67,29 +67,34 @@ def _packed_reference(qkv, cos, sin, cos_k, sin_k, interleaved, nq=None):
     return torch.cat((q, k, qkv[:, :, nq + nk:]), 2)
 
 
-@pytest.mark.parametrize("form", ["5d", "5d-xpos", "5d-unmergeable", "gqa"])
-def test_qkv_inplace_values_and_grads(form):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("form", ["5d", "5d-xpos", "5d-unmergeable", "gqa", "gqa-xpos", "5d-xpos-unmergeable"])
+def test_qkv_inplace_values_and_grads(form, backend, request):
+    """Q and K rotated in place by one launch (two head groups), with K's own tables for XPos, whatever
+    qkv's strides; the gradient reaches the packed tensor."""
+    request.getfixturevalue(f"{backend}_backend")
     b, s, h, d = 2, 5, 2, 8
     cos, sin = _tables(s, d // 2)
-    cos_k, sin_k = _tables(s, d // 2) if form == "5d-xpos" else (None, None)
-    nq = 4 if form == "gqa" else None
-    if form == "gqa":
+    cos_k, sin_k = _tables(s, d // 2) if "xpos" in form else (None, None)
+    nq = 3 if form.startswith("gqa") else None
+    unmergeable = "unmergeable" in form
+    if nq:
         shape = (b, s, nq + 2 * 2, d)
-    elif form == "5d-unmergeable":
-        shape = (b, s, h, 3, d)  # (3, h) not adjacent in memory: Q and K take one launch each
+    elif unmergeable:
+        shape = (b, s, h, 3, d)  # (3, h) not adjacent in memory: Q and K are groups of stride d
     else:
         shape = (b, s, 3, h, d)
     w = randn(shape, requires_grad=True)
     qkv = w * 1.0  # a non-leaf, as a projection's output
-    if form == "5d-unmergeable":
+    if unmergeable:
         qkv = qkv.transpose(2, 3)
-    interleaved = form == "gqa"
+    interleaved = form.startswith("gqa")
     out = apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, interleaved=interleaved, num_heads_q=nq)
     assert out is qkv
     g = randn(qkv.shape)
     qkv.backward(g)
     wr = w.detach().to(F64).requires_grad_()
-    src = wr.transpose(2, 3) if form == "5d-unmergeable" else wr
+    src = wr.transpose(2, 3) if unmergeable else wr
     ck, sk = (cos_k, sin_k) if cos_k is not None else (cos, sin)
     ref = _packed_reference(src, cos.to(F64), sin.to(F64), ck.to(F64), sk.to(F64), interleaved, nq)
     assert_close_tolerance(qkv, ref, None, name="qkv")

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from culmen.ops.backend import set_backend
-from culmen.ops.rotary import op as rotary_op_mod
 from culmen.ops.rotary import rotary, rotary_emb_ref
-from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
+from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, poisoned_allocations, randn
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 
@@ -29,9 +28,12 @@ def backend(request):
 
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch):
-    """Every output buffer the ops allocate starts as NaN."""
-    real = rotary_op_mod._alloc
-    monkeypatch.setattr(rotary_op_mod, "_alloc", lambda x, layout: poison_(real(x, layout)))
+    """Every output buffer the ops allocate (``torch.empty`` / ``empty_like`` / ``empty_strided``) starts
+    as NaN."""
+    strided = torch.empty_strided
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: poison_(strided(*a, **k)))
+    with poisoned_allocations():
+        yield
 
 
 def _tables(rows: int, width: int, dtype=F32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +251,25 @@ def test_repeated_calls_reuse_the_plan(backend):
     torch.testing.assert_close(z, rotary(x, cos, sin), rtol=0, atol=0)
 
 
+def test_tables_and_offsets_of_any_strides(backend):
+    """cos and sin with different row strides (one a slice of a wider table), and a strided offsets
+    tensor: the plan copies what the kernel cannot address, on every call."""
+    B, S, H, D, rd = 3, 5, 2, 8, 8
+    c_full, s_full = _tables(S + 6, rd)
+    cos, sin = c_full[:, : rd // 2], s_full.contiguous()[:, : rd // 2].contiguous()
+    assert cos.stride(0) != sin.stride(0)
+    offs_buf = torch.tensor([1, 9, 0, 9, 4, 9], dtype=torch.int32)
+    offs = offs_buf[::2]
+    assert offs.stride(0) == 2
+    pos = torch.arange(S)[None] + offs.long()[:, None]
+    for _ in range(2):  # the plan, then the cached plan
+        x = randn((B, S, H, D), BF16)
+        y = rotary(x, cos, sin, seqlen_offsets=offs)
+        ref = _oracle(x.to(F64), cos.to(F64), sin.to(F64), pos, False, False, F64)
+        lo = _oracle(x, cos.to(F64), sin.to(F64), pos, False, False, BF16)
+        assert_close_tolerance(y, ref, lo, name="strided tables")
+
+
 @pytest.mark.parametrize("layout", ["like", "contiguous", "swap01"])
 def test_seq_first(backend, layout):
     """``seq_first`` (S, B, H, D) input equals the (B, S, H, D) computation on the transposed view; the
@@ -312,6 +333,43 @@ def test_torch_compile_fullgraph(compile_backend, monkeypatch):
     assert explained.graph_break_count == 0
 
 
+@pytest.mark.parametrize("compile_backend", ["reference", "triton"])
+def test_torch_compile_qkv_varlen_apex(compile_backend):
+    """The API forms under torch.compile (fullgraph): packed QKV with XPos keys (one op for both head
+    groups, in place with autograd), packed sequences, and Apex's sbhd RoPE with angle tables."""
+    from culmen.flash_attn.layers.rotary import apply_rotary_emb_qkv_
+    from culmen.transformer.functional import fused_apply_rotary_pos_emb
+
+    set_backend(compile_backend)
+    torch._dynamo.reset()
+    B, S, H, D = 2, 5, 2, 8
+    cos, sin = _tables(S, D // 2)
+    cos_k, sin_k = _tables(S, D // 2)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    freqs = torch.rand(S, 1, 1, D) * 5
+
+    def fn(w, t, p):
+        qkv = w * 1.0
+        apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k)
+        packed = rotary(t, cos, sin, cu_seqlens=cu, max_seqlen=4)
+        return qkv, packed, fused_apply_rotary_pos_emb(p, freqs, True)
+
+    w = randn((B, S, 3, H, D), requires_grad=True)
+    t = randn((7, H, D), requires_grad=True)
+    p = randn((S, B, H, D), requires_grad=True)
+    cots = [randn(s) for s in ((B, S, 3, H, D), (7, H, D), (S, B, H, D))]
+
+    def run(f):
+        outs = f(w, t, p)
+        loss = sum((o * c).sum() for o, c in zip(outs, cots))
+        return (*outs, *torch.autograd.grad(loss, (w, t, p)))
+
+    eager = run(fn)
+    comp = run(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+    for e, c, name in zip(eager, comp, ("qkv", "packed", "apex", "dw", "dt", "dp")):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_bad_input():
     cos, sin = _tables(8, 4)
     x = randn((2, 4, 2, 8))
@@ -337,3 +395,11 @@ def test_bad_input():
         rotary(x[0], cos, sin, cu_seqlens=torch.tensor([0.0, 4.0]), max_seqlen=4)
     with pytest.raises(ValueError, match="out_layout"):
         rotary(x, cos, sin, out_layout="bshd")
+    with pytest.raises(ValueError, match="need a 5-D x or nheads_q"):
+        rotary(x, cos, sin, cos_k=cos, sin_k=sin)
+    with pytest.raises(ValueError, match="cos_k and sin_k"):
+        rotary(randn((2, 4, 2, 2, 8)), cos, sin, cos_k=cos)
+    with pytest.raises(ValueError, match=r"\(batch, seqlen, 2, nheads, headdim\)"):
+        rotary(randn((2, 4, 3, 2, 8)), cos, sin)
+    with pytest.raises(ValueError, match=r"nheads_q must lie in \[1, nheads\)"):
+        rotary(x, cos, sin, cos_k=cos, sin_k=sin, nheads_q=2)

@@ -16,7 +16,7 @@ import torch
 from culmen.ops.backend import set_backend
 from culmen.ops.softmax import launch as sm_launch
 from culmen.ops.softmax import scaled_masked_softmax, scaled_masked_softmax_ref, softmax_backward, softmax_forward
-from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
+from culmen.testing import assert_close_tolerance, make_noncontiguous, poisoned_allocations, randn
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 
@@ -28,9 +28,10 @@ def backend(request):
 
 
 @pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
-    real = sm_launch._empty
-    monkeypatch.setattr(sm_launch, "_empty", lambda shape, device, dtype: poison_(real(shape, device, dtype)))
+def poisoned():
+    """Every output buffer the ops allocate (``torch.empty`` / ``empty_like``) starts as NaN."""
+    with poisoned_allocations():
+        yield
 
 
 @pytest.fixture

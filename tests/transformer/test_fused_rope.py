@@ -67,7 +67,9 @@ def test_sbhd_freqs(backend, transpose, request):
     assert (y.transpose(0, 1) if transpose else y).is_contiguous()
 
 
-def test_cached_and_extension():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_cached_and_extension(backend, request):
+    request.getfixturevalue(f"{backend}_backend")
     s, b, h, d, d2 = 6, 3, 2, 10, 10
     ang = torch.rand(s, 1, 1, d2, dtype=F64) * 6
     cos_, sin_ = ang.cos().to(BF16), ang.sin().to(BF16)  # tables in t's dtype (Apex allows fp32 or t's)
@@ -86,7 +88,9 @@ def test_cached_and_extension():
                        torch.autograd.grad(fused_apply_rotary_pos_emb_cached(t, cos_, sin_), t, g)[0])
 
 
-def test_thd():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_thd(backend, request):
+    request.getfixturevalue(f"{backend}_backend")
     lens = [3, 5, 1, 4]
     cu = torch.tensor([0, 3, 8, 9, 13], dtype=torch.int32)
     h, d, d2 = 2, 12, 8
@@ -99,7 +103,9 @@ def test_thd():
     assert torch.equal(rope_ext.forward_thd(t, cu, freqs), fused_apply_rotary_pos_emb_thd(t, cu, freqs))
 
 
-def test_2d():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_2d(backend, request):
+    request.getfixturevalue(f"{backend}_backend")
     b, ih, iw, h, d = 2, 3, 4, 2, 16
     ah, aw = torch.rand(1, ih + 2, 1, d // 2, dtype=F64) * 6, torch.rand(1, iw + 1, 1, d // 2, dtype=F64) * 6
     cos_h, sin_h, cos_w, sin_w = ah.cos().float(), ah.sin().float(), aw.cos().float(), aw.sin().float()

@@ -3,7 +3,8 @@
 Same names, arguments and defaults as flash_attn, on culmen's rotary kernel. The in-place functions
 (``apply_rotary_emb_qkv_``, ``apply_rotary_emb_kv_``, ``inplace=True``) rotate views of their input
 in place and let autograd route the gradient through those views; their backward writes a fresh
-gradient (flash_attn rotates the incoming gradient in place). cos/sin may have any float dtype
+gradient (flash_attn rotates the incoming gradient in place). Q and K of a packed qkv are rotated by
+one launch. cos/sin may have any float dtype
 (flash_attn requires x's), and bad arguments raise ``ValueError`` / ``TypeError``.
 """
 
@@ -68,14 +69,6 @@ def apply_rotary_emb(
 apply_rotary_emb_func = apply_rotary_emb
 
 
-def _merge_heads(t: Tensor) -> Tensor | None:
-    """``(b, s, n, h, d)`` as a ``(b, s, n * h, d)`` view when the memory allows it, else ``None``."""
-    b, s, n, h, d = t.shape
-    if n == 1 or t.stride(2) == h * t.stride(3):
-        return t.view(b, s, n * h, d)
-    return None
-
-
 def apply_rotary_emb_qkv_(
     qkv: Tensor,
     cos: Tensor,
@@ -94,36 +87,34 @@ def apply_rotary_emb_qkv_(
         cos, sin: ``(seqlen, rotary_dim / 2)`` for Q (and K); cos_k, sin_k: separate tables for K (XPos).
         interleaved, seqlen_offsets: as in ``apply_rotary_emb``.
 
-    With one table for both, Q and K are rotated by one kernel launch when their heads are adjacent
-    in memory.
+    Q and K are rotated by one kernel launch (one autograd node), whatever qkv's strides, also with
+    separate K tables.
     """
     if not isinstance(qkv, Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if (cos_k is None) != (sin_k is None):
         raise ValueError("cos_k and sin_k must be given together")
-    kw = dict(seqlen_offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
-    if qkv.dim() == 5:
-        if qkv.shape[2] != 3:
-            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got shape {tuple(qkv.shape)}")
-        q, k = qkv[:, :, 0], qkv[:, :, 1]
-        qk = _merge_heads(qkv[:, :, :2]) if cos_k is None else None
-    elif qkv.dim() == 4:
-        if num_heads_q is None:
-            raise ValueError("qkv of shape (batch, seqlen, nheads_q + 2 * nheads_k, headdim) needs num_heads_q")
-        nq = int(num_heads_q)
-        nk = (qkv.shape[2] - nq) // 2
-        if nq <= 0 or nk < 0 or qkv.shape[2] != nq + 2 * nk:
-            raise ValueError(f"qkv.shape[2] = {qkv.shape[2]} must equal num_heads_q + 2 * num_heads_k with "
-                             f"num_heads_q = {num_heads_q}")
-        q, k = qkv[:, :, :nq], qkv[:, :, nq:nq + nk]
-        qk = qkv[:, :, :nq + nk] if cos_k is None else None
-    else:
-        raise ValueError(f"qkv must be 5-D (b, s, 3, h, d) or 4-D (b, s, hq + 2 hk, d), got shape {tuple(qkv.shape)}")
-    if qk is not None:
-        rotary(qk, cos, sin, **kw)
-    else:
-        rotary(q, cos, sin, **kw)
-        rotary(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k, **kw)
+    shape = qkv.shape
+    if len(shape) == 5:
+        if shape[2] != 3:
+            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got shape {tuple(shape)}")
+        # Q and K as the two head groups of one (b, s, 2, h, d) view.
+        rotary(qkv.narrow(2, 0, 2), cos, sin, cos_k=cos_k, sin_k=sin_k, seqlen_offsets=seqlen_offsets,
+               interleaved=interleaved, inplace=True)
+        return qkv
+    if len(shape) != 4:
+        raise ValueError(f"qkv must be 5-D (b, s, 3, h, d) or 4-D (b, s, hq + 2 hk, d), got shape {tuple(shape)}")
+    if num_heads_q is None:
+        raise ValueError("qkv of shape (batch, seqlen, nheads_q + 2 * nheads_k, headdim) needs num_heads_q")
+    nq = int(num_heads_q)
+    nk = (shape[2] - nq) // 2
+    if nq <= 0 or nk < 0 or shape[2] != nq + 2 * nk:
+        raise ValueError(f"qkv.shape[2] = {shape[2]} must equal num_heads_q + 2 * num_heads_k with "
+                         f"num_heads_q = {num_heads_q}")
+    # Q and K heads are adjacent: one (b, s, hq + hk, d) view; K's own tables start at head nq.
+    split = nq if (cos_k is not None and nk) else None
+    rotary(qkv.narrow(2, 0, nq + nk), cos, sin, cos_k=cos_k, sin_k=sin_k, nheads_q=split,
+           seqlen_offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
     return qkv
 
 

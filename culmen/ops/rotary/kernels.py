@@ -16,8 +16,13 @@ Positions: ``s + offset`` (``offset`` an int or one per batch), counted from eac
 the packed variable-length form (``cu_seqlens``); positions outside the table leave the pair
 unrotated. ``TWO_D`` (Apex's 2-D RoPE for images) rotates columns ``[0, D/2)`` at row position
 ``s // img_w`` with ``COS``/``SIN`` and ``[D/2, D)`` at column position ``s % img_w`` with
-``COS2``/``SIN2``. ``COPY_REST`` copies the columns after the rotary ones (partial rotary, out of
-place). All arithmetic is fp32; offsets are int64.
+``COS2``/``SIN2``. ``HEAD_GROUPS``: the heads form two groups (Q and K of a packed qkv), the second
+``stride_xg`` elements after the first, with ``nheads`` and ``nheads2`` heads; with ``SPLIT_TABLES``
+the second group is rotated with ``COS2``/``SIN2`` (XPos keys). ``COPY_REST`` copies the columns
+after the rotary ones (partial rotary, out of place). All arithmetic is fp32; offsets are int64.
+
+Sizes that change from batch to batch (sequence length, table rows, the position offset) are not
+specialized on, so a new size never compiles a new kernel.
 """
 
 import triton
@@ -87,26 +92,30 @@ def _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos, row_ok, col0, half, seql
         tl.store(OUT + o_off + (col0 + half + k) * stride_od, y_hi.to(OUT.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen", "seqlen_ro", "seqlen_ro2", "n_sblocks", "offset"])
 def _rotary_kernel(
     X, OUT, COS, SIN, COS2, SIN2, OFFSETS, CU_SEQLENS,
-    seqlen, nheads, headdim, half, seqlen_ro, seqlen_ro2, img_w, n_sblocks, n_hblocks,
-    stride_xb, stride_xs, stride_xh, stride_xd,
-    stride_ob, stride_os, stride_oh, stride_od,
+    seqlen, nheads, nheads2, headdim, half, seqlen_ro, seqlen_ro2, img_w, n_sblocks, n_hblocks, n_hblocks2,
+    stride_xb, stride_xs, stride_xg, stride_xh, stride_xd,
+    stride_ob, stride_os, stride_og, stride_oh, stride_od,
     stride_t, stride_t2, offset,
     INTERLEAVED: tl.constexpr, FULL_TABLE: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr, TWO_D: tl.constexpr, COPY_REST: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, TWO_D: tl.constexpr, HEAD_GROUPS: tl.constexpr, SPLIT_TABLES: tl.constexpr,
+    COPY_REST: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
-    """One program: ``BLOCK_S`` positions x ``BLOCK_H`` heads of one sequence.
+    """One program: ``BLOCK_S`` positions x ``BLOCK_H`` heads (of one head group) of one sequence.
 
     The grid is flat (axis 0 allows 2^31 programs, axes 1-2 only 65535): program ``pid`` is head
-    block ``pid % n_hblocks`` of sequence block ``(pid // n_hblocks) % n_sblocks`` of batch
-    ``pid // (n_hblocks * n_sblocks)``.
+    block ``pid % (n_hblocks + n_hblocks2)`` (the first ``n_hblocks`` cover group 0) of sequence
+    block ``(pid // ...) % n_sblocks`` of batch ``pid // (... * n_sblocks)``.
     """
     pid = tl.program_id(0)
-    hb = pid % n_hblocks
-    rest = pid // n_hblocks
+    n_hb = n_hblocks
+    if HEAD_GROUPS:
+        n_hb = n_hblocks + n_hblocks2
+    hb = pid % n_hb
+    rest = pid // n_hb
     sb = rest % n_sblocks
     b = rest // n_sblocks
     s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -121,10 +130,18 @@ def _rotary_kernel(
         seq_len = seqlen
         x_row = b.to(tl.int64) * stride_xb + s.to(tl.int64) * stride_xs
         o_row = b.to(tl.int64) * stride_ob + s.to(tl.int64) * stride_os
+    nh = nheads
+    group = 0
+    if HEAD_GROUPS:
+        group = (hb >= n_hblocks).to(tl.int32)
+        hb -= group * n_hblocks
+        nh = tl.where(group == 1, nheads2, nheads)
+        x_row += group.to(tl.int64) * stride_xg
+        o_row += group.to(tl.int64) * stride_og
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     x_off = x_row[:, None, None] + (h.to(tl.int64) * stride_xh)[None, :, None]
     o_off = o_row[:, None, None] + (h.to(tl.int64) * stride_oh)[None, :, None]
-    row_ok = (s < seq_len)[:, None, None] & (h < nheads)[None, :, None]
+    row_ok = (s < seq_len)[:, None, None] & (h < nh)[None, :, None]
     if TWO_D:
         s3 = s[:, None, None]
         _rotate_region(X, OUT, COS, SIN, x_off, o_off, s3 // img_w, row_ok, 0, half, seqlen_ro,
@@ -136,8 +153,18 @@ def _rotary_kernel(
             pos = s.to(tl.int64) + tl.load(OFFSETS + b).to(tl.int64)
         else:
             pos = s.to(tl.int64) + offset
-        _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos[:, None, None], row_ok, 0, half, seqlen_ro,
-                       stride_xd, stride_od, stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+        pos3 = pos[:, None, None]
+        if SPLIT_TABLES:
+            # A scalar branch per program (a program's heads all belong to one group).
+            if group == 1:
+                _rotate_region(X, OUT, COS2, SIN2, x_off, o_off, pos3, row_ok, 0, half, seqlen_ro2, stride_xd,
+                               stride_od, stride_t2, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+            else:
+                _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos3, row_ok, 0, half, seqlen_ro, stride_xd,
+                               stride_od, stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+        else:
+            _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos3, row_ok, 0, half, seqlen_ro, stride_xd, stride_od,
+                           stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
         if COPY_REST:
             # Partial rotary out of place: the columns after the rotary ones pass through unchanged.
             p = tl.arange(0, BLOCK_P)[None, None, :]

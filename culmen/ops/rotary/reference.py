@@ -126,11 +126,8 @@ def rotary_fwd_ref(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor, cos2: Tenso
         res[..., col0:col0 + 2 * half] = _rotate(xf[..., col0:col0 + 2 * half], c, sn, ok, interleaved, full_table,
                                                  conjugate)
     # What the kernel does not write (unvisited tokens, the copied columns unless asked) keeps out's
-    # content, which is x's when rotating in place.
+    # content, which is x's when rotating in place (a select, not a boolean index: traceable).
     res = res[..., :end].to(out.dtype)
-    if cu_seqlens is None:
-        out[..., :end] = res.reshape(*out.shape[:-1], end)
-        return
-    new = out.reshape(-1, H, D).clone()
-    new[visited, :, :end] = res[visited]
-    out.copy_(new.view(out.shape))
+    if cu_seqlens is not None:
+        res = torch.where(visited[:, None, None], res, out.reshape(-1, H, D)[..., :end])
+    out[..., :end] = res.reshape(*out.shape[:-1], end)

@@ -1,8 +1,9 @@
 """Triton kernels of the scaled (+ masked / causal) softmax over the last dim, forward and backward.
 
 The input is ``(B, NP, SQ, SK)`` with any strides on the first three dims (unit column stride); a
-row is one ``(b, h, q)``. Scores are ``x * scale`` in fp32; a masked element (mask != 0, the mask
-broadcast to the input through its strides) scores ``-10000`` as in Megatron; with ``CAUSAL``
+row is one ``(b, h, q)``. Scores are ``x * scale`` in fp32; a masked element (mask != 0: a bool or
+uint8 mask broadcast to the input through its strides, 0 on broadcast dims) scores ``-10000`` as in
+Megatron; with ``CAUSAL``
 columns ``k > q`` are excluded (probability 0, and never read). A row with no kept element (all
 masked) outputs zeros, as Apex's kernels do.
 
@@ -12,6 +13,9 @@ Two algorithms, chosen by the launcher from SK:
 * chunked (long rows): an online-softmax pass over ``BLOCK_N`` chunks for the max and the sum
   (each chunk's max rescales the running sum), then a pass that writes the probabilities. The
   second read of a row mostly hits L2.
+
+The row count and the query length change from batch to batch and are not specialized on (a new
+size never compiles a new kernel).
 
 The backward is ``dx = scale * y * (dy - sum(y * dy))``, resident or in two chunked passes; with
 ``CAUSAL`` the upper triangle is written as zeros without being read. Rows and offsets are int64.
@@ -46,7 +50,7 @@ def _scores(X, MASK, b, h, q, cols, valid, stride_xb, stride_xh, stride_xq, stri
     return tl.where(valid, z, float("-inf")), keep
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "SQ"])
 def _softmax_fwd_kernel(
     X, MASK, Y,
     n_rows, SK, NP, SQ,
@@ -74,7 +78,7 @@ def _softmax_fwd_kernel(
     tl.store(Y + rows * SK + cols, (e * inv[:, None]).to(Y.dtype.element_ty), mask=in_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "SQ"])
 def _softmax_fwd_chunked_kernel(
     X, MASK, Y,
     n_rows, SK, NP, SQ,
@@ -112,7 +116,7 @@ def _softmax_fwd_chunked_kernel(
         tl.store(Y + row * SK + cols, y.to(Y.dtype.element_ty), mask=cols < SK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "SQ"])
 def _softmax_bwd_kernel(
     DY, Y, DX,
     n_rows, SK, NP, SQ,
@@ -136,7 +140,7 @@ def _softmax_bwd_kernel(
     tl.store(DX + rows * SK + cols, dx.to(DX.dtype.element_ty), mask=in_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "SQ"])
 def _softmax_bwd_chunked_kernel(
     DY, Y, DX,
     n_rows, SK, NP, SQ,

@@ -1,6 +1,12 @@
-"""Custom ops ``culmen::scaled_masked_softmax_fwd`` / ``_bwd``, their autograd, and the op-level entry
-points: ``scaled_masked_softmax`` (differentiable) and ``softmax_forward`` / ``softmax_backward``
-(the two halves, for Apex's extension-style API whose autograd lives in Python).
+"""The op-level entry points of the scaled (+ masked / causal) softmax: ``scaled_masked_softmax``
+(differentiable) and ``softmax_forward`` / ``softmax_backward`` (the two halves, for Apex's
+extension-style API whose autograd lives in Python), their eager autograd, and the ``torch.library``
+ops ``culmen::scaled_masked_softmax_fwd`` / ``_bwd`` that ``torch.compile`` traces.
+
+The call path (DESIGN.md): an eager call builds a key from its signature and looks up a cached
+``SoftmaxPlan`` (validation ran when the plan was built); with autograd recording it goes through
+``_SoftmaxFn`` (a plain ``autograd.Function``), otherwise straight to the plan. Under ``torch.compile``
+the ops are ``triton_op``s whose bodies launch through ``wrap_triton``, so Inductor launches the kernels.
 """
 
 from __future__ import annotations
@@ -8,89 +14,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.backend import choose_backend, register_op
-from culmen.ops.softmax.reference import softmax_bwd_ref, softmax_fwd_ref
+from culmen.ops.backend import register_op
+from culmen.ops.common.launch import traceable_kernels
+from culmen.ops.softmax.launch import PLANS, SoftmaxBwdPlan, SoftmaxPlan
 
 register_op("scaled_masked_softmax_fwd", "softmax", "softmax(x * scale) with a padding mask (-10000) and/or causal")
 register_op("scaled_masked_softmax_bwd", "softmax", "backward of scaled_masked_softmax_fwd")
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-
-def _fwd_impl(x: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
-    if choose_backend(x.device) == "triton" and x.dtype != torch.float64 and x.numel() > 0:
-        from culmen.ops.softmax.launch import softmax_fwd
-
-        return softmax_fwd(x, mask, scale, causal)
-    return softmax_fwd_ref(x, mask, scale, causal)
-
-
-def _bwd_impl(dy: Tensor, y: Tensor, scale: float, causal: bool) -> Tensor:
-    if choose_backend(dy.device) == "triton" and dy.dtype != torch.float64 and dy.numel() > 0:
-        from culmen.ops.softmax.launch import softmax_bwd
-
-        return softmax_bwd(dy, y, scale, causal)
-    return softmax_bwd_ref(dy, y, scale, causal)
-
-
-@torch.library.custom_op("culmen::scaled_masked_softmax_fwd", mutates_args=())
-def softmax_fwd_op(x: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
-    """``x`` ``(B, NP, SQ, SK)`` (unit column stride), ``mask`` uint8 expanded to x's shape or ``None``.
-    Returns the probabilities ``(B, NP, SQ, SK)``, contiguous, in x's dtype."""
-    return _fwd_impl(x, mask, scale, causal)
-
-
-@softmax_fwd_op.register_fake
-def _(x, mask, scale, causal):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("culmen::scaled_masked_softmax_bwd", mutates_args=())
-def softmax_bwd_op(dy: Tensor, y: Tensor, scale: float, causal: bool) -> Tensor:
-    """Gradient of the scores' input: ``scale * y * (dy - sum(y * dy))``, contiguous, in dy's dtype."""
-    return _bwd_impl(dy, y, scale, causal)
-
-
-@softmax_bwd_op.register_fake
-def _(dy, y, scale, causal):
-    return dy.new_empty(dy.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output)
-    ctx.scale, ctx.causal = inputs[2], inputs[3]
-
-
-def _backward(ctx, dy):
-    (y,) = ctx.saved_tensors
-    return softmax_bwd_op(_unit_cols(dy), y, ctx.scale, ctx.causal), None, None, None
-
-
-torch.library.register_autograd("culmen::scaled_masked_softmax_fwd", _backward, setup_context=_setup_context)
-
-
-class _SoftmaxFn(torch.autograd.Function):
-    """Eager path: the implementations called directly, without ``torch.library`` dispatch cost."""
-
-    @staticmethod
-    def forward(ctx, x, mask, scale, causal):
-        y = _fwd_impl(x, mask, scale, causal)
-        ctx.save_for_backward(y)
-        ctx.scale, ctx.causal = scale, causal
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return _bwd_impl(_unit_cols(dy), y, ctx.scale, ctx.causal), None, None, None
-
-
-def _unit_cols(t: Tensor) -> Tensor:
-    """The kernels take any strides but the last (an expanded gradient has stride 0 there)."""
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
-def _scale(scale: float | Tensor) -> float:
+def _scale(scale) -> float:
+    """``scale`` as a Python float (a one-element tensor is read once: a device sync, as in Apex)."""
     if isinstance(scale, Tensor):
         if scale.numel() != 1:
             raise ValueError(f"scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
@@ -100,58 +33,39 @@ def _scale(scale: float | Tensor) -> float:
     return float(scale)
 
 
-def _check_x(name: str, x: Tensor) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
-    if x.dim() != 4:
-        raise ValueError(f"{name} must be 4-D (batch, heads, sq, sk), got shape {tuple(x.shape)}")
-    return _unit_cols(x)
+# ------------------------------------------------------------------------------------- eager
 
 
-def prepare_mask(mask: Tensor | None, x: Tensor) -> Tensor | None:
-    """``mask`` (bool/uint8, nonzero = masked, broadcastable to x) as a uint8 view expanded to x's shape."""
-    if mask is None:
-        return None
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-    if mask.dtype not in (torch.bool, torch.uint8):
-        raise TypeError(f"mask must be a bool or uint8 tensor, got {mask.dtype}")
-    if mask.device != x.device:
-        raise ValueError(f"mask is on {mask.device} but the input is on {x.device}")
+class _SoftmaxFn(torch.autograd.Function):
+    """Eager autograd: the plan's kernels called directly (no ``torch.library`` dispatch)."""
+
+    @staticmethod
+    def forward(ctx, plan, x, mask, scale):
+        y = plan.forward(x, mask, scale)
+        ctx.save_for_backward(y)
+        ctx.plan, ctx.scale = plan, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return None, ctx.plan.backward(dy, y, ctx.scale), None, None
+
+
+def fwd_plan(x: Tensor, mask: Tensor | None, causal: bool, dims: tuple[int, ...] = (4,),
+             name: str = "x") -> SoftmaxPlan:
+    """The cached forward plan of a call signature (built, and so checked, on first use)."""
     try:
-        m = mask.expand(x.shape)
-    except RuntimeError:
-        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the input's shape "
-                         f"{tuple(x.shape)}") from None
-    if m.dtype != torch.bool:
-        return m
-    if torch.compiler.is_compiling():  # inductor cannot lower a bool -> uint8 reinterpreting view
-        return m.to(torch.uint8)
-    return m.view(torch.uint8)
-
-
-def softmax_forward(x: Tensor, mask: Tensor | None = None, scale: float | Tensor = 1.0,
-                    causal: bool = False) -> Tensor:
-    """Probabilities of ``scaled_masked_softmax`` without autograd (for Apex-style extension calls)."""
-    x = _check_x("input", x)
-    m = prepare_mask(mask, x)
-    s = _scale(scale)
-    if torch.compiler.is_compiling():
-        return softmax_fwd_op(x, m, s, bool(causal))
-    return _fwd_impl(x, m, s, bool(causal))
-
-
-def softmax_backward(dy: Tensor, y: Tensor, scale: float | Tensor = 1.0, causal: bool = False) -> Tensor:
-    """Input gradient of ``scaled_masked_softmax`` from the output gradient ``dy`` and the saved ``y``."""
-    dy, y = _check_x("output_grads", dy), _check_x("softmax_results", y)
-    if dy.shape != y.shape:
-        raise ValueError(f"output_grads {tuple(dy.shape)} and softmax_results {tuple(y.shape)} must have one shape")
-    s = _scale(scale)
-    if torch.compiler.is_compiling():
-        return softmax_bwd_op(dy, y, s, bool(causal))
-    return _bwd_impl(dy, y, s, bool(causal))
+        key = (dims, x.shape, x.stride(), x.dtype, x.device,
+               None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device), causal)
+        plan = PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors: the plan names the problem
+        key, plan = None, None
+    if plan is None:
+        plan = SoftmaxPlan(x, mask, causal, dims, name)
+        if key is not None:
+            PLANS.put(key, plan)
+    return plan
 
 
 def scaled_masked_softmax(x: Tensor, mask: Tensor | None = None, scale: float | Tensor = 1.0,
@@ -168,9 +82,81 @@ def scaled_masked_softmax(x: Tensor, mask: Tensor | None = None, scale: float | 
     The softmax runs in fp32 for every SK (rows longer than registers take a chunked online kernel);
     the result is contiguous, in ``x``'s dtype. Rows with every element masked are all zeros.
     """
-    x = _check_x("x", x)
-    m = prepare_mask(mask, x)
-    s = _scale(scale)
     if torch.compiler.is_compiling():
-        return softmax_fwd_op(x, m, s, bool(causal))
-    return _SoftmaxFn.apply(x, m, s, bool(causal))
+        return softmax_fwd_op(x, mask, _scale(scale), bool(causal))
+    if type(scale) is not float:
+        scale = _scale(scale)
+    try:
+        key = ((4,), x.shape, x.stride(), x.dtype, x.device,
+               None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device), causal)
+        plan = PLANS.get(key)
+    except (AttributeError, TypeError):
+        key, plan = None, None
+    if plan is None:
+        plan = fwd_plan(x, mask, causal)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _SoftmaxFn.apply(plan, x, mask, scale)
+    return plan.forward(x, mask, scale)
+
+
+def softmax_forward(x: Tensor, mask: Tensor | None = None, scale: float | Tensor = 1.0,
+                    causal: bool = False) -> Tensor:
+    """Probabilities of ``scaled_masked_softmax`` without autograd (for Apex-style extension calls);
+    ``x`` may also be 3-D ``(attn_batches, SQ, SK)``."""
+    if type(scale) is not float:
+        scale = _scale(scale)
+    if torch.compiler.is_compiling():
+        return softmax_fwd_op(x, mask, scale, bool(causal))
+    return fwd_plan(x, mask, causal, (3, 4), "input").forward(x, mask, scale)
+
+
+def softmax_backward(dy: Tensor, y: Tensor, scale: float | Tensor = 1.0, causal: bool = False) -> Tensor:
+    """Input gradient of ``scaled_masked_softmax`` from the output gradient ``dy`` and the saved ``y``
+    (3-D or 4-D, one shape)."""
+    if type(scale) is not float:
+        scale = _scale(scale)
+    if torch.compiler.is_compiling():
+        return softmax_bwd_op(dy, y, scale, bool(causal))
+    try:
+        key = ("bwd", dy.shape, dy.stride(), dy.dtype, dy.device, y.shape, y.stride(), y.dtype, y.device, causal)
+        plan = PLANS.get(key)
+    except (AttributeError, TypeError):
+        key, plan = None, None
+    if plan is None:
+        plan = SoftmaxBwdPlan(dy, y, causal)
+        if key is not None:
+            PLANS.put(key, plan)
+    return plan.backward(dy, y, scale)
+
+
+# -------------------------------------------------------------------------- torch.compile
+
+
+@torch.library.triton_op("culmen::scaled_masked_softmax_fwd", mutates_args=())
+def softmax_fwd_op(x: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
+    """Forward for ``torch.compile``: ``x`` ``(B, NP, SQ, SK)`` or ``(A, SQ, SK)``, ``mask`` bool/uint8
+    broadcastable to x or ``None``. Returns the probabilities, contiguous, in x's dtype."""
+    plan = SoftmaxPlan(x, mask, causal, (3, 4))
+    plan.use_kernel = plan.use_kernel and traceable_kernels()  # the interpreter cannot be traced: reference
+    return plan.forward(x, mask, scale, traced=True)
+
+
+@torch.library.triton_op("culmen::scaled_masked_softmax_bwd", mutates_args=())
+def softmax_bwd_op(dy: Tensor, y: Tensor, scale: float, causal: bool) -> Tensor:
+    """Gradient of the scores' input: ``scale * y * (dy - sum(y * dy))``, contiguous, in dy's dtype."""
+    plan = SoftmaxBwdPlan(dy, y, causal)
+    plan.use_kernel = plan.use_kernel and traceable_kernels()
+    return plan.backward(dy, y, scale, traced=True)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale, ctx.causal = inputs[2], inputs[3]
+
+
+def _compiled_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return softmax_bwd_op(dy, y, ctx.scale, ctx.causal), None, None, None
+
+
+torch.library.register_autograd("culmen::scaled_masked_softmax_fwd", _compiled_backward, setup_context=_setup_context)

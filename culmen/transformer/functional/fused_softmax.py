@@ -21,8 +21,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
+from culmen.ops.softmax import scaled_masked_softmax as scaled_masked_softmax_op
 from culmen.ops.softmax import softmax_backward, softmax_forward
+from culmen.ops.softmax.op import fwd_plan
 from culmen.transformer.enums import AttnMaskType
 
 __all__ = [
@@ -48,18 +49,15 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inputs: Tensor, scale: float) -> Tensor:
-        if not isinstance(inputs, Tensor) or inputs.dim() != 3:
-            raise ValueError(f"inputs must be a 3-D tensor (attn_batches, sq, sk), got "
-                             f"{tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__}")
         ctx.scale = _scale_value(scale)
-        y = softmax_forward(inputs.unsqueeze(0), None, ctx.scale, causal=True)[0]
+        y = fwd_plan(inputs, None, True, (3,), "inputs").forward(inputs, None, ctx.scale)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, output_grads: Tensor):
         (y,) = ctx.saved_tensors
-        return softmax_backward(output_grads.unsqueeze(0), y.unsqueeze(0), ctx.scale, causal=True)[0], None
+        return softmax_backward(output_grads, y, ctx.scale, causal=True), None
 
 
 class ScaledMaskedSoftmax(torch.autograd.Function):
@@ -99,44 +97,41 @@ class ScaledSoftmax(torch.autograd.Function):
         return softmax_backward(output_grads, y, ctx.scale), None
 
 
-def _device_type(t: Tensor) -> str:
-    return t.device.type if isinstance(t, Tensor) else "cuda"
+# The functionals below call the op directly (one autograd node, a cached plan); the Functions above
+# are kept for callers that use them by name. As in Apex, under autocast the scores are cast to the
+# autocast dtype first (and the op then sees the dtypes it was given).
+
+
+def _autocast_scores(inputs: Tensor) -> Tensor:
+    if not isinstance(inputs, Tensor):
+        return inputs  # the op names the problem
+    dev = inputs.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        if inputs.is_floating_point() and inputs.dtype != dtype:
+            return inputs.to(dtype)
+    return inputs
 
 
 def scaled_upper_triang_masked_softmax(inputs: Tensor, _: Tensor | None, scale: float) -> Tensor:
     """Causal fused softmax of ``inputs`` ``(b, np, sq, sk)`` (the mask argument is ignored); ``sq == sk``."""
     if not isinstance(inputs, Tensor) or inputs.dim() != 4:
         raise ValueError("inputs must be a 4-D tensor (b, np, sq, sk)")
-    b, np, sq, sk = inputs.size()
-    if sq != sk:
-        raise ValueError(f"the causal mask is only for self attention: sq must equal sk, got sq={sq}, sk={sk}")
-    dev = _device_type(inputs)
-    args = _cast_if_autocast_enabled(dev, inputs.reshape(-1, sq, sk), scale)
-    with _autocast_off(dev):
-        probs = ScaledUpperTriangMaskedSoftmax.apply(*args)
-    return probs.view(b, np, sq, sk)
+    shape = inputs.shape
+    if shape[2] != shape[3]:
+        raise ValueError(f"the causal mask is only for self attention: sq must equal sk, got sq={shape[2]}, "
+                         f"sk={shape[3]}")
+    return scaled_masked_softmax_op(_autocast_scores(inputs), None, scale, True)
 
 
 def scaled_masked_softmax(inputs: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """Padding-masked fused softmax of ``inputs`` ``(b, np, sq, sk)``; ``mask=None`` means no mask."""
-    dev = _device_type(inputs)
-    if mask is not None:
-        args = _cast_if_autocast_enabled(dev, inputs, mask, scale)
-        with _autocast_off(dev):
-            return ScaledMaskedSoftmax.apply(*args)
-    args = _cast_if_autocast_enabled(dev, inputs, scale)
-    with _autocast_off(dev):
-        return ScaledSoftmax.apply(*args)
+    return scaled_masked_softmax_op(_autocast_scores(inputs), mask, scale)
 
 
 def generic_scaled_masked_softmax(inputs: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """``scaled_masked_softmax`` under Apex's generic name (no shape limits in either)."""
-    dev = _device_type(inputs)
-    if mask is None:
-        return scaled_masked_softmax(inputs, None, scale)
-    args = _cast_if_autocast_enabled(dev, inputs, mask, scale)
-    with _autocast_off(dev):
-        return GenericScaledMaskedSoftmax.apply(*args)
+    return scaled_masked_softmax_op(_autocast_scores(inputs), mask, scale)
 
 
 def get_batch_per_block(sq: int, sk: int, b: int, np: int) -> int:
