@@ -67,14 +67,11 @@ class SyncBatchNorm(_BatchNorm):
         return None
 
     def forward(self, input: Tensor, z: Tensor | None = None) -> Tensor:
-        self._check_input_dim(input)
-        channel_last = self.channel_last if input.dim() != 2 else True
-        C = input.shape[-1] if channel_last else input.shape[1]
-        if C != self.num_features:
-            raise ValueError(f"expected {self.num_features} channels, got input of shape {tuple(input.shape)}"
-                             f"{' (channel_last)' if channel_last else ''}")
+        # The op checks the input against the parameters and running statistics once per input signature
+        # (its cached plan); nothing is validated here per call.
         if not self.training and self.track_running_stats and not self.channel_last and not self.fuse_relu \
                 and z is None:
+            self._check_input_dim(input)
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
                                 self.eps)
         factor = 0.0
@@ -87,7 +84,7 @@ class SyncBatchNorm(_BatchNorm):
             input, self.weight, self.bias,
             self.running_mean if (update or not use_batch_stats) else None,
             self.running_var if (update or not use_batch_stats) else None,
-            use_batch_stats, factor, self.eps, process_group=self._group(), channel_last=channel_last,
+            use_batch_stats, factor, self.eps, process_group=self._group(), channel_last=self.channel_last,
             fuse_relu=self.fuse_relu, z=z)
 
     def extra_repr(self) -> str:

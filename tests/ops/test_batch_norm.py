@@ -18,7 +18,7 @@ from culmen.ops.backend import set_backend
 from culmen.ops.batch_norm import launch as bn_launch
 from culmen.ops.batch_norm import op as bn_op
 from culmen.ops.batch_norm import sync_batch_norm, sync_batch_norm_ref
-from culmen.ops.batch_norm.reference import bn_combine_ref, bn_stats_ref, pack_stats, packed_counts
+from culmen.ops.batch_norm.reference import pack_stats, packed_counts
 from culmen.testing import assert_close_tolerance, make_noncontiguous
 
 BACKENDS = ["reference", "triton"]
@@ -181,8 +181,8 @@ def test_tolerance_rule_many_splits(triton_backend, monkeypatch, case):
 def test_stats_rows_do_not_depend_on_the_batch(triton_backend):
     """Every rank must send the same number of statistics rows, whatever its share of the batch."""
     shapes = [(1, 3, 40), (2, 3, 40), (9, 3, 40), (20, 3, 40)]
-    assert len({bn_op._stats_impl(torch.randn(s), False).shape for s in shapes}) == 1
-    assert len({bn_op._stats_impl(torch.randn(n, 5), True).shape for n in (1, 2, 7, 100)}) == 1
+    assert len({bn_op.stats_rows(torch.randn(s), False).shape for s in shapes}) == 1
+    assert len({bn_op.stats_rows(torch.randn(n, 5), True).shape for n in (1, 2, 7, 100)}) == 1
 
 
 def test_splits_are_used(triton_backend, monkeypatch):
@@ -203,10 +203,10 @@ def test_splits_are_used(triton_backend, monkeypatch):
 def test_stats_match_float64(backend):
     """The Welford partials: mean and M2 of data far from zero (the naive formula would cancel)."""
     x = (torch.randn(7, 5, 33) * 0.01 + 1000.0).float()
-    rows = bn_op._stats_impl(x, False)
+    rows = bn_op.stats_rows(x, False)
     assert rows.dim() == 2 and rows.shape[1] == 2 * 5 + 2 and rows.dtype == F32
     assert int(packed_counts(rows).sum()) == 7 * 33
-    mean, invstd, cnt = bn_op._combine_impl(rows, None, None, 0.0, EPS)
+    mean, invstd, cnt = bn_op.combine_rows(rows, None, None, 0.0, EPS)
     x64 = x.double()
     ref_mean = x64.mean((0, 2))
     m2 = (x64 - ref_mean.view(1, -1, 1)).square().sum((0, 2))
@@ -218,9 +218,9 @@ def test_stats_match_float64(backend):
 def test_combine_unequal_and_empty_parts(backend):
     """Merging per-rank statistics with unequal (and zero) counts equals the statistics of the union."""
     parts = [torch.randn(n, 4) * (i + 1) + i for i, n in enumerate((3, 17, 0, 1, 40))]
-    rows = torch.cat([bn_op._stats_impl(p, True) for p in parts])
+    rows = torch.cat([bn_op.stats_rows(p, True) for p in parts])
     rm, rv = torch.zeros(4), torch.ones(4)
-    mean, invstd, cnt = bn_op._combine_impl(rows, rm, rv, 0.25, EPS)
+    mean, invstd, cnt = bn_op.combine_rows(rows, rm, rv, 0.25, EPS)
     allx = torch.cat(parts).double()
     assert int(cnt) == allx.shape[0]
     torch.testing.assert_close(mean.double(), allx.mean(0), rtol=1e-6, atol=1e-6)
@@ -239,10 +239,10 @@ def test_pack_roundtrip_large_count():
 def test_empty_local_batch(backend):
     """A rank with no samples contributes count 0 (uneven data-parallel batches)."""
     x = torch.empty(0, 3, 4)
-    stats = bn_op._stats_impl(x, False)
+    stats = bn_op.stats_rows(x, False)
     assert int(packed_counts(stats).sum()) == 0
-    other = bn_op._stats_impl(torch.randn(6, 3, 4), False)
-    mean, _, cnt = bn_op._combine_impl(torch.cat([stats, other]), None, None, 0.1, EPS)
+    other = bn_op.stats_rows(torch.randn(6, 3, 4), False)
+    mean, _, cnt = bn_op.combine_rows(torch.cat([stats, other]), None, None, 0.1, EPS)
     assert int(cnt) == 24 and torch.isfinite(mean).all()
 
 
@@ -283,36 +283,52 @@ def test_autocast_keeps_input_dtype(backend):
     assert y.dtype == BF16
 
 
-def _opcheck_inputs():
+@pytest.mark.parametrize("args", ["train", "train-relu-z-cl", "eval"])
+def test_opcheck(backend, args):
+    """The traced op's schema and fake impl hold (torch.library.opcheck)."""
     x = torch.randn(3, 4, 5)
-    xl = torch.randn(7, 4)
-    gathered = torch.cat([bn_stats_ref(x, False), bn_stats_ref(torch.randn(2, 4, 5), False)])
-    mean, invstd, cnt = bn_combine_ref(gathered, None, None, 0.1, EPS)
     w, b = torch.rand(4) + 0.5, torch.randn(4)
-    dy = torch.randn(3, 4, 5)
-    sums = torch.randn(8)
-    return x, xl, gathered, mean, invstd, cnt, w, b, dy, sums
+    rm, rv = torch.randn(4), torch.rand(4) + 0.5
+    xl = torch.randn(7, 4)
+    a = {
+        "train": (x, None, w, b, rm, rv, True, 0.1, EPS, False, False),
+        "train-relu-z-cl": (xl, torch.randn(7, 4), None, b, None, None, True, 0.1, EPS, True, True),
+        "eval": (x, None, w, None, rm, rv, False, 0.1, EPS, False, False),
+    }[args]
+    torch.library.opcheck(torch.ops.culmen.batch_norm_fwd.default, a, test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("which", ["stats", "combine", "fwd", "bwd_reduce", "bwd"])
-def test_opcheck(backend, which):
-    """The custom ops' schemas, fake impls and mutation declarations hold (torch.library.opcheck)."""
-    x, xl, gathered, mean, invstd, cnt, w, b, dy, sums = _opcheck_inputs()
-    ops = torch.ops.culmen
-    y = torch.relu(torch.randn(3, 4, 5))
-    args = {
-        "stats": (ops.batch_norm_stats.default, [(x, False), (xl, True)]),
-        "combine": (ops.batch_norm_combine.default, [(gathered, torch.zeros(4), torch.ones(4), 0.1, EPS),
-                                                     (gathered, None, None, 0.0, EPS)]),
-        "fwd": (ops.batch_norm_fwd.default, [(x, None, mean, invstd, w, b, False, False),
-                                             (x, dy, mean, invstd, None, None, True, False)]),
-        "bwd_reduce": (ops.batch_norm_bwd_reduce.default, [(dy, x, None, mean, invstd, w, b, False, False, False),
-                                                           (dy, x, y, mean, invstd, w, b, True, False, True)]),
-        "bwd": (ops.batch_norm_bwd.default, [(dy, x, None, mean, invstd, w, sums, cnt, False, True, False),
-                                             (dy, x, y, mean, invstd, None, sums, cnt, True, False, False)]),
-    }[which]
-    for a in args[1]:
-        torch.library.opcheck(args[0], a, test_utils=("test_schema", "test_faketensor"))
+@pytest.mark.parametrize("compile_backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["nchw", "fmt", "flag"])
+def test_torch_compile_fullgraph(compile_backend, layout):
+    """``fullgraph=True`` (no graph break): outputs, gradients of x, z, weight, bias and the running statistics
+    equal eager's (the compiled graph runs the reference under the CPU interpreter)."""
+    set_backend(compile_backend)
+    torch._dynamo.reset()
+    c = Case((4, 6, 5, 3), layout=layout, relu=layout != "nchw", z=layout != "nchw")
+    C = _channels(c)
+    x = _act(c)
+    z = _act(c) if c.z else None
+    w, b = (torch.rand(C) + 0.5).requires_grad_(), torch.randn(C).requires_grad_()
+    gy = torch.randn(c.shape)
+
+    def fn(x, z, w, b, rm, rv):
+        return sync_batch_norm(x, w, b, rm, rv, True, 0.1, EPS, channel_last=layout == "flag", fuse_relu=c.relu,
+                               z=z) * 2.0
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    leaves = [t for t in (x, z, w, b) if t is not None]
+    res = []
+    for f in (fn, compiled):
+        rm, rv = torch.zeros(C), torch.ones(C)
+        y = f(x, z, w, b, rm, rv)
+        res.append((y, *torch.autograd.grad((y * gy).sum(), leaves), rm, rv))
+    for e, got in zip(*res):
+        torch.testing.assert_close(got, e, rtol=1e-5, atol=1e-5)
+    # eval (running statistics) traces too
+    ye = torch.compile(lambda x: sync_batch_norm(x, w, b, rm, rv, False, 0.1, EPS, channel_last=layout == "flag"),
+                       fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(ye, sync_batch_norm(x, w, b, rm, rv, False, 0.1, EPS, channel_last=layout == "flag"))
 
 
 # ---------------------------------------------------------------------------------------------

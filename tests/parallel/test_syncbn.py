@@ -4,12 +4,10 @@ Each rank holds a slice of one batch (uneven slices, one of them empty in a 3-ra
 oracle (``F.batch_norm`` on the whole batch) gives the output and input gradient of every slice, the
 weight/bias gradients (the sum of the ranks' shares) and the running statistics after two steps.
 Cases run on the reference path and on the Triton kernels under the interpreter (selected per case
-through ``CULMEN_BACKEND``).
+with ``culmen.ops.backend.set_backend``).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -29,13 +27,14 @@ def _cmp(failures, name, got, expect, dtype):
 
 
 def _syncbn_worker(rank, world, cases):
+    from culmen.ops.backend import set_backend
     from culmen.ops.batch_norm import sync_batch_norm_ref
     from culmen.parallel import SyncBatchNorm, create_syncbn_process_group
 
     failures = []
     dev = torch.device("cuda", rank) if cases and cases[0].get("device") == "cuda" else torch.device("cpu")
     for c in cases:
-        os.environ["CULMEN_BACKEND"] = c["backend"]
+        set_backend(c["backend"])
         name = f"{c['name']}[{c['backend']}]"
         sizes, rest, dtype, layout = c["sizes"], c["rest"], c.get("dtype", F32), c.get("layout", "nchw")
         relu, use_z = c.get("relu", False), c.get("z", False)
@@ -161,9 +160,10 @@ class ConvNet(nn.Module):
 
 
 def _ddp_syncbn_worker(rank, world):
+    from culmen.ops.backend import set_backend
     from culmen.parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
 
-    os.environ["CULMEN_BACKEND"] = "triton"
+    set_backend("triton")
     torch.manual_seed(0)
     ref = ConvNet().double()
     torch.manual_seed(0)

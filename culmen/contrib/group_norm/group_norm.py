@@ -136,7 +136,9 @@ class GroupNorm(torch.nn.Module):
             init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.dim() < 2 or input.shape[1] != self.num_channels:
+        # Everything else is checked once per input signature by the op's cached plan; this compares two
+        # tuples (no torch call), for the channel count that a module without parameters cannot show the op.
+        if input.shape[1:2] != (self.num_channels,):
             raise ValueError(f"GroupNorm: expected input of shape (N, {self.num_channels}, *), got "
                              f"{tuple(input.shape)}")
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps, self.act)

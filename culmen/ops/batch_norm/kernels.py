@@ -19,8 +19,12 @@ same kernel merges the splits of one rank and the per-rank statistics all-gather
 whatever their (unequal, possibly zero) counts.
 
 Packed statistics: one fp32 row of ``2C + 2`` values, ``[mean (C) | M2 (C) | count]``, the count an
-int64 stored in the last two fp32 slots (bit-exact through an all-gather). Kernels get the same buffer
-twice, as fp32 and as int64 pointers.
+int64 stored in the last two fp32 slots (bit-exact through an all-gather; kernels reinterpret the pointer
+with ``_count_ptr``). The final statistics have the same layout, ``[mean (C) | invstd (C) | count]``.
+
+Workspaces: every buffer of small results (partial rows, the final statistics, the backward's partial
+sums) is a region of one fp32 workspace, passed as its base pointer plus an element offset (no views on
+the host). Integer arguments that follow the batch size are not specialized (``do_not_specialize``).
 
 All arithmetic in fp32; element offsets in int64.
 """
@@ -30,9 +34,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _bn_stats_nchw_kernel(X, PART, PART_I64, N, C, L, stride_p, stride_p64, rows_per_split, cols_per_split,
-                          col_splits, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Program ``(c, s)``: ``(mean, M2)`` of channel ``c`` over rows ``[r0, r1)`` x cols ``[l0, l1)``."""
+def _count_ptr(P):
+    """The int64 view of an fp32 pointer (the count slot of a packed row)."""
+    return P.to(tl.pointer_type(tl.int64), bitcast=True)
+
+
+@triton.jit
+def _bn_running_stats_kernel(RMEAN, RVAR, WS, o_off, C, eps, BLOCK_C: tl.constexpr):
+    """Eval: ``[mean (C) | invstd (C)]`` at ``WS[o_off]`` from the running statistics (any float dtype)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = cols < C
+    rm = tl.load(RMEAN + cols, mask=ok, other=0.0).to(tl.float32)
+    rv = tl.load(RVAR + cols, mask=ok, other=1.0).to(tl.float32)
+    tl.store(WS + o_off + cols, rm, mask=ok)
+    tl.store(WS + o_off + C + cols, 1.0 / tl.sqrt(rv + eps), mask=ok)
+
+
+@triton.jit(do_not_specialize=["N", "rows_per_split"])
+def _bn_stats_nchw_kernel(X, WS, p_off, N, C, L, stride_p, rows_per_split, cols_per_split, col_splits,
+                          BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Program ``(c, s)``: ``(mean, M2)`` of channel ``c`` over rows ``[r0, r1)`` x cols ``[l0, l1)``, into packed
+    row ``s`` at ``WS[p_off]`` (row stride ``stride_p``)."""
+    PART = WS + p_off
     c = tl.program_id(0)
     s = tl.program_id(1)
     s_r = s // col_splits
@@ -70,13 +93,13 @@ def _bn_stats_nchw_kernel(X, PART, PART_I64, N, C, L, stride_p, stride_p64, rows
     tl.store(PART + s * stride_p + c, k + s1 / cnt)
     tl.store(PART + s * stride_p + C + c, tl.maximum(s2 - s1 * s1 / cnt, 0.0))
     if c == 0:
-        tl.store(PART_I64 + s * stride_p64 + C, (r1 - r0).to(tl.int64) * (l1 - l0))
+        tl.store(_count_ptr(PART + s * stride_p + 2 * C), (r1 - r0).to(tl.int64) * (l1 - l0))
 
 
-@triton.jit
-def _bn_stats_nhwc_kernel(X, PART, PART_I64, M, C, stride_p, stride_p64, rows_per_split,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "rows_per_split"])
+def _bn_stats_nhwc_kernel(X, WS, p_off, M, C, stride_p, rows_per_split, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program ``(cb, s)``: ``(mean, M2)`` of channels ``cb*BLOCK_C + [0, BLOCK_C)`` over rows of split ``s``."""
+    PART = WS + p_off
     pid_c = tl.program_id(0)
     s = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -103,20 +126,22 @@ def _bn_stats_nhwc_kernel(X, PART, PART_I64, M, C, stride_p, stride_p64, rows_pe
     tl.store(PART + s * stride_p + cols, k + s1 / cnt, mask=col_ok)
     tl.store(PART + s * stride_p + C + cols, tl.maximum(s2 - s1 * s1 / cnt, 0.0), mask=col_ok)
     if pid_c == 0:
-        tl.store(PART_I64 + s * stride_p64 + C, (r1 - r0).to(tl.int64))
+        tl.store(_count_ptr(PART + s * stride_p + 2 * C), (r1 - r0).to(tl.int64))
 
 
 @triton.jit
-def _bn_combine_kernel(PART, PART_I64, R, C, stride_p, stride_p64,
-                       OUT, OUT_I64, MEAN, INVSTD, CNT, RMEAN, RVAR, momentum, eps,
+def _bn_combine_kernel(WS, p_off, R, C, stride_p, o_off, RMEAN, RVAR, momentum, eps,
                        FINAL: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Merge ``R`` packed ``(mean, M2, count)`` rows, for channels ``pid*BLOCK_C + [0, BLOCK_C)``.
+    """Merge the ``R`` packed ``(mean, M2, count)`` rows at ``WS[p_off]``, for channels ``pid*BLOCK_C + [0, BLOCK_C)``,
+    into one row at ``WS[o_off]``.
 
-    ``FINAL=False``: write one packed row to ``OUT``. ``FINAL=True``: write ``MEAN``, ``INVSTD`` =
-    ``1/sqrt(M2/n + eps)`` and ``CNT`` (int64 total), and, with ``UPDATE_RUNNING``, blend the mean and the
-    unbiased variance ``M2/(n-1)`` into ``RMEAN``/``RVAR`` (any float dtype) with ``momentum``.
+    ``FINAL=False``: a packed row ``[mean | M2 | count]``. ``FINAL=True``: ``[mean | invstd | count]`` with
+    ``invstd = 1/sqrt(M2/n + eps)``, and, with ``UPDATE_RUNNING``, blend the mean and the unbiased variance
+    ``M2/(n-1)`` into ``RMEAN``/``RVAR`` (any float dtype) with ``momentum``.
     """
+    PART = WS + p_off
+    OUT = WS + o_off
     pid = tl.program_id(0)
     cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
@@ -127,7 +152,7 @@ def _bn_combine_kernel(PART, PART_I64, R, C, stride_p, stride_p64,
     for r in range(0, R, BLOCK_R):
         rows = r + rr
         row_ok = rows < R
-        n = tl.load(PART_I64 + rows.to(tl.int64) * stride_p64 + C, mask=row_ok, other=0)
+        n = tl.load(_count_ptr(PART + rows.to(tl.int64) * stride_p + 2 * C), mask=row_ok, other=0)
         n_tot += n
         ok = row_ok[:, None] & col_ok[None, :]
         m = tl.load(PART + rows.to(tl.int64)[:, None] * stride_p + cols[None, :], mask=ok, other=0.0)
@@ -141,18 +166,18 @@ def _bn_combine_kernel(PART, PART_I64, R, C, stride_p, stride_p64,
     for r in range(0, R, BLOCK_R):
         rows = r + rr
         row_ok = rows < R
-        n = tl.load(PART_I64 + rows.to(tl.int64) * stride_p64 + C, mask=row_ok, other=0)
+        n = tl.load(_count_ptr(PART + rows.to(tl.int64) * stride_p + 2 * C), mask=row_ok, other=0)
         ok = (row_ok & (n > 0))[:, None] & col_ok[None, :]
         off = rows.to(tl.int64)[:, None] * stride_p + cols[None, :]
         m = tl.load(PART + off, mask=ok, other=0.0)
         q = tl.load(PART + off + C, mask=ok, other=0.0)
         d = tl.where(ok, m - mean[None, :], 0.0)
         m2 += tl.sum(q + d * d * n.to(tl.float32)[:, None], axis=0)
+    tl.store(OUT + cols, mean, mask=col_ok)
+    if pid == 0:
+        tl.store(_count_ptr(OUT + 2 * C), total)
     if FINAL:
-        tl.store(MEAN + cols, mean, mask=col_ok)
-        tl.store(INVSTD + cols, 1.0 / tl.sqrt(m2 / total_f + eps), mask=col_ok)
-        if pid == 0:
-            tl.store(CNT, total)
+        tl.store(OUT + C + cols, 1.0 / tl.sqrt(m2 / total_f + eps), mask=col_ok)
         if UPDATE_RUNNING:
             rm = tl.load(RMEAN + cols, mask=col_ok, other=0.0).to(tl.float32)
             rv = tl.load(RVAR + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -162,17 +187,14 @@ def _bn_combine_kernel(PART, PART_I64, R, C, stride_p, stride_p64,
             tl.store(RMEAN + cols, rm.to(RMEAN.dtype.element_ty), mask=col_ok)
             tl.store(RVAR + cols, rv.to(RVAR.dtype.element_ty), mask=col_ok)
     else:
-        tl.store(OUT + cols, mean, mask=col_ok)
         tl.store(OUT + C + cols, m2, mask=col_ok)
-        if pid == 0:
-            tl.store(OUT_I64 + C, total)
 
 
 @triton.jit
-def _scale_shift(MEAN, INVSTD, W, B, ch, ok, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
-    """Per-channel ``scale = invstd * w`` and ``shift = b - mean * scale`` (fp32)."""
-    mean = tl.load(MEAN + ch, mask=ok, other=0.0)
-    scale = tl.load(INVSTD + ch, mask=ok, other=0.0)
+def _scale_shift(STATS, C, W, B, ch, ok, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """Per-channel ``scale = invstd * w`` and ``shift = b - mean * scale`` (fp32), ``STATS = [mean | invstd]``."""
+    mean = tl.load(STATS + ch, mask=ok, other=0.0)
+    scale = tl.load(STATS + C + ch, mask=ok, other=0.0)
     if HAS_W:
         scale = scale * tl.load(W + ch, mask=ok, other=0.0).to(tl.float32)
     shift = -mean * scale
@@ -181,15 +203,16 @@ def _scale_shift(MEAN, INVSTD, W, B, ch, ok, HAS_W: tl.constexpr, HAS_B: tl.cons
     return scale, shift
 
 
-@triton.jit
-def _bn_fwd_nchw_kernel(X, Z, Y, MEAN, INVSTD, W, B, NC, C, L,
+@triton.jit(do_not_specialize=["NC"])
+def _bn_fwd_nchw_kernel(X, Z, Y, WS, s_off, W, B, NC, C, L,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_Z: tl.constexpr, RELU: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr):
-    """``y = relu?((x - mean) * invstd * w + b + z)`` on a ``(BLOCK_R, BLOCK_L)`` tile of ``(N*C, L)``."""
+    """``y = relu?((x - mean) * invstd * w + b + z)`` on a ``(BLOCK_R, BLOCK_L)`` tile of ``(N*C, L)``; the
+    statistics ``[mean | invstd]`` at ``WS[s_off]``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < NC
-    scale, shift = _scale_shift(MEAN, INVSTD, W, B, rows % C, row_ok, HAS_W, HAS_B)
+    scale, shift = _scale_shift(WS + s_off, C, W, B, rows % C, row_ok, HAS_W, HAS_B)
     ok = row_ok[:, None] & (cols < L)[None, :]
     off = rows.to(tl.int64)[:, None] * L + cols[None, :]
     y = tl.load(X + off, mask=ok, other=0.0).to(tl.float32) * scale[:, None] + shift[:, None]
@@ -200,15 +223,15 @@ def _bn_fwd_nchw_kernel(X, Z, Y, MEAN, INVSTD, W, B, NC, C, L,
     tl.store(Y + off, y.to(Y.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _bn_fwd_nhwc_kernel(X, Z, Y, MEAN, INVSTD, W, B, M, C,
+@triton.jit(do_not_specialize=["M"])
+def _bn_fwd_nhwc_kernel(X, Z, Y, WS, s_off, W, B, M, C,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_Z: tl.constexpr, RELU: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Channel-last forward on a ``(BLOCK_M, BLOCK_C)`` tile of ``(M, C)``."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
-    scale, shift = _scale_shift(MEAN, INVSTD, W, B, cols, col_ok, HAS_W, HAS_B)
+    scale, shift = _scale_shift(WS + s_off, C, W, B, cols, col_ok, HAS_W, HAS_B)
     ok = (rows < M)[:, None] & col_ok[None, :]
     off = rows.to(tl.int64)[:, None] * C + cols[None, :]
     y = tl.load(X + off, mask=ok, other=0.0).to(tl.float32) * scale[None, :] + shift[None, :]
@@ -231,11 +254,14 @@ def _load_dy(DY, Y, DZ, off, ok, RELU: tl.constexpr, STORE_DZ: tl.constexpr):
     return dy.to(tl.float32)
 
 
-@triton.jit
-def _bn_bwd_reduce_nchw_kernel(DY, X, Y, DZ, MEAN, PART, N, C, L, rows_per_split, cols_per_split, col_splits,
-                               RELU: tl.constexpr, STORE_DZ: tl.constexpr,
+@triton.jit(do_not_specialize=["N", "rows_per_split"])
+def _bn_bwd_reduce_nchw_kernel(DY, X, Y, DZ, STATS, s_off, WS, p_off, N, C, L, rows_per_split, cols_per_split,
+                               col_splits, RELU: tl.constexpr, STORE_DZ: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr):
-    """Program ``(c, s)``: partial ``sum dy`` and ``sum dy * (x - mean)`` into ``PART[s] = [(C) | (C)]``."""
+    """Program ``(c, s)``: partial ``sum dy`` and ``sum dy * (x - mean)`` into ``PART[s] = [(C) | (C)]`` at
+    ``WS[p_off]``; the mean at ``STATS[s_off]``."""
+    MEAN = STATS + s_off
+    PART = WS + p_off
     c = tl.program_id(0)
     s = tl.program_id(1)
     s_r = s // col_splits
@@ -267,11 +293,13 @@ def _bn_bwd_reduce_nchw_kernel(DY, X, Y, DZ, MEAN, PART, N, C, L, rows_per_split
     tl.store(PART + s * 2 * C + C + c, tl.sum(tl.sum(acc_dyx, axis=1), axis=0))
 
 
-@triton.jit
-def _bn_bwd_reduce_nhwc_kernel(DY, X, Y, DZ, MEAN, PART, M, C, rows_per_split,
+@triton.jit(do_not_specialize=["M", "rows_per_split"])
+def _bn_bwd_reduce_nhwc_kernel(DY, X, Y, DZ, STATS, s_off, WS, p_off, M, C, rows_per_split,
                                RELU: tl.constexpr, STORE_DZ: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Channel-last partial ``sum dy`` and ``sum dy * (x - mean)`` of split ``s``."""
+    MEAN = STATS + s_off
+    PART = WS + p_off
     pid_c = tl.program_id(0)
     s = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -295,10 +323,13 @@ def _bn_bwd_reduce_nhwc_kernel(DY, X, Y, DZ, MEAN, PART, M, C, rows_per_split,
 
 
 @triton.jit
-def _bn_bwd_finalize_kernel(PART, S, C, INVSTD, SUMS, DW, DB, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr,
-                            BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Sum the ``S`` partial rows into ``SUMS = [sum dy | sum dy (x - mean)]``; ``dw = sum dy (x - mean) * invstd``
-    and ``db = sum dy`` (this rank's share, in the parameters' dtype)."""
+def _bn_bwd_finalize_kernel(WS, p_off, S, C, STATS, s_off, u_off, DW, DB, HAS_DW: tl.constexpr,
+                            HAS_DB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Sum the ``S`` partial rows at ``WS[p_off]`` into ``SUMS = [sum dy | sum dy (x - mean)]`` at ``WS[u_off]``;
+    ``dw = sum dy (x - mean) * invstd`` and ``db = sum dy`` (this rank's share, in the parameters' dtype)."""
+    PART = WS + p_off
+    SUMS = WS + u_off
+    INVSTD = STATS + s_off + C
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     ss = tl.arange(0, BLOCK_S)
@@ -320,19 +351,20 @@ def _bn_bwd_finalize_kernel(PART, S, C, INVSTD, SUMS, DW, DB, HAS_DW: tl.constex
 
 
 @triton.jit
-def _dx_coefs(MEAN, INVSTD, W, SUMS, CNT, ch, ok, C, HAS_W: tl.constexpr, TRAINING: tl.constexpr):
+def _dx_coefs(STATS, W, SUMS, ch, ok, C, HAS_W: tl.constexpr, TRAINING: tl.constexpr):
     """Per-channel ``a, k, b`` with ``dx = a * dy + k * x + b``.
 
     Training: ``dx = a * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy (x - mean)))``, ``a = invstd * w``,
-    the means over all ``count`` elements of the process group. Eval: ``dx = a * dy``.
+    the means over all ``count`` elements of the process group. Eval: ``dx = a * dy``. ``STATS = [mean | invstd |
+    count]``.
     """
-    a = tl.load(INVSTD + ch, mask=ok, other=0.0)
+    a = tl.load(STATS + C + ch, mask=ok, other=0.0)
     invstd = a
     if HAS_W:
         a = a * tl.load(W + ch, mask=ok, other=0.0).to(tl.float32)
     if TRAINING:
-        inv_n = 1.0 / tl.load(CNT).to(tl.float32)
-        mean = tl.load(MEAN + ch, mask=ok, other=0.0)
+        inv_n = 1.0 / tl.load(_count_ptr(STATS + 2 * C)).to(tl.float32)
+        mean = tl.load(STATS + ch, mask=ok, other=0.0)
         mdy = tl.load(SUMS + ch, mask=ok, other=0.0) * inv_n
         mdyx = tl.load(SUMS + C + ch, mask=ok, other=0.0) * inv_n
         k = -a * invstd * invstd * mdyx
@@ -343,15 +375,15 @@ def _dx_coefs(MEAN, INVSTD, W, SUMS, CNT, ch, ok, C, HAS_W: tl.constexpr, TRAINI
     return a, k, b
 
 
-@triton.jit
-def _bn_bwd_nchw_kernel(DY, X, Y, DX, MEAN, INVSTD, W, SUMS, CNT, NC, C, L,
+@triton.jit(do_not_specialize=["NC"])
+def _bn_bwd_nchw_kernel(DY, X, Y, DX, STATS, s_off, SUMS, u_off, W, NC, C, L,
                         HAS_W: tl.constexpr, RELU: tl.constexpr, TRAINING: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr):
     """``dx`` on a ``(BLOCK_R, BLOCK_L)`` tile of ``(N*C, L)``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < NC
-    a, k, b = _dx_coefs(MEAN, INVSTD, W, SUMS, CNT, rows % C, row_ok, C, HAS_W, TRAINING)
+    a, k, b = _dx_coefs(STATS + s_off, W, SUMS + u_off, rows % C, row_ok, C, HAS_W, TRAINING)
     ok = row_ok[:, None] & (cols < L)[None, :]
     off = rows.to(tl.int64)[:, None] * L + cols[None, :]
     dy = _load_dy(DY, Y, DY, off, ok, RELU, False)
@@ -362,15 +394,15 @@ def _bn_bwd_nchw_kernel(DY, X, Y, DX, MEAN, INVSTD, W, SUMS, CNT, NC, C, L,
     tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _bn_bwd_nhwc_kernel(DY, X, Y, DX, MEAN, INVSTD, W, SUMS, CNT, M, C,
+@triton.jit(do_not_specialize=["M"])
+def _bn_bwd_nhwc_kernel(DY, X, Y, DX, STATS, s_off, SUMS, u_off, W, M, C,
                         HAS_W: tl.constexpr, RELU: tl.constexpr, TRAINING: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Channel-last ``dx`` on a ``(BLOCK_M, BLOCK_C)`` tile of ``(M, C)``."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
-    a, k, b = _dx_coefs(MEAN, INVSTD, W, SUMS, CNT, cols, col_ok, C, HAS_W, TRAINING)
+    a, k, b = _dx_coefs(STATS + s_off, W, SUMS + u_off, cols, col_ok, C, HAS_W, TRAINING)
     ok = (rows < M)[:, None] & col_ok[None, :]
     off = rows.to(tl.int64)[:, None] * C + cols[None, :]
     dy = _load_dy(DY, Y, DY, off, ok, RELU, False)

@@ -1,22 +1,33 @@
-"""Launchers of the batch-norm kernels: allocate, pick blocks and splits, launch.
+"""Call plans of (synchronized) batch norm: validate once, then allocate and launch.
 
-Inputs are in one of two canonical memory orders (see ``kernels.py``): ``(N, C, L)`` for NCHW
-(``channel_last=False``) and ``(M, C)`` for channel-last; the kernels see raw pointers, so any tensor
-whose memory is in that order (a 4-D ``channels_last`` tensor, say) is passed as it is.
+A ``BNPlan`` holds everything ``sync_batch_norm`` derives from one call signature (shapes, strides, dtypes
+and devices of the tensors, flags, eps, process group): the checks passed, the canonical memory order the
+kernels read (see ``kernels.py``: ``(N, C, L)`` NCHW or ``(M, C)`` channel-last; a tensor whose memory is
+already in that order, a 4-D ``channels_last`` one say, is passed as it is), the blocks, splits and grids,
+the layout of the one workspace a call allocates, and the bound ``Launch`` of every kernel. A cached
+training forward then costs two allocations (workspace, output) and three launches; its backward three
+allocations (dx, dweight, dbias: the workspace of the forward has room for the backward's sums) and three
+launches. Batch norm runs once per layer and step, and at ResNet's late stages the kernels take less time
+than the host spends on a call.
 
-Everything that depends only on the shape, layout and device (blocks, splits, grids, the compiled
-kernel of each specialization) lives in a cached ``BNPlan``: a call costs one dict lookup and the
-launches. Batch norm runs once per layer and step, and on a slow host the Python of planning every
-call cost more than the kernels themselves at ResNet's late stages. ``TUNING`` holds the block rules
-so a sweep can change them at run time (plans are keyed by its values).
+Across ranks: the forward all-gathers this rank's packed statistics rows (a region of the workspace) and
+the backward all-reduces the ``(2C,)`` sums; the number of rows depends on C, L and the device type only,
+never on the batch, so every rank sends the same amount.
+
+Under ``torch.compile`` (one process) a plan is built from fake tensors whose batch size may be symbolic:
+blocks follow the size hint, splits that depend on the batch use the fixed rule (splits past the batch
+are empty), so any batch size runs correctly; the channel count and the spatial size are specialized.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from culmen.ops.backend import device_guard
+from culmen.ops.backend import choose_backend
 from culmen.ops.batch_norm.kernels import (
     _bn_bwd_finalize_kernel,
     _bn_bwd_nchw_kernel,
@@ -26,23 +37,15 @@ from culmen.ops.batch_norm.kernels import (
     _bn_combine_kernel,
     _bn_fwd_nchw_kernel,
     _bn_fwd_nhwc_kernel,
+    _bn_running_stats_kernel,
     _bn_stats_nchw_kernel,
     _bn_stats_nhwc_kernel,
 )
-from culmen.ops.common.launch import BoundLaunch, FastLauncher, cdiv, next_pow2, raw_stream
+from culmen.ops.batch_norm.reference import stat_dtype
+from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter
+from culmen.ops.common.plans import PlanCache, clear_plans
 
-_stats_nchw = FastLauncher(_bn_stats_nchw_kernel)
-_stats_nhwc = FastLauncher(_bn_stats_nhwc_kernel)
-_combine = FastLauncher(_bn_combine_kernel)
-_fwd_nchw = FastLauncher(_bn_fwd_nchw_kernel)
-_fwd_nhwc = FastLauncher(_bn_fwd_nhwc_kernel)
-_bwd_reduce_nchw = FastLauncher(_bn_bwd_reduce_nchw_kernel)
-_bwd_reduce_nhwc = FastLauncher(_bn_bwd_reduce_nhwc_kernel)
-_bwd_finalize = FastLauncher(_bn_bwd_finalize_kernel)
-_bwd_nchw = FastLauncher(_bn_bwd_nchw_kernel)
-_bwd_nhwc = FastLauncher(_bn_bwd_nhwc_kernel)
-
-TUNING = {
+TUNING = PlanTuning({
     # Elements of one tile of the elementwise kernels and of the reductions.
     "elem_tile": 4096,
     "reduce_tile": 2048,
@@ -56,7 +59,31 @@ TUNING = {
     # Widest channel block of the channel-last kernels.
     "max_block_c": 64,
     "num_warps": 4,
-}
+}, clear_plans)
+
+PLANS = PlanCache("batch_norm")
+_F32 = torch.float32
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def _hint(n, fallback: int = 64) -> int:
+    """A concrete value of a size that may be symbolic (``torch.compile``), without adding a guard: for
+    choosing block sizes only."""
+    if isinstance(n, int):
+        return n
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    fn = getattr(ss, "optimization_hint", None) or getattr(ss, "hint_int", None)
+    try:
+        return int(fn(n, fallback=fallback))
+    except Exception:  # no hint (unbacked size): any positive value is correct
+        return fallback
+
+
+def _at_least_1(n):
+    """``max(1, n)`` for a count that may be symbolic (symbolic batch sizes are at least 2: no guard needed)."""
+    return max(1, n) if isinstance(n, int) else n
 
 
 def _block_l(L: int) -> int:
@@ -79,15 +106,15 @@ def _block_c(C: int) -> int:
 
 def _target_programs(dev: torch.device) -> int:
     """Programs a reduction aims for. A constant per device type (not the multiprocessor count), so that
-    every rank of a process group splits its statistics the same way (see ``stats_rows``)."""
+    every rank of a process group splits its statistics the same way (see ``BNPlan.rows``)."""
     return TUNING["reduce_programs_cuda"] if dev.type == "cuda" else TUNING["reduce_programs_cpu"]
 
 
-def _nchw_reduce_plan(N: int, C: int, L: int, dev: torch.device, fixed: bool = False):
+def _nchw_reduce_plan(N, C: int, L: int, dev: torch.device, fixed: bool = False):
     """Blocks and splits of the NCHW reductions: grid ``(C, S_r * S_l)``. With ``fixed`` the number of
-    splits does not depend on ``N`` (splits past the batch are empty)."""
+    splits does not depend on ``N`` (splits past the batch are empty; ``N`` may then be symbolic)."""
     block_l = min(_block_l(L), TUNING["reduce_tile"])
-    block_r = max(1, min(TUNING["reduce_tile"] // block_l, next_pow2(N)))
+    block_r = max(1, min(TUNING["reduce_tile"] // block_l, next_pow2(_hint(N))))
     want = max(1, min(TUNING["max_splits"], cdiv(_target_programs(dev), C)))
     col_blocks = cdiv(L, block_l)
     if fixed:
@@ -95,7 +122,7 @@ def _nchw_reduce_plan(N: int, C: int, L: int, dev: torch.device, fixed: bool = F
         cols_per = cdiv(col_blocks, s_l) * block_l
         s_l = cdiv(L, cols_per) if L else 1
         s_r = cdiv(want, s_l)
-        rows_per = max(1, cdiv(N, s_r))
+        rows_per = _at_least_1(cdiv(N, s_r))
         return block_r, block_l, rows_per, s_r, cols_per, s_l
     row_blocks = cdiv(N, block_r)
     s_r = min(want, row_blocks)
@@ -107,15 +134,15 @@ def _nchw_reduce_plan(N: int, C: int, L: int, dev: torch.device, fixed: bool = F
     return block_r, block_l, rows_per, s_r, cols_per, s_l
 
 
-def _nhwc_reduce_plan(M: int, C: int, dev: torch.device, fixed: bool = False):
+def _nhwc_reduce_plan(M, C: int, dev: torch.device, fixed: bool = False):
     """Blocks and splits of the channel-last reductions: grid ``(C / BLOCK_C, S)``. With ``fixed`` the
-    number of splits does not depend on ``M``."""
+    number of splits does not depend on ``M`` (which may then be symbolic)."""
     block_c = _block_c(C)
-    block_m = max(1, min(TUNING["reduce_tile"] // block_c, next_pow2(M)))
+    block_m = max(1, min(TUNING["reduce_tile"] // block_c, next_pow2(_hint(M))))
     col_programs = cdiv(C, block_c)
     want = max(1, min(TUNING["max_splits"], cdiv(_target_programs(dev), col_programs)))
     if fixed:
-        return block_m, block_c, max(1, cdiv(M, want)), want
+        return block_m, block_c, _at_least_1(cdiv(M, want)), want
     row_blocks = cdiv(M, block_m)
     s = min(want, row_blocks)
     rows_per = cdiv(row_blocks, s) * block_m
@@ -136,229 +163,349 @@ def _elem_plan_nhwc(M: int, C: int):
     return block_m, block_c
 
 
-def _aligned(args: tuple) -> bool:
-    """Whether every tensor argument's data pointer is 16-byte aligned (the cached kernels assume it)."""
+def _pad4(n):
+    """``n`` fp32 elements rounded up to 16 bytes, so the next region of a workspace stays aligned."""
+    return (n + 3) // 4 * 4
+
+
+def _aligned(*ts) -> bool:
     bits = 0
-    for a in args:
-        if isinstance(a, Tensor):
-            bits |= a.data_ptr()
+    for t in ts:
+        if t is not None:
+            bits |= t.data_ptr()
     return bits & 15 == 0
 
 
-def _pad4(n: int) -> int:
-    """``n`` fp32 elements rounded up to 16 bytes, so the next region of a workspace stays aligned."""
-    return (n + 3) & ~3
+def group_size(process_group) -> int:
+    """Ranks of ``process_group`` (``None``: the default group), 1 without ``torch.distributed``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
 
 
-def _dt(t: Tensor | None):
-    return None if t is None else t.dtype
+def _all_gather(out: Tensor, inp: Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _check_tensor(name: str, t, dev: torch.device) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.device != dev:
+        raise ValueError(f"{name} is on {t.device} but the input is on {dev}")
 
 
 class BNPlan:
-    """Blocks, splits, grids and bound launches of one ``(N, C, L)`` shape (``L = 1`` channel-last,
-    ``N`` then being the row count ``M``), layout and device. Build through ``plan_for``."""
+    """Everything ``sync_batch_norm`` derives from one call signature. Holds no tensors (but the process
+    group). Built from example arguments (real tensors in eager mode, fake ones under ``torch.compile``);
+    valid for every call with the same signature; ``momentum`` is a per-call argument.
 
-    def __init__(self, N: int, C: int, L: int, channel_last: bool, dev: torch.device):
-        self.N, self.C, self.L, self.cl, self.dev = N, C, L, channel_last, dev
-        self.width = W = 2 * C + 2  # one packed statistics row
-        self._bound: dict = {}
-        if channel_last:
+    ``world``: the process group's size (``None``: asked from ``torch.distributed``); only training
+    (``use_batch_stats``) communicates.
+    """
+
+    def __init__(self, x, z, weight, bias, running_mean, running_var, use_batch_stats, eps, process_group,
+                 channel_last, fuse_relu, world: int | None = None) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 2 or x.dim() > 5:
+            raise ValueError(f"expected a 2D-5D input, got {x.dim()}D input of shape {tuple(x.shape)}")
+        dev = x.device
+        _check_tensor("input", x, dev)
+        cl_shape = bool(channel_last) or x.dim() == 2
+        C = int(x.shape[-1] if cl_shape else x.shape[1])
+        params = (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var))
+        for name, t in params:
+            if t is not None:
+                _check_tensor(name, t, dev)
+                if t.numel() != C:
+                    raise ValueError(f"{name} has {t.numel()} elements, the input has {C} channels")
+        if (running_mean is None) != (running_var is None):
+            raise ValueError("running_mean and running_var must be given together")
+        if not use_batch_stats and running_mean is None:
+            raise ValueError("use_batch_stats=False needs running_mean and running_var")
+        if z is not None:
+            _check_tensor("z", z, dev)
+            if z.shape != x.shape or z.dtype != x.dtype:
+                raise ValueError(f"z must have the input's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                                 f"{tuple(z.shape)} {z.dtype}")
+        if float(eps) < 0.0:
+            raise ValueError(f"eps must be non-negative, got {eps}")
+        self.training = bool(use_batch_stats)
+        self.world = (group_size(process_group) if world is None else world) if self.training else 1
+        self.group = process_group
+        # Memory order the kernels read: channel-last (Apex's flag, a 2-D input, or an NCHW-shaped input
+        # stored channels_last) or NCHW. Inputs in another order are copied into it per call.
+        self.perm = None
+        if cl_shape:
+            self.cl, self.fmt = True, torch.contiguous_format
+        else:
+            fmt = _FORMATS.get(x.dim())
+            if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
+                self.cl, self.fmt = True, fmt
+                self.perm = (0, *range(2, x.dim()), 1)
+            else:
+                self.cl, self.fmt = False, torch.contiguous_format
+        self.copy_x = not x.is_contiguous(memory_format=self.fmt)
+        self.copy_z = z is not None and not z.is_contiguous(memory_format=self.fmt)
+        self.fix_w = weight is not None and not (weight.dim() == 1 and weight.is_contiguous())
+        self.fix_b = bias is not None and not (bias.dim() == 1 and bias.is_contiguous())
+        self.shape = x.shape
+        self.C = C
+        self.numel = x.numel()
+        if self.cl:
+            self.N, self.L = (self.numel // C if C else 0), 1
+        else:
+            self.N = x.shape[0]
+            self.L = int(math.prod(x.shape[2:]))
+        count = self.N * self.L
+        if self.training and self.world == 1 and count <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
+        # Strides of every output like the input (y, dx, dz), in the kernels' memory order.
+        self.y_stride = torch.empty_like(x, device="meta", memory_format=self.fmt).stride() if self.copy_x \
+            else x.stride()
+        self.dtype = x.dtype
+        self.stat_dtype = stat_dtype(x)
+        self.device = dev
+        self.eps = float(eps)
+        self.relu = bool(fuse_relu)
+        self.has_z, self.has_w, self.has_b = z is not None, weight is not None, bias is not None
+        self.update = self.training and running_mean is not None
+        self.use_kernel = x.dtype != torch.float64 and choose_backend(dev) == "triton"
+        if self.use_kernel and running_mean is not None and not (running_mean.is_contiguous()
+                                                                 and running_var.is_contiguous()):
+            raise ValueError("running_mean and running_var must be contiguous (the kernels update them in place)")
+        self.stream = stream_getter(dev)
+        self._bwd: dict = {}
+        if self.use_kernel:
+            self._plan_kernels()
+
+    # ------------------------------------------------------------------------------------ layout
+    def canonical(self, t: Tensor) -> Tensor:
+        """``t`` (shaped like the input) in the kernels' memory order: itself, or a copy."""
+        return t.contiguous(memory_format=self.fmt)
+
+    def to_rows(self, t: Tensor) -> Tensor:
+        """``t`` shaped like the input as the reference's canonical ``(N, C, L)`` or ``(M, C)`` tensor."""
+        if self.cl:
+            if self.perm is not None:
+                t = t.permute(self.perm)
+            return t.reshape(-1, self.C)
+        return t.reshape(self.shape[0], self.C, self.L)
+
+    def from_rows(self, t: Tensor) -> Tensor:
+        """Inverse of ``to_rows`` (a view)."""
+        if self.perm is not None:
+            shape = self.shape
+            nhwc = (shape[0], *shape[2:], self.C)
+            inv = (0, len(shape) - 1, *range(1, len(shape) - 1))
+            return t.view(nhwc).permute(inv)
+        return t.view(self.shape)
+
+    # ------------------------------------------------------------------------------------- plans
+    def _plan_kernels(self) -> None:
+        N, C, L, dev = self.N, self.C, self.L, self.device
+        W = self.W = 2 * C + 2  # one packed statistics row
+        nw = TUNING["num_warps"]
+        if self.cl:
             bm, bc, rows_per, S = _nhwc_reduce_plan(N, C, dev, fixed=True)
-            self._stats = (_stats_nhwc, (cdiv(C, bc), S), (N, C, W, W // 2, rows_per), dict(BLOCK_M=bm, BLOCK_C=bc))
-            bm, bc, rows_per, Sb = _nhwc_reduce_plan(N, C, dev)
-            self._reduce = (_bwd_reduce_nhwc, (cdiv(C, bc), Sb), (N, C, rows_per), dict(BLOCK_M=bm, BLOCK_C=bc))
-            bm, bc = _elem_plan_nhwc(N, C)
-            self._elem = ((cdiv(N, bm), cdiv(C, bc)), (N, C), dict(BLOCK_M=bm, BLOCK_C=bc))
+            self.stats = Launch(_bn_stats_nhwc_kernel, (cdiv(C, bc), S), dict(BLOCK_M=bm, BLOCK_C=bc), nw,
+                                device=dev)
+            self.stats_ints = (N, C, W, rows_per)
+            bm, bc = _elem_plan_nhwc(_hint(N), C)
+            self.elem_grid = (cdiv(N, bm), cdiv(C, bc))
+            self.elem_ints = (N, C)
+            self.elem_blocks = dict(BLOCK_M=bm, BLOCK_C=bc)
         else:
             br, bl, rows_per, s_r, cols_per, s_l = _nchw_reduce_plan(N, C, L, dev, fixed=True)
             S = s_r * s_l
-            self._stats = (_stats_nchw, (C, S), (N, C, L, W, W // 2, rows_per, cols_per, s_l),
-                           dict(BLOCK_R=br, BLOCK_L=bl))
-            br, bl, rows_per, s_r, cols_per, s_l = _nchw_reduce_plan(N, C, L, dev)
-            Sb = s_r * s_l
-            self._reduce = (_bwd_reduce_nchw, (C, Sb), (N, C, L, rows_per, cols_per, s_l),
-                            dict(BLOCK_R=br, BLOCK_L=bl))
-            br, bl = _elem_plan_nchw(N * C, L)
-            self._elem = ((cdiv(N * C, br), cdiv(L, bl)), (N * C, C, L), dict(BLOCK_R=br, BLOCK_L=bl))
-        self.splits, self.reduce_splits = S, Sb
+            self.stats = Launch(_bn_stats_nchw_kernel, (C, S), dict(BLOCK_R=br, BLOCK_L=bl), nw, device=dev)
+            self.stats_ints = (N, C, L, W, rows_per, cols_per, s_l)
+            br, bl = _elem_plan_nchw(_hint(N) * C, L)
+            self.elem_grid = (cdiv(N * C, br), cdiv(L, bl))
+            self.elem_ints = (N * C, C, L)
+            self.elem_blocks = dict(BLOCK_R=br, BLOCK_L=bl)
+        self.splits = S
         # Rows of statistics this rank sends: its splits themselves when they are few (the combine then
-        # merges every rank's splits at once, one launch less), else one row merged locally. It depends
-        # on C, L and the device type only, never on the batch, so every rank sends the same number.
+        # merges every rank's splits at once, one launch less), else one row merged locally. It depends on
+        # C, L and the device type only, never on the batch, so every rank sends the same number.
         self.rows = S if S * W * 4 <= TUNING["max_gather_bytes"] else 1
-        self.stats_numel = _pad4(self.rows * W) + (_pad4(S * W) if self.rows != S else 0)
-        self.reduce_numel = _pad4(Sb * 2 * C) + 2 * C  # partial rows, then the summed (2C,)
-        self._block_cc = min(128, next_pow2(C))
-
-    def _go(self, key, launcher: FastLauncher, grid, meta: dict, num_warps: int, args: tuple) -> None:
-        bound = self._bound.get(key)
-        if bound is None:
-            bound = self._bound[key] = BoundLaunch(launcher, grid, meta, num_warps)
-        bound(args, _aligned(args), raw_stream(self.dev))
-
-    def stats(self, x: Tensor, ws: Tensor | None = None) -> Tensor:
-        """This rank's packed statistics ``(rows, 2C + 2)`` fp32, written at the start of ``ws`` (fp32, at
-        least ``stats_numel`` elements; allocated when ``None``)."""
-        W, S = self.width, self.splits
-        if ws is None:
-            ws = torch.empty((self.stats_numel,), device=x.device, dtype=torch.float32)
-        out = ws[: self.rows * W].view(self.rows, W)
-        part = out if self.rows == S else ws[_pad4(self.rows * W):][: S * W].view(S, W)
-        launcher, grid, ints, meta = self._stats
-        self._go(("s", x.dtype), launcher, grid, meta, TUNING["num_warps"], (x, part, part.view(torch.int64), *ints))
-        if part is not out:
-            self.combine_rows(part, out=out)
-        return out
-
-    def combine_rows(self, part: Tensor, *, out: Tensor | None = None, mean: Tensor | None = None,
-                     invstd: Tensor | None = None, cnt: Tensor | None = None, running_mean: Tensor | None = None,
-                     running_var: Tensor | None = None, momentum: float = 0.0, eps: float = 0.0) -> None:
-        """Merge the packed rows ``part`` into one packed row ``out``, or (``mean`` given) into the final
-        ``mean``/``invstd``/``cnt``, updating the running statistics when given."""
-        R, C = part.shape[0], self.C
-        final, update = mean is not None, running_mean is not None
-        block_r = max(1, min(32, next_pow2(R)))
-        key = ("c", R, final, update, _dt(running_mean), _dt(running_var))
-        args = (part, part.view(torch.int64), R, C, part.stride(0), part.stride(0) // 2, out,
-                None if out is None else out.view(torch.int64), mean, invstd, cnt, running_mean, running_var,
-                float(momentum), float(eps))
-        self._go(key, _combine, (cdiv(C, self._block_cc),), dict(FINAL=final, UPDATE_RUNNING=update,
-                                                                 BLOCK_R=block_r, BLOCK_C=self._block_cc), 4, args)
-
-    def fwd(self, x: Tensor, z: Tensor | None, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-            bias: Tensor | None, fuse_relu: bool) -> Tensor:
-        """``y = relu?((x - mean) * invstd * weight + bias + z)``, allocated like ``x`` (same memory order)."""
-        y = torch.empty_like(x)
-        grid, ints, blocks = self._elem
-        launcher = _fwd_nhwc if self.cl else _fwd_nchw
-        key = ("f", x.dtype, _dt(z), _dt(weight), _dt(bias), fuse_relu)
-        meta = dict(HAS_W=weight is not None, HAS_B=bias is not None, HAS_Z=z is not None, RELU=fuse_relu, **blocks)
-        self._go(key, launcher, grid, meta, TUNING["num_warps"], (x, z, y, mean, invstd, weight, bias, *ints))
-        return y
-
-    def bwd_reduce(self, dy: Tensor, x: Tensor, y: Tensor | None, mean: Tensor, invstd: Tensor,
-                   weight: Tensor | None, bias: Tensor | None, fuse_relu: bool, store_dz: bool,
-                   ws: Tensor | None = None):
-        """``(sums, dweight, dbias, dz)``: this rank's ``sums = [sum dy | sum dy (x - mean)]`` ``(2C,)`` fp32 (a
-        view of ``ws``, fp32 of at least ``reduce_numel`` elements), the parameter gradients in the
-        parameters' dtypes (``None`` when absent) and, with ``store_dz``, ``dz`` = the ReLU-masked ``dy``."""
-        C, Sb = self.C, self.reduce_splits
-        if ws is None:
-            ws = torch.empty((self.reduce_numel,), device=x.device, dtype=torch.float32)
-        part = ws[: Sb * 2 * C]
-        sums = ws[_pad4(Sb * 2 * C):][: 2 * C]
-        dz = torch.empty_like(dy) if store_dz else None
-        launcher, grid, ints, blocks = self._reduce
-        key = ("r", dy.dtype, x.dtype, y is None, fuse_relu, store_dz)
-        self._go(key, launcher, grid, dict(RELU=fuse_relu, STORE_DZ=store_dz, **blocks), TUNING["num_warps"],
-                 (dy, x, y, dz, mean, part, *ints))
-        dw = db = None
-        if weight is not None and bias is not None and weight.dtype == bias.dtype:
-            wb = torch.empty((2 * C,), device=x.device, dtype=weight.dtype)  # one allocation for both
-            dw, db = wb[:C], wb[C:]
+        self.block_cc = bcc = min(128, next_pow2(C))
+        cgrid = (cdiv(C, bcc),)
+        # The workspace: [partial rows | (local row) | (every rank's rows) | final stats] (training) or
+        # [final stats] (eval), then, when autograd records, the backward's [partial sums | sums].
+        off = 0
+        self.merge = None
+        if self.training:
+            self.o_part = 0
+            off = _pad4(S * W)
+            src, R = 0, S
+            if self.world > 1:
+                self.o_local = 0
+                if self.rows != S:
+                    self.o_local = off
+                    off += _pad4(W)
+                    self.merge = Launch(_bn_combine_kernel, cgrid, dict(FINAL=False, UPDATE_RUNNING=False,
+                                                                         BLOCK_R=min(32, next_pow2(S)),
+                                                                         BLOCK_C=bcc), 4, device=dev)
+                self.o_gather = off
+                src, R = off, self.world * self.rows
+                off += _pad4(R * W)
+            self.final_src, self.final_rows = src, R
+            self.final = Launch(_bn_combine_kernel, cgrid, dict(FINAL=True, UPDATE_RUNNING=self.update,
+                                                                 BLOCK_R=min(32, next_pow2(R)), BLOCK_C=bcc), 4,
+                                device=dev)
         else:
-            dw = torch.empty_like(weight) if weight is not None else None
-            db = torch.empty_like(bias) if bias is not None else None
-        meta = dict(HAS_DW=dw is not None, HAS_DB=db is not None, BLOCK_S=max(1, min(32, next_pow2(Sb))),
-                    BLOCK_C=self._block_cc)
-        self._go(("z", _dt(dw), _dt(db)), _bwd_finalize, (cdiv(C, self._block_cc),), meta, 4,
-                 (part, Sb, C, invstd, sums, dw, db))
-        return sums, dw, db, dz
+            self.running = Launch(_bn_running_stats_kernel, cgrid, dict(BLOCK_C=bcc), 4, device=dev)
+        self.o_stats = off
+        self.ws_fwd = off + _pad4(W)
+        fwd_kernel = _bn_fwd_nhwc_kernel if self.cl else _bn_fwd_nchw_kernel
+        self.fwd = Launch(fwd_kernel, self.elem_grid, dict(HAS_W=self.has_w, HAS_B=self.has_b, HAS_Z=self.has_z,
+                                                            RELU=self.relu, **self.elem_blocks), nw, device=dev)
+        # Backward reductions: splits follow the batch when it is known (fixed otherwise, or when empty).
+        adaptive = isinstance(N, int) and N * L > 0
+        if self.cl:
+            bm, bc, rows_per, Sb = _nhwc_reduce_plan(N, C, dev, fixed=not adaptive)
+            self.reduce_grid, self.reduce_ints = (cdiv(C, bc), Sb), (N, C, rows_per)
+            self.reduce_blocks = dict(BLOCK_M=bm, BLOCK_C=bc)
+        else:
+            br, bl, rows_per, s_r, cols_per, s_l = _nchw_reduce_plan(N, C, L, dev, fixed=not adaptive)
+            Sb = s_r * s_l
+            self.reduce_grid, self.reduce_ints = (C, Sb), (N, C, L, rows_per, cols_per, s_l)
+            self.reduce_blocks = dict(BLOCK_R=br, BLOCK_L=bl)
+        self.reduce_splits = Sb
+        self.o_sums_rel = _pad4(Sb * 2 * C)  # backward regions, relative to the backward's base
+        self.ws_bwd = self.o_sums_rel + _pad4(2 * C)
+        self.ws_grad = self.ws_fwd + self.ws_bwd
+        self.finalize = Launch(_bn_bwd_finalize_kernel, cgrid, dict(HAS_DW=self.has_w, HAS_DB=self.has_b,
+                                                                     BLOCK_S=max(1, min(32, next_pow2(Sb))),
+                                                                     BLOCK_C=bcc), 4, device=dev)
+        bwd_kernel = _bn_bwd_nhwc_kernel if self.cl else _bn_bwd_nchw_kernel
+        self.bwd = Launch(bwd_kernel, self.elem_grid, dict(HAS_W=self.has_w, RELU=self.relu, TRAINING=self.training,
+                                                           **self.elem_blocks), nw, device=dev)
 
-    def bwd(self, dy: Tensor, x: Tensor, y: Tensor | None, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-            sums: Tensor, count: Tensor, fuse_relu: bool, training: bool) -> Tensor:
-        """``dx`` (allocated like ``x``) from the group-wide ``sums`` and element ``count`` (int64 ``(1,)``)."""
-        dx = torch.empty_like(x)
-        grid, ints, blocks = self._elem
-        launcher = _bwd_nhwc if self.cl else _bwd_nchw
-        key = ("b", dy.dtype, x.dtype, y is None, _dt(weight), fuse_relu, training)
-        meta = dict(HAS_W=weight is not None, RELU=fuse_relu, TRAINING=training, **blocks)
-        self._go(key, launcher, grid, meta, TUNING["num_warps"],
-                 (dy, x, y, dx, mean, invstd, weight, sums, count, *ints))
-        return dx
+    def _reduce(self, store_dz: bool) -> Launch:
+        la = self._bwd.get(store_dz)
+        if la is None:
+            kernel = _bn_bwd_reduce_nhwc_kernel if self.cl else _bn_bwd_reduce_nchw_kernel
+            la = self._bwd[store_dz] = Launch(kernel, self.reduce_grid, dict(RELU=self.relu, STORE_DZ=store_dz,
+                                                                              **self.reduce_blocks),
+                                              TUNING["num_warps"], device=self.device)
+        return la
+
+    # ----------------------------------------------------------------------------------- launches
+    def forward(self, x, z, weight, bias, running_mean, running_var, momentum: float, grad: bool,
+                traced: bool = False):
+        """``(y, ws, x)``: the output (the input's shape, dtype and kernels' memory order), the workspace
+        (``[mean | invstd | count]`` at ``o_stats``, room for the backward with ``grad``) and the input as the
+        kernels read it (for the backward). Training statistics cover the whole process group; the running
+        statistics, when given, are updated in place."""
+        if self.copy_x:
+            x = self.canonical(x)
+        if self.copy_z:
+            z = self.canonical(z)
+        if self.fix_w:
+            weight = weight.reshape(self.C).contiguous()
+        if self.fix_b:
+            bias = bias.reshape(self.C).contiguous()
+        ws = torch.empty((self.ws_grad if grad else self.ws_fwd,), device=self.device, dtype=_F32)
+        stream = None if traced else self.stream()
+        aligned = traced or _aligned(x, z, weight, bias, running_mean, running_var)
+        C, W = self.C, self.W
+        if self.training:
+            args = (x, ws, self.o_part, *self.stats_ints)
+            self.stats.traced(*args) if traced else self.stats(stream, aligned, *args)
+            if self.world > 1:
+                if self.merge is not None:
+                    args = (ws, self.o_part, self.splits, C, W, self.o_local, None, None, 0.0, 0.0)
+                    self.merge.traced(*args) if traced else self.merge(stream, aligned, *args)
+                n = self.rows * W
+                _all_gather(ws[self.o_gather:self.o_gather + self.world * n], ws[self.o_local:self.o_local + n],
+                            self.group)
+            args = (ws, self.final_src, self.final_rows, C, W, self.o_stats, running_mean, running_var,
+                    float(momentum), self.eps)
+            self.final.traced(*args) if traced else self.final(stream, aligned, *args)
+        else:
+            args = (running_mean, running_var, ws, self.o_stats, C, self.eps)
+            self.running.traced(*args) if traced else self.running(stream, aligned, *args)
+        y = torch.empty_like(x)
+        if self.numel:
+            args = (x, z, y, ws, self.o_stats, weight, bias, *self.elem_ints)
+            self.fwd.traced(*args) if traced else self.fwd(stream, aligned, *args)
+        return y, ws, x
+
+    def backward(self, dy, stats, ws, base, x, y, weight, bias, need_dx: bool, store_dz: bool,
+                 traced: bool = False):
+        """``(dx, dz, dweight, dbias)``: ``dx`` (``None`` without ``need_dx``) and ``dz`` (the ReLU-masked ``dy``,
+        with ``store_dz``) shaped like the input, the parameter gradients (this rank's share) in the
+        parameters' dtypes, ``None`` without the parameter. ``stats``: the forward's workspace; the backward's
+        regions start at ``base`` in ``ws``: the forward's workspace at ``ws_fwd`` when it was made with
+        ``grad``, else a fresh one of ``ws_bwd`` elements at 0. ``x`` / ``y``: the forward's returned input
+        and output (``y`` only with ``fuse_relu``)."""
+        if traced or dy.stride() != self.y_stride:
+            dy = self.canonical(dy)
+        w = weight.reshape(self.C).contiguous() if self.fix_w else weight
+        b = bias.reshape(self.C).contiguous() if self.fix_b else bias
+        stream = None if traced else self.stream()
+        aligned = traced or _aligned(dy, x, w, b)
+        C = self.C
+        o_part, o_sums = base, base + self.o_sums_rel
+        dz = torch.empty_like(dy) if store_dz else None
+        reduce = self._reduce(store_dz)
+        args = (dy, x, y, dz, stats, self.o_stats, ws, o_part, *self.reduce_ints)
+        reduce.traced(*args) if traced else reduce(stream, aligned, *args)
+        dw = torch.empty_like(w) if w is not None else None
+        db = torch.empty_like(b) if b is not None else None
+        args = (ws, o_part, self.reduce_splits, C, stats, self.o_stats, o_sums, dw, db)
+        self.finalize.traced(*args) if traced else self.finalize(stream, aligned, *args)
+        dx = None
+        if need_dx:
+            if self.training and self.world > 1:
+                dist.all_reduce(ws[o_sums:o_sums + 2 * C], group=self.group)
+            dx = torch.empty_like(x)
+            if self.numel:
+                args = (dy, x, y, dx, stats, self.o_stats, ws, o_sums, w, *self.elem_ints)
+                self.bwd.traced(*args) if traced else self.bwd(stream, aligned, *args)
+        if self.fix_w:
+            dw = dw.view(weight.shape)
+        if self.fix_b:
+            db = db.view(bias.shape)
+        return dx, dz, dw, db
 
 
-_PLANS: dict = {}
+# ------------------------------------------------------------------------------ building blocks
 
 
-def plan_for(N: int, C: int, L: int, channel_last: bool, dev: torch.device) -> BNPlan:
-    """The cached ``BNPlan`` of a shape (``(N, C, L)`` NCHW, or ``(M, C, 1)`` channel-last) on ``dev``."""
-    key = (N, C, L, channel_last, dev, *TUNING.values())
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) > 512:  # shapes seen by a long-running process: keep the cache bounded
-            _PLANS.clear()
-        plan = _PLANS[key] = BNPlan(N, C, L, channel_last, dev)
-    return plan
+def stats_kernel_rows(x: Tensor, channel_last: bool) -> Tensor:
+    """The packed statistics rows ``(rows, 2C + 2)`` the kernels send to the peers for ``x`` (``(N, C, L)`` or
+    ``(M, C)`` channel-last), as a multi-rank plan computes them (no collective). For tests and diagnostics."""
+    plan = BNPlan(x, None, None, None, None, None, True, 0.0, None, channel_last, False, world=2)
+    x = plan.canonical(x)
+    ws = torch.empty((plan.ws_fwd,), device=x.device, dtype=_F32)
+    stream = plan.stream()
+    plan.stats(stream, _aligned(x), x, ws, plan.o_part, *plan.stats_ints)
+    W = plan.W
+    if plan.merge is not None:
+        plan.merge(stream, True, ws, plan.o_part, plan.splits, plan.C, W, plan.o_local, None, None, 0.0, 0.0)
+    return ws[plan.o_local:plan.o_local + plan.rows * W].view(plan.rows, W)
 
 
-def _canonical_plan(x: Tensor, channel_last: bool) -> BNPlan:
-    """The plan of a canonical-shaped ``x``: ``(N, C, L)`` NCHW or ``(M, C)`` channel-last."""
-    if channel_last:
-        return plan_for(x.shape[0], x.shape[1], 1, True, x.device)
-    return plan_for(x.shape[0], x.shape[1], x.shape[2], False, x.device)
-
-
-def stats_rows(C: int, L: int, channel_last: bool, dev: torch.device) -> int:
-    """Rows of packed statistics ``bn_stats`` returns for ``C`` channels (``L`` elements per sample, NCHW);
-    the same for every batch size (see ``BNPlan.rows``)."""
-    return plan_for(1, C, L, channel_last, dev).rows
-
-
-def bn_stats(x: Tensor, channel_last: bool) -> Tensor:
-    """Per-channel ``(mean, M2, count)`` of this process's ``x``: ``(stats_rows(...), 2C + 2)`` fp32 packed rows
-    (partials of disjoint parts of the batch, merged by ``bn_combine``).
-
-    ``x``: ``(N, C, L)`` (NCHW) or ``(M, C)`` (channel-last), contiguous, fp16/bf16/fp32, non-empty.
-    """
-    with device_guard(x.device):
-        return _canonical_plan(x, channel_last).stats(x)
-
-
-def bn_combine_into(plan: BNPlan, stats: Tensor, out: Tensor, running_mean: Tensor | None,
-                    running_var: Tensor | None, momentum: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``bn_combine`` writing ``[mean (C) | invstd (C) | count (int64)]`` into ``out`` (fp32, ``2C + 2``)."""
-    C = plan.C
-    mean, invstd, cnt = out[:C], out[C:2 * C], out[2 * C:2 * C + 2].view(torch.int64)
-    plan.combine_rows(stats, mean=mean, invstd=invstd, cnt=cnt, running_mean=running_mean,
-                      running_var=running_var, momentum=momentum, eps=eps)
-    return mean, invstd, cnt
-
-
-def bn_combine(stats: Tensor, running_mean: Tensor | None, running_var: Tensor | None, momentum: float,
-               eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Merge packed statistics ``stats`` ``(R, 2C + 2)`` (one row per rank) into the batch's.
-
-    Returns ``(mean, invstd, count)``: ``(C,)`` fp32, ``(C,)`` fp32 with ``invstd = 1/sqrt(var + eps)`` of
-    the biased variance, and the int64 element count per channel ``(1,)``. When ``running_mean`` /
-    ``running_var`` are given they are updated in place with ``momentum`` (the variance unbiased).
-    """
-    dev = stats.device
-    C = (stats.shape[1] - 2) // 2
-    stats = stats.contiguous()
-    out = torch.empty((2 * C + 2,), device=dev, dtype=torch.float32)  # one allocation for the three
-    with device_guard(dev):
-        # The combine's blocks depend on C only: any plan of C channels on this device serves.
-        return bn_combine_into(plan_for(1, C, 1, True, dev), stats, out, running_mean, running_var, momentum, eps)
-
-
-def bn_fwd(x: Tensor, z: Tensor | None, mean: Tensor, invstd: Tensor, weight: Tensor | None, bias: Tensor | None,
-           fuse_relu: bool, channel_last: bool) -> Tensor:
-    """``y = relu?((x - mean) * invstd * weight + bias + z)``, in ``x``'s dtype and layout."""
-    with device_guard(x.device):
-        return _canonical_plan(x, channel_last).fwd(x, z, mean, invstd, weight, bias, fuse_relu)
-
-
-def bn_bwd_reduce(dy: Tensor, x: Tensor, y: Tensor | None, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-                  bias: Tensor | None, fuse_relu: bool, channel_last: bool, store_dz: bool):
-    """This process's ``sums = [sum dy | sum dy*(x-mean)]`` ``(2C,)`` fp32, ``dweight``, ``dbias`` (in the
-    parameters' dtypes, ``None`` when absent) and, with ``store_dz``, ``dz`` = the ReLU-masked ``dy``.
-    ``y`` is the forward's output, needed with ``fuse_relu``."""
-    with device_guard(x.device):
-        return _canonical_plan(x, channel_last).bwd_reduce(dy, x, y, mean, invstd, weight, bias, fuse_relu, store_dz)
-
-
-def bn_bwd(dy: Tensor, x: Tensor, y: Tensor | None, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-           sums: Tensor, count: Tensor, fuse_relu: bool, training: bool, channel_last: bool) -> Tensor:
-    """``dx`` from the group-wide ``sums`` (see ``bn_bwd_reduce``) and element ``count`` (int64 ``(1,)``)."""
-    with device_guard(x.device):
-        return _canonical_plan(x, channel_last).bwd(dy, x, y, mean, invstd, weight, sums, count, fuse_relu, training)
+def combine_kernel_rows(rows: Tensor, running_mean: Tensor | None, running_var: Tensor | None, momentum: float,
+                        eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The combine kernel on any packed rows ``(R, 2C + 2)`` fp32: ``(mean (C), invstd (C), count (1,) int64)``,
+    the running statistics updated in place when given. For tests and diagnostics."""
+    R, W = rows.shape
+    C = (W - 2) // 2
+    dev = rows.device
+    o_out = _pad4(R * W)
+    ws = torch.empty((o_out + W,), device=dev, dtype=_F32)
+    ws[:R * W].copy_(rows.reshape(-1))
+    bcc = min(128, next_pow2(C))
+    la = Launch(_bn_combine_kernel, (cdiv(C, bcc),), dict(FINAL=True, UPDATE_RUNNING=running_mean is not None,
+                                                           BLOCK_R=min(32, next_pow2(R)), BLOCK_C=bcc), 4, device=dev)
+    la(stream_getter(dev)(), _aligned(running_mean, running_var), ws, 0, R, C, W, o_out, running_mean, running_var,
+       float(momentum), float(eps))
+    out = ws[o_out:]
+    return out[:C], out[C:2 * C], out[2 * C:].view(torch.int64)

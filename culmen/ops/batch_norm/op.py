@@ -1,23 +1,25 @@
-"""Custom ops of (synchronized) batch norm, their dispatch, and the differentiable ``sync_batch_norm``.
+"""``sync_batch_norm``, the op-level entry point of ``culmen.parallel.SyncBatchNorm``: batch norm over the batch
+of every rank of a process group (an all-gather of packed statistics in forward, an all-reduce of
+``[sum dy | sum dy (x - mean)]`` in backward), with a residual ``z`` and a fused ReLU; its eager autograd; and
+the ``torch.library`` op ``culmen::batch_norm_fwd`` that ``torch.compile`` traces (one process).
 
-The five ``culmen::batch_norm_*`` custom ops (with fake impls, for ``torch.compile`` and
-``torch.library.opcheck``) are the kernels' boundary: statistics of the local batch, the parallel
-combine of per-rank statistics (unequal counts) with the running-stats update, the normalize
-(+ residual ``z`` + ReLU) forward, the backward reductions and the elementwise backward.
-``sync_batch_norm`` composes them with the two collectives of a process group (an all-gather of the
-packed statistics in forward, an all-reduce of ``[sum dy | sum dy (x - mean)]`` in backward); its
-eager autograd goes through ``SyncBatchNormFunction``, which calls the implementations directly.
+The call path (DESIGN.md): an eager call builds a key from its signature and looks up a cached ``BNPlan``
+(validation ran when the plan was built; ``momentum`` is a per-call argument, so Apex's cumulative
+average does not make a plan per step); with autograd recording it goes through ``_BatchNormFn`` (a plain
+``autograd.Function``), otherwise straight to the plan's forward. Under ``torch.compile`` the op is a
+``triton_op`` whose body launches through ``wrap_triton``, so Inductor launches the kernels itself; its
+backward launches through ``wrap_triton`` too. A process group of several ranks is not traced: its
+collectives run eagerly (``torch.compiler.disable``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from culmen.ops.backend import choose_backend, device_guard, register_op
+from culmen.ops.backend import register_op
+from culmen.ops.batch_norm.launch import PLANS, BNPlan, combine_kernel_rows, group_size, stats_kernel_rows
 from culmen.ops.batch_norm.reference import (
     bn_bwd_reduce_ref,
     bn_bwd_ref,
@@ -26,239 +28,120 @@ from culmen.ops.batch_norm.reference import (
     bn_stats_ref,
     stat_dtype,
 )
-from culmen.ops.common.outputs import nothing
-
-register_op("batch_norm_stats", "normalization", "per-channel (mean, M2, count) of a batch, NCHW or channel-last")
-register_op("batch_norm_combine", "normalization", "parallel Welford combine of per-rank stats + running stats")
-register_op("batch_norm_fwd", "normalization", "batch-norm normalize (+ residual z + ReLU)")
-register_op("batch_norm_bwd_reduce", "normalization", "batch-norm backward reductions: sum dy, sum dy*(x-mean)")
-register_op("batch_norm_bwd", "normalization", "batch-norm elementwise backward (dx)")
-
-
-def _triton_backend(t: Tensor) -> bool:
-    """Does ``t`` belong to the Triton kernels? (fp64 always takes the reference.)"""
-    return t.dtype != torch.float64 and choose_backend(t.device) == "triton"
-
-
-def _triton(t: Tensor) -> bool:
-    """Run the Triton kernels on ``t``? (Empty inputs take the reference: nothing to launch.)"""
-    return t.numel() > 0 and _triton_backend(t)
-
-
-def _stats_rows(x: Tensor, channel_last: bool) -> int:
-    if not _triton_backend(x):
-        return 1
-    from culmen.ops.batch_norm.launch import stats_rows
-
-    return stats_rows(x.shape[1], 1 if channel_last else x.shape[2], channel_last, x.device)
-
-
-def _stats_impl(x, channel_last):
-    if _triton(x):
-        from culmen.ops.batch_norm.launch import bn_stats
-
-        return bn_stats(x, channel_last)
-    R = _stats_rows(x, channel_last)
-    if R > 1:  # an empty share of the batch still sends as many (count-0) rows as its peers
-        return torch.zeros((R, 2 * x.shape[1] + 2), device=x.device, dtype=stat_dtype(x))
-    return bn_stats_ref(x, channel_last)
-
-
-def _combine_impl(stats, running_mean, running_var, momentum, eps):
-    if stats.dtype == torch.float32 and choose_backend(stats.device) == "triton":
-        from culmen.ops.batch_norm.launch import bn_combine
-
-        return bn_combine(stats, running_mean, running_var, momentum, eps)
-    return bn_combine_ref(stats, running_mean, running_var, momentum, eps)
-
-
-def _fwd_impl(x, z, mean, invstd, weight, bias, fuse_relu, channel_last):
-    if _triton(x):
-        from culmen.ops.batch_norm.launch import bn_fwd
-
-        return bn_fwd(x, z, mean, invstd, weight, bias, fuse_relu, channel_last)
-    return bn_fwd_ref(x, z, mean, invstd, weight, bias, fuse_relu, channel_last)
-
-
-def _bwd_reduce_impl(dy, x, y, mean, invstd, weight, bias, fuse_relu, channel_last, store_dz):
-    if _triton(x):
-        from culmen.ops.batch_norm.launch import bn_bwd_reduce
-
-        return bn_bwd_reduce(dy, x, y, mean, invstd, weight, bias, fuse_relu, channel_last, store_dz)
-    return bn_bwd_reduce_ref(dy, x, y, mean, invstd, weight, bias, fuse_relu, channel_last, store_dz)
-
-
-def _bwd_impl(dy, x, y, mean, invstd, weight, sums, count, fuse_relu, training, channel_last):
-    if _triton(x):
-        from culmen.ops.batch_norm.launch import bn_bwd
-
-        return bn_bwd(dy, x, y, mean, invstd, weight, sums, count, fuse_relu, training, channel_last)
-    return bn_bwd_ref(dy, x, y, mean, invstd, weight, sums, count, fuse_relu, training, channel_last)
-
-
-def _fresh(t: Tensor) -> Tensor:
-    """Custom-op outputs may not share memory: copy one that is part of a larger buffer. (Inside a
-    custom op's implementation ``_base`` is not tracked, so the storage itself is compared.)"""
-    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        return t.clone()
-    return t
-
-
-# ---------------------------------------------------------------------------------------------
-# Custom ops (canonical layouts: (N, C, L) contiguous, or (M, C) contiguous with channel_last)
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("culmen::batch_norm_stats", mutates_args=())
-def batch_norm_stats_op(x: Tensor, channel_last: bool) -> Tensor:
-    """Packed rows ``[mean (C) | M2 (C) | int64 count]`` ``(R, 2C + 2)`` of disjoint parts of ``x`` (fp32; fp64
-    for fp64 ``x``); ``R`` depends on the shape's C/L and the backend, not on the batch size."""
-    return _fresh(_stats_impl(x, channel_last))
-
-
-@batch_norm_stats_op.register_fake
-def _(x, channel_last):
-    return x.new_empty((_stats_rows(x, channel_last), 2 * x.shape[1] + 2), dtype=stat_dtype(x))
-
-
-@torch.library.custom_op("culmen::batch_norm_combine", mutates_args=("running_mean", "running_var"))
-def batch_norm_combine_op(stats: Tensor, running_mean: Tensor | None, running_var: Tensor | None, momentum: float,
-                          eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Merge packed rows ``(R, 2C + 2)`` into ``(mean (C), invstd (C), count (1,) int64)``; updates the
-    running stats in place when given."""
-    mean, invstd, cnt = _combine_impl(stats, running_mean, running_var, momentum, eps)
-    # The Triton path returns views of one buffer; custom-op outputs may not alias each other.
-    return mean.clone(), invstd.clone(), cnt.clone()
-
-
-@batch_norm_combine_op.register_fake
-def _(stats, running_mean, running_var, momentum, eps):
-    C = (stats.shape[-1] - 2) // 2
-    return (stats.new_empty((C,)), stats.new_empty((C,)), stats.new_empty((1,), dtype=torch.int64))
-
-
-@torch.library.custom_op("culmen::batch_norm_fwd", mutates_args=())
-def batch_norm_fwd_op(x: Tensor, z: Tensor | None, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-                      bias: Tensor | None, fuse_relu: bool, channel_last: bool) -> Tensor:
-    """``relu?((x - mean) * invstd * weight + bias + z)``, shaped and typed like ``x``."""
-    return _fwd_impl(x, z, mean, invstd, weight, bias, fuse_relu, channel_last)
-
-
-@batch_norm_fwd_op.register_fake
-def _(x, z, mean, invstd, weight, bias, fuse_relu, channel_last):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("culmen::batch_norm_bwd_reduce", mutates_args=())
-def batch_norm_bwd_reduce_op(dy: Tensor, x: Tensor, y: Tensor | None, mean: Tensor, invstd: Tensor,
-                             weight: Tensor | None, bias: Tensor | None, fuse_relu: bool, channel_last: bool,
-                             store_dz: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(sums (2C,), dweight, dbias, dz)``; absent outputs are empty tensors."""
-    sums, dw, db, dz = _bwd_reduce_impl(dy, x, y, mean, invstd, weight, bias, fuse_relu, channel_last, store_dz)
-    return (_fresh(sums), _fresh(dw) if dw is not None else nothing(x.device, x.dtype),
-            _fresh(db) if db is not None else nothing(x.device, x.dtype),
-            dz if dz is not None else nothing(x.device, x.dtype))
-
-
-@batch_norm_bwd_reduce_op.register_fake
-def _(dy, x, y, mean, invstd, weight, bias, fuse_relu, channel_last, store_dz):
-    C = x.shape[1]
-    sums = x.new_empty((2 * C,), dtype=stat_dtype(x))
-    dw = torch.empty_like(weight) if weight is not None else nothing(x.device, x.dtype)
-    db = torch.empty_like(bias) if bias is not None else nothing(x.device, x.dtype)
-    dz = torch.empty_like(dy) if store_dz else nothing(x.device, x.dtype)
-    return sums, dw, db, dz
-
-
-@torch.library.custom_op("culmen::batch_norm_bwd", mutates_args=())
-def batch_norm_bwd_op(dy: Tensor, x: Tensor, y: Tensor | None, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-                      sums: Tensor, count: Tensor, fuse_relu: bool, training: bool, channel_last: bool) -> Tensor:
-    """``dx`` from the group-wide ``sums`` and element ``count``."""
-    return _bwd_impl(dy, x, y, mean, invstd, weight, sums, count, fuse_relu, training, channel_last)
-
-
-@batch_norm_bwd_op.register_fake
-def _(dy, x, y, mean, invstd, weight, sums, count, fuse_relu, training, channel_last):
-    return torch.empty_like(x)
-
-
-# ---------------------------------------------------------------------------------------------
-# Layouts
-# ---------------------------------------------------------------------------------------------
-
-
-_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
-class _Layout:
-    """How an input maps to a canonical layout and back.
-
-    * ``channel_last=True`` (Apex's flag, or any 2-D input): the last dim is C; ``(M, C)``.
-    * a 4-D/5-D NCHW-shaped input stored channels_last(_3d): ``(M, C)`` through a permuted view, no copy.
-    * otherwise NCHW: ``(N, C, L)``.
-    """
-
-    def __init__(self, x: Tensor, channel_last: bool):
-        self.shape = x.shape
-        self.perm: tuple[int, ...] | None = None
-        if channel_last or x.dim() == 2:
-            self.cl = True
-            self.C = x.shape[-1]
-        else:
-            self.C = x.shape[1]
-            fmt = _FORMATS.get(x.dim())
-            if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
-                self.cl = True
-                self.perm = (0, *range(2, x.dim()), 1)
-            else:
-                self.cl = False
-
-    def to_canonical(self, t: Tensor) -> Tensor:
-        if self.cl:
-            if self.perm is not None:
-                t = t.permute(self.perm)
-            return t.reshape(-1, self.C).contiguous()
-        return t.contiguous().view(self.shape[0], self.C, math.prod(self.shape[2:]))
-
-    def from_canonical(self, t: Tensor) -> Tensor:
-        if self.perm is not None:
-            nhwc = (self.shape[0], *self.shape[2:], self.C)
-            inv = (0, len(self.shape) - 1, *range(1, len(self.shape) - 1))
-            return t.view(nhwc).permute(inv)
-        return t.view(self.shape)
-
-    def count(self, t: Tensor) -> int:
-        return t.numel() // self.C if self.C else 0
-
-    def direct(self, t: Tensor) -> bool:
-        """Is ``t``'s memory already in the canonical order (the kernels then take it as it is)?"""
-        if self.perm is not None:
-            return t.is_contiguous(memory_format=_FORMATS[t.dim()])
-        return t.is_contiguous()
-
-    def dims(self, t: Tensor) -> tuple[int, int, int]:
-        """``(N, C, L)`` of the canonical view (``(M, C, 1)`` channel-last)."""
-        if self.cl:
-            return self.count(t), self.C, 1
-        n = self.shape[0]
-        return n, self.C, t.numel() // (n * self.C)
-
-    def same_order(self, t: Tensor) -> Tensor:
-        """``t`` (shaped like the input) with its memory in the canonical order: itself, or a copy."""
-        if self.direct(t):
-            return t
-        return t.contiguous(memory_format=_FORMATS[t.dim()]) if self.perm is not None else t.contiguous()
-
-
-def _group_size(process_group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(process_group)
-
-
-def _all_gather(out: Tensor, inp: Tensor, group) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+from culmen.ops.common.launch import traceable_kernels
+
+register_op("batch_norm_fwd", "normalization", "(synchronized) batch norm (+ residual z + ReLU), fp32 statistics")
+register_op("batch_norm_bwd", "normalization", "backward of batch_norm_fwd (dx, dz, dweight, dbias)")
+
+
+def _default_group():
+    """The default process group when ``torch.distributed`` is initialized, else ``None`` (this process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _plan(x, z, weight, bias, running_mean, running_var, use_batch_stats, eps, process_group, channel_last,
+          fuse_relu) -> BNPlan:
+    """The cached plan of this call signature (built, after full validation, on first sight)."""
+    group = process_group
+    if group is None and use_batch_stats:
+        group = _default_group()
+    try:
+        key = (x.shape, x.stride(), x.dtype, x.device,
+               None if z is None else (z.shape, z.stride(), z.dtype, z.device),
+               None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device),
+               None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+               None if running_mean is None else (running_mean.shape, running_mean.stride(), running_mean.dtype,
+                                                  running_mean.device),
+               None if running_var is None else (running_var.shape, running_var.stride(), running_var.dtype,
+                                                 running_var.device),
+               use_batch_stats, eps, group, channel_last, fuse_relu)
+        plan = PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors / unhashable arguments: the plan reports it
+        key, plan = None, None
+    if plan is None:
+        plan = BNPlan(x, z, weight, bias, running_mean, running_var, use_batch_stats, eps, group, channel_last,
+                      fuse_relu)
+        if key is not None:
+            PLANS.put(key, plan)
+    return plan
+
+
+# ------------------------------------------------------------------------------ reference path
+
+
+def _forward_ref(plan: BNPlan, x, z, weight, bias, running_mean, running_var, momentum: float):
+    """The plan's forward on the PyTorch reference (CPU, fp64, the ``reference`` backend): ``(y, (mean, invstd,
+    count), x_rows)``, the statistics of the whole process group's batch in training."""
+    xc = plan.to_rows(x)
+    zc = plan.to_rows(z) if z is not None else None
+    if plan.training:
+        local = bn_stats_ref(xc, plan.cl)  # one packed row
+        if plan.world > 1:
+            gathered = local.new_empty((plan.world, local.shape[1]))
+            dist.all_gather_into_tensor(gathered.view(-1), local.view(-1), group=plan.group)
+            local = gathered
+        mean, invstd, count = bn_combine_ref(local, running_mean, running_var, momentum, plan.eps)
+    else:
+        sd = stat_dtype(x)
+        mean, invstd, count = running_mean.to(sd), torch.rsqrt(running_var.to(sd) + plan.eps), None
+    yc = bn_fwd_ref(xc, zc, mean, invstd, weight, bias, plan.relu, plan.cl)
+    return plan.from_rows(yc), (mean, invstd, count), xc
+
+
+def _backward_ref(plan: BNPlan, dy, stats, xc, y, weight, bias, need_dx: bool, store_dz: bool):
+    mean, invstd, count = stats
+    dyc = plan.to_rows(dy)
+    yc = plan.to_rows(y) if y is not None else None
+    sums, dw, db, dz = bn_bwd_reduce_ref(dyc, xc, yc, mean, invstd, weight, bias, plan.relu, plan.cl, store_dz)
+    dx = None
+    if need_dx:
+        if plan.training and plan.world > 1:
+            dist.all_reduce(sums, group=plan.group)
+        dx = plan.from_rows(bn_bwd_ref(dyc, xc, yc, mean, invstd, weight, sums, count, plan.relu, plan.training,
+                                       plan.cl))
+    return dx, (plan.from_rows(dz) if store_dz else None), dw, db
+
+
+# ------------------------------------------------------------------------------------- eager
+
+
+def _forward(ctx, plan: BNPlan, momentum, x, z, weight, bias, running_mean, running_var):
+    """The autograd forward of both ``autograd.Function``s: ``y``; what the backward needs goes on ``ctx``."""
+    if plan.use_kernel:
+        y, stats, xk = plan.forward(x, z, weight, bias, running_mean, running_var, momentum, True)
+    else:
+        y, stats, xk = _forward_ref(plan, x, z, weight, bias, running_mean, running_var, momentum)
+    ctx.plan = plan
+    ctx.stats = stats  # the workspace (kernels) or (mean, invstd, count): never handed out, so not checked
+    ctx.save_for_backward(xk, weight, bias, y if plan.relu else None)
+    return y
+
+
+def _backward(ctx, dy, need_x: bool, need_z: bool):
+    plan = ctx.plan
+    x, weight, bias, y = ctx.saved_tensors
+    store_dz = plan.has_z and need_z
+    if plan.use_kernel:
+        ws = ctx.stats
+        return plan.backward(dy, ws, ws, plan.ws_fwd, x, y, weight, bias, need_x, store_dz)
+    return _backward_ref(plan, dy, ctx.stats, x, y, weight, bias, need_x, store_dz)
+
+
+class _BatchNormFn(torch.autograd.Function):
+    """Eager autograd of ``sync_batch_norm``: the plan's kernels called directly. Few, positional arguments
+    (``apply`` costs host time per argument): ``(plan, momentum, x, z, weight, bias, running_mean, running_var)``."""
+
+    @staticmethod
+    def forward(ctx, plan, momentum, x, z, weight, bias, running_mean, running_var):
+        return _forward(ctx, plan, momentum, x, z, weight, bias, running_mean, running_var)
+
+    @staticmethod
+    def backward(ctx, dy):
+        need = ctx.needs_input_grad
+        dx, dz, dw, db = _backward(ctx, dy, need[2], need[3])
+        return None, None, dx, dz, dw if need[4] else None, db if need[5] else None, None, None
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -274,100 +157,16 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, z, weight, bias, running_mean, running_var, eps, use_batch_stats, momentum, process_group,
                 channel_last, fuse_relu):
-        lay = _Layout(x, channel_last)
-        world = _group_size(process_group) if use_batch_stats else 1
-        if use_batch_stats and world == 1 and lay.count(x) <= 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {tuple(x.shape)}")
-        # The kernels read raw memory: an input already in the canonical order goes in as it is (no
-        # reshapes, and the output keeps its layout); anything else through a canonical copy.
-        plan = None
-        if _triton(x) and lay.direct(x) and (z is None or lay.direct(z)):
-            from culmen.ops.batch_norm.launch import plan_for
-
-            plan = plan_for(*lay.dims(x), lay.cl, x.device)
-            xc, zc = x, z
-        else:
-            xc = lay.to_canonical(x)
-            zc = lay.to_canonical(z) if z is not None else None
-        count = None
-        if use_batch_stats:
-            mean, invstd, count = (_batch_stats_planned if plan is not None else _batch_stats)(
-                plan, xc, lay, world, process_group, running_mean, running_var, float(momentum), float(eps))
-        else:
-            mean = running_mean.to(stat_dtype(x))
-            invstd = torch.rsqrt(running_var.to(stat_dtype(x)) + eps)
-        if plan is not None:
-            with device_guard(x.device):
-                yc = plan.fwd(xc, zc, mean, invstd, weight, bias, bool(fuse_relu))
-        else:
-            yc = _fwd_impl(xc, zc, mean, invstd, weight, bias, bool(fuse_relu), lay.cl)
-        ctx.save_for_backward(xc, weight, bias, mean, invstd, count, yc if fuse_relu else None)
-        ctx.layout = lay
-        ctx.plan = plan
-        ctx.group = process_group
-        ctx.world = world
-        ctx.training = bool(use_batch_stats)
-        ctx.fuse_relu = bool(fuse_relu)
-        ctx.has_z = z is not None
-        return yc if plan is not None else lay.from_canonical(yc)
+        plan = _plan(x, z, weight, bias, running_mean, running_var, bool(use_batch_stats), float(eps), process_group,
+                     bool(channel_last), bool(fuse_relu))
+        return _forward(ctx, plan, float(momentum), x, z, weight, bias, running_mean, running_var)
 
     @staticmethod
     def backward(ctx, dy):
-        xc, weight, bias, mean, invstd, count, yc = ctx.saved_tensors
-        lay, plan = ctx.layout, ctx.plan
-        need_dx = ctx.needs_input_grad[0]
-        store_dz = ctx.has_z and ctx.needs_input_grad[1]
-        reduce_all = need_dx and ctx.training and ctx.world > 1
-        dx = None
-        if plan is not None:
-            dyc = lay.same_order(dy)
-            with device_guard(dy.device):
-                sums, dw, db, dz = plan.bwd_reduce(dyc, xc, yc, mean, invstd, weight, bias, ctx.fuse_relu, store_dz)
-                if need_dx:
-                    if reduce_all:
-                        dist.all_reduce(sums, group=ctx.group)
-                    dx = plan.bwd(dyc, xc, yc, mean, invstd, weight, sums, count, ctx.fuse_relu, ctx.training)
-        else:
-            dyc = lay.to_canonical(dy)
-            sums, dw, db, dz = _bwd_reduce_impl(dyc, xc, yc, mean, invstd, weight, bias, ctx.fuse_relu, lay.cl,
-                                                store_dz)
-            if need_dx:
-                if reduce_all:
-                    dist.all_reduce(sums, group=ctx.group)
-                dx = lay.from_canonical(_bwd_impl(dyc, xc, yc, mean, invstd, weight, sums, count, ctx.fuse_relu,
-                                                  ctx.training, lay.cl))
-            dz = lay.from_canonical(dz) if store_dz else None
-        dw = dw if (weight is not None and ctx.needs_input_grad[2]) else None
-        db = db if (bias is not None and ctx.needs_input_grad[3]) else None
-        return dx, dz if store_dz else None, dw, db, None, None, None, None, None, None, None, None
-
-
-def _batch_stats(plan, xc, lay, world, group, running_mean, running_var, momentum, eps):
-    """``(mean, invstd, count)`` of the whole group's batch, through the ops' implementations."""
-    local = _stats_impl(xc, lay.cl)  # (R, 2C + 2), R the same on every rank
-    if world > 1:
-        gathered = local.new_empty((world * local.numel(),))
-        _all_gather(gathered, local.view(-1), group)
-        local = gathered.view(world * local.shape[0], -1)
-    return _combine_impl(local, running_mean, running_var, momentum, eps)
-
-
-def _batch_stats_planned(plan, xc, lay, world, group, running_mean, running_var, momentum, eps):
-    """``_batch_stats`` on a ``BNPlan``: one workspace holds this rank's rows, every rank's rows and the
-    result ``[mean | invstd | count]``, so a call allocates once."""
-    from culmen.ops.batch_norm.launch import bn_combine_into
-
-    rows, W = plan.rows, plan.width
-    own = plan.stats_numel
-    gathered_numel = (world * rows * W + 3) & ~3 if world > 1 else 0
-    ws = torch.empty((own + gathered_numel + W,), device=xc.device, dtype=torch.float32)
-    with device_guard(xc.device):
-        local = plan.stats(xc, ws)
-        if world > 1:
-            flat = ws[own:own + world * rows * W]
-            _all_gather(flat, local.view(-1), group)
-            local = flat.view(world * rows, W)
-        return bn_combine_into(plan, local, ws[own + gathered_numel:], running_mean, running_var, momentum, eps)
+        need = ctx.needs_input_grad
+        dx, dz, dw, db = _backward(ctx, dy, need[0], need[1])
+        return dx, dz, dw if need[2] else None, db if need[3] else None, None, None, None, None, None, None, None, \
+            None
 
 
 def sync_batch_norm(
@@ -401,19 +200,133 @@ def sync_batch_norm(
 
     Statistics are fp32 (fp64 for fp64 input); the output has ``input``'s dtype, shape and layout.
     """
-    if input.dim() < 2 or input.dim() > 5:
-        raise ValueError(f"expected a 2D-5D input, got {input.dim()}D input of shape {tuple(input.shape)}")
-    C = input.shape[-1] if (channel_last or input.dim() == 2) else input.shape[1]
-    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
-        if t is not None and t.numel() != C:
-            raise ValueError(f"{name} has {t.numel()} elements, the input has {C} channels")
-    if not use_batch_stats and (running_mean is None or running_var is None):
-        raise ValueError("use_batch_stats=False needs running_mean and running_var")
-    if z is not None and z.shape != input.shape:
-        raise ValueError(f"z must have the input's shape {tuple(input.shape)}, got {tuple(z.shape)}")
-    args = (input, z, weight, bias, running_mean, running_var, float(eps), bool(use_batch_stats), float(momentum),
-            process_group, bool(channel_last), bool(fuse_relu))
+    if torch.compiler.is_compiling():
+        return _sync_batch_norm_compiled(input, weight, bias, running_mean, running_var, use_batch_stats, momentum,
+                                         eps, process_group, channel_last, fuse_relu, z)
+    plan = _plan(input, z, weight, bias, running_mean, running_var, use_batch_stats, eps, process_group,
+                 channel_last, fuse_relu)
+    if plan.use_kernel:
+        if torch.is_grad_enabled() and (input.requires_grad or (z is not None and z.requires_grad)
+                                        or (weight is not None and weight.requires_grad)
+                                        or (bias is not None and bias.requires_grad)):
+            return _BatchNormFn.apply(plan, momentum, input, z, weight, bias, running_mean, running_var)
+        return plan.forward(input, z, weight, bias, running_mean, running_var, momentum, False)[0]  # no autograd node
     if torch.is_autocast_enabled(input.device.type):
-        with torch.autocast(input.device.type, enabled=False):
-            return SyncBatchNormFunction.apply(*args)
-    return SyncBatchNormFunction.apply(*args)
+        with torch.autocast(input.device.type, enabled=False):  # the reference's ops keep their dtypes
+            return _BatchNormFn.apply(plan, momentum, input, z, weight, bias, running_mean, running_var)
+    return _BatchNormFn.apply(plan, momentum, input, z, weight, bias, running_mean, running_var)
+
+
+# ------------------------------------------------------------------------------ building blocks
+
+
+def stats_rows(x: Tensor, channel_last: bool) -> Tensor:
+    """The packed statistics rows ``(R, 2C + 2)`` (``[mean | M2 | int64 count]``, fp32; fp64 for fp64 ``x``) this
+    process sends to its peers for ``x`` (``(N, C, L)`` NCHW or ``(M, C)`` channel-last, contiguous): ``R``
+    partials of disjoint parts of the batch (kernels; ``R`` depends on C, L and the device type, never on the
+    batch) or one row (reference). For tests and diagnostics."""
+    if x.dtype != torch.float64 and _kernels(x.device):
+        return stats_kernel_rows(x, channel_last)
+    return bn_stats_ref(x, channel_last)
+
+
+def combine_rows(rows: Tensor, running_mean: Tensor | None, running_var: Tensor | None, momentum: float,
+                 eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Merge packed rows ``(R, 2C + 2)`` (any counts, zero included) into ``(mean (C), invstd (C), count (1,)
+    int64)``, updating the running statistics in place (unbiased variance) when given. For tests and
+    diagnostics."""
+    if rows.dtype == torch.float32 and _kernels(rows.device):
+        return combine_kernel_rows(rows, running_mean, running_var, momentum, eps)
+    return bn_combine_ref(rows, running_mean, running_var, momentum, eps)
+
+
+def _kernels(dev: torch.device) -> bool:
+    from culmen.ops.backend import choose_backend
+
+    return choose_backend(dev) == "triton"
+
+
+# -------------------------------------------------------------------------- torch.compile
+
+
+def _plan_from(x, z, weight, bias, running_mean, running_var, training, eps, channel_last, fuse_relu) -> BNPlan:
+    """An uncached one-process plan for traced code (the batch size may be symbolic). Triton's CPU
+    interpreter cannot be traced, so there the compiled graph takes the (traceable) reference path."""
+    plan = BNPlan(x, z, weight, bias, running_mean, running_var, training, eps, None, channel_last, fuse_relu,
+                  world=1)
+    plan.use_kernel = plan.use_kernel and traceable_kernels()
+    return plan
+
+
+@torch.library.triton_op("culmen::batch_norm_fwd", mutates_args=())
+def batch_norm_fwd_op(x: Tensor, z: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+                      running_mean: Tensor | None, running_var: Tensor | None, training: bool, momentum: float,
+                      eps: float, channel_last: bool, fuse_relu: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One-process batch norm for ``torch.compile``: ``(y, stats, new_running_mean, new_running_var)``. ``y`` like
+    ``x``; ``stats`` what the backward reads (the kernels' workspace, or ``[mean | invstd | count]`` of the
+    reference); the updated running statistics in training (empty tensors otherwise: a functional op cannot
+    update its inputs and still have an autograd formula, so the caller copies them back)."""
+    plan = _plan_from(x, z, weight, bias, running_mean, running_var, training, eps, channel_last, fuse_relu)
+    rm, rv = running_mean, running_var
+    if plan.update:
+        rm, rv = rm.clone(), rv.clone()
+    if plan.use_kernel:
+        y, stats, _ = plan.forward(x, z, weight, bias, rm, rv, momentum, False, traced=True)
+    else:
+        y, (mean, invstd, count), _ = _forward_ref(plan, x, z, weight, bias, rm, rv, momentum)
+        if count is None:
+            count = mean.new_zeros((1,))
+        stats = torch.cat((mean, invstd, count.to(mean.dtype)))
+    if not plan.update:
+        rm, rv = x.new_empty((0,)), x.new_empty((0,))
+    return y, stats, rm, rv
+
+
+def _setup_context(ctx, inputs, output):
+    # Runs while torch.compile traces (never in eager calls): the plan rides on ctx to the backward, which
+    # launches the kernels itself through wrap_triton.
+    x, z, weight, bias, running_mean, running_var, training, momentum, eps, channel_last, fuse_relu = inputs
+    y, stats, _, _ = output
+    plan = _plan_from(x, z, weight, bias, running_mean, running_var, training, eps, channel_last, fuse_relu)
+    ctx.plan = plan
+    ctx.save_for_backward(x, weight, bias, y if plan.relu else None, stats)
+
+
+def _compiled_backward(ctx, dy, _dstats, _drm, _drv):
+    plan = ctx.plan
+    x, weight, bias, y, stats = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    store_dz = plan.has_z and need[1]
+    if plan.use_kernel:
+        ws = torch.empty((plan.ws_bwd,), device=plan.device, dtype=torch.float32)
+        x = plan.canonical(x)
+        dx, dz, dw, db = plan.backward(dy, stats, ws, 0, x, y, weight, bias, need[0], store_dz, traced=True)
+    else:
+        C = plan.C
+        ref_stats = (stats[:C], stats[C:2 * C], stats[2 * C:].to(torch.int64))
+        dx, dz, dw, db = _backward_ref(plan, dy, ref_stats, plan.to_rows(x), y, weight, bias, need[0], store_dz)
+    return (dx, dz, dw if need[2] else None, db if need[3] else None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("culmen::batch_norm_fwd", _compiled_backward, setup_context=_setup_context)
+
+
+@torch.compiler.disable
+def _sync_batch_norm_eager(*args):
+    """A process group of several ranks under ``torch.compile``: the eager path (its collectives are not traced)."""
+    return sync_batch_norm(*args)
+
+
+def _sync_batch_norm_compiled(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps,
+                              process_group, channel_last, fuse_relu, z):
+    """``sync_batch_norm`` while ``torch.compile`` traces: the ``triton_op`` (one process), no plan cache."""
+    if use_batch_stats and group_size(process_group) > 1:
+        return _sync_batch_norm_eager(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps,
+                                      process_group, channel_last, fuse_relu, z)
+    y, _, rm, rv = batch_norm_fwd_op(x, z, weight, bias, running_mean, running_var, bool(use_batch_stats),
+                                     float(momentum), float(eps), bool(channel_last), bool(fuse_relu))
+    if use_batch_stats and running_mean is not None:
+        with torch.no_grad():
+            running_mean.copy_(rm)
+            running_var.copy_(rv)
+    return y

@@ -350,7 +350,7 @@ def _rows_bwd_dx(dyp, xp, dxp, WP, BP, sdc, sdl, sxc, sxl, sgc, sgl, mean, rstd,
         x = xn
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["roff", "poff", "R"])
 def _gn_fwd_rows_kernel(X, Y, W, B, MEAN, RSTD, roff, PART, poff, CNT, R, G, L, Lc, Dc, Sl, S,
                         sxn, sxc, sxl, syn, syc, syl, eps, D: tl.constexpr, ACC: tl.constexpr, HAS_W: tl.constexpr,
                         HAS_B: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -445,7 +445,7 @@ def _tail_dwdb(PW, DW, DB, Rw, C, e, HAS_W: tl.constexpr, HAS_B: tl.constexpr, B
         tl.store(DB + cols, tl.sum(ab, axis=0).to(DB.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["roff", "R"])
 def _gn_bwd_rows_kernel(DY, X, DX, W, B, MEAN, RSTD, roff, WS, CNT, DW, DB, R, G, C, L, Lc, Dc, Sl, S, E,
                         sdn, sdc, sdl, sxn, sxc, sxl, sgn, sgc, sgl, D: tl.constexpr, ACC: tl.constexpr,
                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr, STORE_DW: tl.constexpr,
@@ -558,7 +558,7 @@ def _cl_stats(xp, sxc, sxl, nl, cm, ACC: tl.constexpr, BLOCK_P: tl.constexpr, BL
     return k + s1 / cnt, tl.maximum(s2 - s1 * s1 / cnt, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["roff", "poff", "N"])
 def _gn_fwd_cl_kernel(X, Y, W, B, MEAN, RSTD, roff, PART, poff, CNT, N, G, C, L, Lc, S,
                       sxn, sxc, sxl, syn, syc, syl, eps, D: tl.constexpr, ACC: tl.constexpr, HAS_W: tl.constexpr,
                       HAS_B: tl.constexpr, SILU: tl.constexpr, USE_GATHER: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -630,7 +630,7 @@ def _gn_fwd_cl_kernel(X, Y, W, B, MEAN, RSTD, roff, PART, poff, CNT, N, G, C, L,
             x = xn
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["roff", "N"])
 def _gn_bwd_cl_kernel(DY, X, DX, W, B, MEAN, RSTD, roff, WS, CNT, DW, DB, N, G, C, L, Lc, S, E,
                       sdn, sdc, sdl, sxn, sxc, sxl, sgn, sgc, sgl, D: tl.constexpr, ACC: tl.constexpr,
                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr, STORE_DW: tl.constexpr,

@@ -1,34 +1,35 @@
-"""Launchers of the GroupNorm kernels: view the input as ``(N, C, L)``, pick the kernel, tiles and chunks, launch.
+"""Call plans of GroupNorm: validate once, view the input as ``(N, C, L)``, pick kernel, tiles and chunks.
 
-Any input whose spatial dims collapse into one stride is taken as it is (NCHW, channels-last, a
-batch slice of either ...); ``spatial_strides`` says which. Channels-last inputs (unit channel stride)
-with at most ``TUNING["max_block_c"]`` (padded) channels take the ``cl`` kernels (a chunk = whole
-contiguous positions), everything else the ``rows`` kernels (a chunk = a block of one group). One
-launch per direction: see ``kernels.py`` for the look-back schedule.
+A ``GNPlan`` holds everything ``group_norm`` derives from one call signature (shapes, strides, dtypes and
+devices of ``x``, ``weight``, ``bias``; groups, eps, activation): the checks passed, the kernel family,
+the chunking and the bound ``Launch`` of the forward (and, per layout of the incoming gradient, of the
+backward). A cached call then costs the output and workspace allocations and one launch per direction.
 
-Host cost: a fwd+bwd of a small activation (8x1280x32x32) takes tens of microseconds on the GPU, so
-the Python around the launches decides the wall time. Everything that depends only on the input's
-geometry (shape, strides, dtypes, flags, ``TUNING``) is computed once into a plan (``FwdPlan``,
-``BwdPlan``) whose ``BoundLaunch`` keeps the compiled kernel after the first call and launches it
-directly. A call then costs the output and workspace allocations (one workspace per direction: the
-statistics and every partial) and one ``CompiledKernel.run``. The counters of the schedule live in a
-zeroed buffer kept per (device, stream) that the kernels leave zeroed again; inside CUDA-graph capture
-a fresh zeroed buffer is made per call instead (its memset is part of the graph).
+Any input whose spatial dims collapse into one stride is taken as it is (NCHW, channels-last, a batch
+slice of either ...); ``spatial_strides`` says which, others are copied first. Channels-last inputs (unit
+channel stride) with at most ``TUNING["max_block_c"]`` (padded) channels take the ``cl`` kernels (a chunk
+= whole contiguous positions), everything else the ``rows`` kernels (a chunk = a block of one group). One
+launch per direction: see ``kernels.py`` for the look-back schedule, whose counters live in a zeroed
+buffer kept per (device, stream) that the kernels leave zeroed again; inside CUDA-graph capture and in
+traced code (``torch.compile``) a fresh zeroed buffer is made per call instead.
+
+Under ``torch.compile`` a plan is built from fake tensors whose batch size may be symbolic: the chunking
+then follows the size hint (any batch size runs correctly with it), the channel count and spatial size
+are specialized (they decide the tiles).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import triton.language as tl
 from torch import Tensor
 
-from culmen.ops.backend import device_guard, num_programs_hint
-from culmen.ops.common.launch import BoundLaunch as _Launch
-from culmen.ops.common.launch import FastLauncher, PlanTuning, cdiv, next_pow2
-from culmen.ops.common.launch import aligned_16 as _aligned
-from culmen.ops.common.launch import raw_stream as _stream
+from culmen.ops.backend import choose_backend, num_programs_hint
+from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter
+from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.group_norm.kernels import (
     _gn_bwd_cl_kernel,
     _gn_bwd_rows_kernel,
@@ -36,21 +37,6 @@ from culmen.ops.group_norm.kernels import (
     _gn_fwd_rows_kernel,
 )
 from culmen.ops.group_norm.reference import spatial_strides, stats_dtype
-
-_fwd_rows = FastLauncher(_gn_fwd_rows_kernel)
-_fwd_cl = FastLauncher(_gn_fwd_cl_kernel)
-_bwd_rows = FastLauncher(_gn_bwd_rows_kernel)
-_bwd_cl = FastLauncher(_gn_bwd_cl_kernel)
-
-_PLANS: dict = {}
-# Bumped whenever TUNING changes: plans (and the op layer's per-call entries) built before are stale.
-VERSION = [0]
-
-
-def _tuning_changed() -> None:
-    _PLANS.clear()
-    VERSION[0] += 1
-
 
 TUNING = PlanTuning({
     # Per kernel family (rows: no prefix; channels-last: ``cl_``) and direction (backward: ``bwd_``):
@@ -88,22 +74,43 @@ TUNING = PlanTuning({
     # The weight/bias-gradient tail (sums the per-sample partials): channels per tail program, samples per step.
     "tail_block_c": 64,
     "tail_block_r": 64,
-}, _tuning_changed)
+}, clear_plans)
+
+PLANS = PlanCache("group_norm")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ACTS = {None: False, "": False, "none": False, "silu": True, "swish": True}
+
+
+def parse_act(act: str | None) -> bool:
+    """``True`` for SiLU (``"silu"`` / ``"swish"``, any case), ``False`` for none (``None``, ``""``, ``"none"``)."""
+    key = act.lower() if isinstance(act, str) else act
+    try:
+        return _ACTS[key]
+    except (KeyError, TypeError):
+        raise ValueError(f"group_norm: act must be None, '', 'silu' or 'swish', got {act!r}") from None
+
+
+def _hint(n, fallback: int = 64) -> int:
+    """A concrete value of a size that may be symbolic (``torch.compile``), without adding a guard: for
+    choosing chunk sizes only, never for anything the result depends on."""
+    if isinstance(n, int):
+        return n
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    fn = getattr(ss, "optimization_hint", None) or getattr(ss, "hint_int", None)
+    try:
+        return int(fn(n, fallback=fallback))
+    except Exception:  # no hint (unbacked size): any positive value is correct
+        return fallback
 
 
 def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _fold(x: Tensor, block_l: int) -> int:
+def _fold(itemsize: int, block_l: int) -> int:
     """Positions the rows kernels' accumulators fold: one thread's 16-byte vector of ``x``."""
-    return max(1, min(block_l, 16 // x.element_size()))
-
-
-def _strides(t: Tensor) -> tuple[int, int, int]:
-    s = spatial_strides(t)
-    assert s is not None, "the op layer passes tensors whose spatial dims collapse"
-    return s
+    return max(1, min(block_l, 16 // itemsize))
 
 
 def _even(total: int, size: int, unit: int) -> tuple[int, int]:
@@ -122,7 +129,8 @@ def _target(total: int, chunk: int, tile: int, dev: torch.device) -> int:
 def rows_layout(N: int, G: int, D: int, L: int, tile: int, chunk: int, dev: torch.device
                 ) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_D, BLOCK_L, Dc, Lc, S, Sl)`` of the rows kernels: tiles, chunk size (``Dc`` channels x ``Lc``
-    positions), chunks per group ``S`` and position chunks ``Sl`` (``S = Sd * Sl``)."""
+    positions), chunks per group ``S`` and position chunks ``Sl`` (``S = Sd * Sl``). ``N`` only sizes the
+    chunks (any batch size runs correctly with them)."""
     bl = min(next_pow2(L), tile)
     bd = min(next_pow2(D), max(1, tile // bl))
     while bd > 1 and D % bd:  # a divisor of D: no half-masked channel blocks
@@ -146,10 +154,6 @@ def cl_layout(N: int, C: int, L: int, tile: int, chunk: int, dev: torch.device) 
     return bp, bc, lc, s
 
 
-def _use_cl(sx: tuple[int, int, int], C: int, L: int) -> bool:
-    return sx[1] == 1 and L > 1 and next_pow2(C) <= TUNING["max_block_c"]
-
-
 # ---------------------------------------------------------------------------------------------- counters
 
 _COUNTERS: dict = {}
@@ -168,223 +172,239 @@ def _counters(dev: torch.device, stream, need: int) -> Tensor:
     return buf
 
 
-# -------------------------------------------------------------------------------------------------- plans
+# ----------------------------------------------------------------------------------------------- checks
 
 
-class FwdPlan:
-    """Everything a forward launch needs that depends only on the input's geometry.
+def _check_param(name: str, t, C: int, dev: torch.device) -> bool:
+    """Validate a ``weight`` / ``bias`` of ``C`` elements; returns whether it must be reshaped to a contiguous
+    ``(C,)`` per call."""
+    if t is None:
+        return False
+    if not isinstance(t, Tensor) or t.dtype not in _FLOATS:
+        got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"group_norm: {name} must be a floating-point tensor, got {got}")
+    if t.numel() != C:
+        raise ValueError(f"group_norm: {name} must have num_channels = {C} elements, got shape {tuple(t.shape)}")
+    if t.device != dev:
+        raise ValueError(f"group_norm: {name} is on {t.device} but x on {dev}")
+    return not (t.dim() == 1 and t.is_contiguous())
 
-    ``packed``: the statistics and partials share one workspace ``[mean (N G) | rstd (N G) | partials]``
-    (the autograd path); else ``mean``, ``rstd`` and the partials are separate tensors (the custom op)."""
 
-    __slots__ = ("N", "G", "NG", "cl", "stats", "part_numel", "ws_numel", "cnt_numel", "launch", "ints", "offs",
-                 "version")
+class GNPlan:
+    """Everything ``group_norm`` derives from one call signature. Holds no tensors.
 
-    def __init__(self, x: Tensor, has_w: bool, has_b: bool, G: int, silu: bool, packed: bool):
-        N, C = x.shape[0], x.shape[1]
-        L = math.prod(x.shape[2:])
-        D = C // G
+    Built from example arguments (real tensors in eager mode, fake ones under ``torch.compile``, where the
+    batch size may be symbolic); valid for every call with the same signature. ``fix_x`` / ``fix_params``:
+    the caller passes ``x.contiguous()`` / ``(C,)`` contiguous parameters (``params``), which the plan's
+    geometry describes.
+    """
+
+    def __init__(self, x, num_groups, weight, bias, eps, act) -> None:
+        if not isinstance(x, Tensor) or x.dtype not in _FLOATS:
+            got = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(f"group_norm: x must be a float16/bfloat16/float32/float64 tensor, got {got}")
+        if x.dim() < 2:
+            raise ValueError(f"group_norm: x must be (N, C, *spatial), got shape {tuple(x.shape)}")
+        C = int(x.shape[1])
+        try:
+            G = operator.index(num_groups)
+        except TypeError:
+            raise TypeError(f"group_norm: num_groups must be an integer, got {type(num_groups).__name__}") from None
+        if G <= 0 or C % G:
+            raise ValueError(f"group_norm: num_groups must be positive and divide the {C} channels of x, got "
+                             f"{num_groups}")
+        try:
+            eps_f = float(eps)
+        except (TypeError, ValueError):
+            raise TypeError(f"group_norm: eps must be a number, got {type(eps).__name__}") from None
+        if eps_f < 0.0:
+            raise ValueError(f"group_norm: eps must be non-negative, got {eps}")
+        self.silu = parse_act(act)
         dev = x.device
-        self.N, self.G, self.NG = N, G, N * G
+        self.fix_w = _check_param("weight", weight, C, dev)
+        self.fix_b = _check_param("bias", bias, C, dev)
+        self.fix_params = self.fix_w or self.fix_b
+        self.fix_x = spatial_strides(x) is None
+        self.shape = x.shape
+        self.N, self.C, self.G = x.shape[0], C, G
+        self.D = C // G
+        self.L = int(math.prod(x.shape[2:]))
+        self.NG = self.N * G
+        self.eps = eps_f
+        self.device = dev
         self.stats = stats_dtype(x)
-        self.version = VERSION[0]
-        sx = _strides(x)
-        sy = _strides(torch.empty_like(x))  # the strides every later y = empty_like(x) gets
-        meta = {"D": D, "ACC": _acc(x.dtype), "HAS_W": has_w, "HAS_B": has_b, "SILU": bool(silu)}
-        self.cl = _use_cl(sx, C, L)
-        pre = "cl_" if self.cl else ""
-        tile, chunk, nw = TUNING[pre + "tile"], TUNING[pre + "chunk"], TUNING[pre + "num_warps"]
-        if self.cl:
+        self.has_w, self.has_b = weight is not None, bias is not None
+        self.empty = self.N == 0 or self.L == 0
+        self.use_kernel = choose_backend(dev) == "triton" and not self.empty
+        self.stream = stream_getter(dev)
+        self._cnt = (None, None)  # (stream, counter buffer) of the last eager launch
+        self._bwd: dict = {}
+        if self.use_kernel:
+            self._plan_fwd(x.contiguous() if self.fix_x else x, weight, bias)
+
+    def params(self, weight, bias):
+        """``(weight, bias)`` as contiguous ``(C,)`` tensors (differentiable reshapes, only when ``fix_params``)."""
+        if self.fix_w:
+            weight = weight.reshape(self.C).contiguous()
+        if self.fix_b:
+            bias = bias.reshape(self.C).contiguous()
+        return weight, bias
+
+    # ----------------------------------------------------------------------------------- layout
+    def _use_cl(self, sx) -> bool:
+        return sx[1] == 1 and self.L > 1 and next_pow2(self.C) <= TUNING["max_block_c"]
+
+    def _geometry(self, sx, pre: str):
+        """``(cl, meta, S, Sl, Lc, Dc)`` of one direction's kernels (``pre``: ``""`` forward, ``"bwd_"``)."""
+        N, C, G, D, L = _hint(self.N), self.C, self.G, self.D, self.L
+        dev = self.device
+        cl = self._use_cl(sx)
+        key = ("cl_" + pre) if cl else pre
+        tile, chunk = TUNING[key + "tile"], TUNING[key + "chunk"]
+        meta = {"D": D, "ACC": _acc(self.x_dtype)}
+        if cl:
             bp, bc, lc, S = cl_layout(N, C, L, tile, chunk, dev)
             bg = next_pow2(G)
-            gather = bool(TUNING["gather"])
-            self.part_numel = N * S * G * 2 + (0 if gather else N * S * bc)
+            meta.update(USE_GATHER=bool(TUNING["gather"]), BLOCK_P=bp, BLOCK_C=bc, BLOCK_G=bg, BLOCK_D=next_pow2(D),
+                        BLOCK_M=max(1, min(next_pow2(S), TUNING["merge_block"] // bg)))
+            return cl, meta, S, S, lc, D, TUNING[key + "num_warps"], bc
+        bd, bl, dc, lc, S, sl = rows_layout(N, G, D, L, tile, chunk, dev)
+        meta.update(BLOCK_D=bd, BLOCK_L=bl, FOLD=_fold(self.itemsize, bl), BLOCK_M=min(next_pow2(S),
+                                                                                      TUNING["merge_block"]))
+        return cl, meta, S, sl, lc, dc, TUNING[key + "num_warps"], 0
+
+    def _plan_fwd(self, x: Tensor, weight, bias) -> None:
+        self.x_dtype, self.itemsize = x.dtype, x.element_size()
+        self.sx = sx = spatial_strides(x)
+        # y = empty_like(x) (and dx in the backward): its strides, from a meta tensor (nothing allocated).
+        self.sy = spatial_strides(torch.empty_like(x, device="meta"))
+        N, G, C, L = self.N, self.G, self.C, self.L
+        cl, meta, S, sl, lc, dc, nw, bc = self._geometry(sx, "")
+        meta.update(HAS_W=self.has_w, HAS_B=self.has_b, SILU=self.silu)
+        self.cl = cl
+        if cl:
             rows = N
-            meta.update(USE_GATHER=gather, BLOCK_P=bp, BLOCK_C=bc, BLOCK_G=bg, BLOCK_D=next_pow2(D),
-                        BLOCK_M=max(1, min(next_pow2(S), TUNING["merge_block"] // bg)))
-            self.launch = _Launch(_fwd_cl, ((N + 1) * S,), meta, nw)
-            self.ints = (N, G, C, L, lc, S, *sx, *sy)
+            part = N * S * G * 2 + (0 if meta["USE_GATHER"] else N * S * bc)
+            self.fwd = Launch(_gn_fwd_cl_kernel, ((N + 1) * S,), meta, nw, device=self.device)
+            self.fwd_ints = (N, G, C, L, lc, S, *sx, *self.sy)
         else:
-            bd, bl, dc, lc, S, sl = rows_layout(N, G, D, L, tile, chunk, dev)
-            self.part_numel = N * G * S * 2
             rows = N * G
-            meta.update(BLOCK_D=bd, BLOCK_L=bl, FOLD=_fold(x, bl), BLOCK_M=min(next_pow2(S), TUNING["merge_block"]))
-            self.launch = _Launch(_fwd_rows, ((rows + 1) * S,), meta, nw)
-            self.ints = (rows, G, L, lc, dc, sl, S, *sx, *sy)
-        self.cnt_numel = 2 + rows
-        self.ws_numel = 2 * self.NG + self.part_numel
-        # (rstd offset, partials offset) in the packed workspace; 0, 0 for separate tensors.
-        self.offs = (self.NG, 2 * self.NG) if packed else (0, 0)
+            part = rows * S * 2
+            self.fwd = Launch(_gn_fwd_rows_kernel, ((rows + 1) * S,), meta, nw, device=self.device)
+            self.fwd_ints = (rows, G, L, lc, dc, sl, S, *sx, *self.sy)
+        self.part_numel = part
+        self.fwd_cnt = 2 + rows
+        # The eager workspace: [mean (N G) | rstd (N G) | partials].
+        self.ws_numel = 2 * self.NG + part
 
-    def run(self, x: Tensor, y: Tensor, w: Tensor | None, b: Tensor | None, eps: float, mean: Tensor, rstd: Tensor,
-            part: Tensor) -> None:
-        """Launch on the current stream; ``mean``, ``rstd`` and ``part`` are one tensor when packed."""
-        dev = x.device
-        w = w if w is not None else x
-        b = b if b is not None else x
-        aligned = _aligned(x, w, b)
-        with device_guard(dev):
-            stream = _stream(dev)
-            cnt = _counters(dev, stream, self.cnt_numel)
-            roff, poff = self.offs
-            self.launch((x, y, w, b, mean, rstd, roff, part, poff, cnt, *self.ints, eps), aligned, stream)
-
-
-class BwdPlan:
-    """Everything a backward launch needs that depends only on the geometry of ``dy`` and ``x``.
-
-    ``packed``: ``mean`` and ``rstd`` are the forward's packed workspace (``rstd`` at ``N G``)."""
-
-    __slots__ = ("G", "cl", "stats", "ws_numel", "cnt_numel", "store_dw", "launch", "ints", "roff", "version")
-
-    def __init__(self, dy: Tensor, x: Tensor, has_w: bool, has_b: bool, G: int, silu: bool, need_dw: bool,
-                 packed: bool):
-        N, C = x.shape[0], x.shape[1]
-        L = math.prod(x.shape[2:])
-        D = C // G
-        dev = x.device
-        self.G = G
-        self.stats = stats_dtype(x)
-        self.version = VERSION[0]
-        sd, sx = _strides(dy), _strides(x)
-        sg = _strides(torch.empty_like(x))
-        self.store_dw = store_dw = bool(need_dw and (has_w or has_b))
-        meta = {"D": D, "ACC": _acc(x.dtype), "HAS_W": has_w, "HAS_B": has_b, "SILU": bool(silu),
-                "STORE_DW": store_dw}
-        self.cl = _use_cl(sx, C, L)
-        pre = "cl_bwd_" if self.cl else "bwd_"
-        tile, chunk, nw = TUNING[pre + "tile"], TUNING[pre + "chunk"], TUNING[pre + "num_warps"]
-        if self.cl:
-            bp, bc, lc, S = cl_layout(N, C, L, tile, chunk, dev)
-            bg = next_pow2(G)
-            gather = bool(TUNING["gather"])
+    def _plan_bwd(self, sd, need_dw: bool) -> _BwdPlan:
+        N, G, C, L = self.N, self.G, self.C, self.L
+        b = _BwdPlan()
+        b.store_dw = store_dw = bool(need_dw and (self.has_w or self.has_b))
+        cl, meta, S, sl, lc, dc, nw, bc = self._geometry(self.sx, "bwd_")
+        meta.update(HAS_W=self.has_w, HAS_B=self.has_b, SILU=self.silu, STORE_DW=store_dw)
+        if cl:
             rows, rw = N, N * S
-            pc = N * S * G * 2 + N * G * 2 + (0 if gather else N * S * bc)
-            meta.update(USE_GATHER=gather, BLOCK_P=bp, BLOCK_C=bc, BLOCK_G=bg, BLOCK_D=next_pow2(D),
-                        BLOCK_M=max(1, min(next_pow2(S), TUNING["merge_block"] // bg)))
+            pc = N * S * G * 2 + N * G * 2 + (0 if meta["USE_GATHER"] else N * S * bc)
         else:
-            bd, bl, dc, lc, S, sl = rows_layout(N, G, D, L, tile, chunk, dev)
             rows, rw = N * G, N * sl
             pc = rows * S * 2 + rows * 2
-            meta.update(BLOCK_D=bd, BLOCK_L=bl, FOLD=_fold(x, bl), BLOCK_M=min(next_pow2(S), TUNING["merge_block"]))
         E = 0
         if store_dw:
             # the readers of a row each sum a slice of its partial rows: (partial rows, slice width)
-            nrows, ncols = (S, C) if self.cl else (sl, D)
+            nrows, ncols = (S, C) if cl else (sl, self.D)
             bct = min(TUNING["tail_block_c"], next_pow2(C))
             E = cdiv(C, bct)
             meta.update(BLOCK_RR=next_pow2(nrows), BLOCK_CC=next_pow2(cdiv(ncols, S)),
-                        BLOCK_R=min(TUNING["tail_block_r"], next_pow2(N)), BLOCK_CT=bct)
+                        BLOCK_R=min(TUNING["tail_block_r"], next_pow2(_hint(N))), BLOCK_CT=bct)
         else:
             meta.update(BLOCK_RR=1, BLOCK_CC=1, BLOCK_R=1, BLOCK_CT=1)
-        self.ws_numel = (2 * (rw + N) * C if store_dw else 0) + pc
-        self.cnt_numel = 2 + rows
+        b.ws_numel = (2 * (rw + N) * C if store_dw else 0) + pc
+        b.cnt = 2 + rows
         grid = ((rows + 1) * S + E,)
-        if self.cl:
-            self.launch = _Launch(_bwd_cl, grid, meta, nw)
-            self.ints = (N, G, C, L, lc, S, E, *sd, *sx, *sg)
+        if cl:
+            b.launch = Launch(_gn_bwd_cl_kernel, grid, meta, nw, device=self.device)
+            b.ints = (N, G, C, L, lc, S, E)
         else:
-            self.launch = _Launch(_bwd_rows, grid, meta, nw)
-            self.ints = (rows, G, C, L, lc, dc, sl, S, E, *sd, *sx, *sg)
-        self.roff = N * G if packed else 0
+            b.launch = Launch(_gn_bwd_rows_kernel, grid, meta, nw, device=self.device)
+            b.ints = (rows, G, C, L, lc, dc, sl, S, E)
+        b.fix_dy = sd is None
+        # A dy whose spatial dims do not collapse is copied contiguous: (C L, L, 1).
+        b.sd = (C * L, L, 1) if sd is None else sd
+        return b
 
-    def run(self, dy: Tensor, x: Tensor, dx: Tensor, w: Tensor | None, b: Tensor | None, mean: Tensor, rstd: Tensor,
-            dw: Tensor | None, db: Tensor | None) -> None:
-        """Launch on the current stream (``mean`` and ``rstd`` are one tensor when packed)."""
-        dev = x.device
-        ws = torch.empty(self.ws_numel, device=dev, dtype=self.stats)
-        w = w if w is not None else x
-        b = b if b is not None else x
-        aligned = _aligned(dy, x, w, b, mean, rstd)
-        with device_guard(dev):
-            stream = _stream(dev)
-            cnt = _counters(dev, stream, self.cnt_numel)
-            self.launch((dy, x, dx, w, b, mean, rstd, self.roff, ws, cnt, dw if dw is not None else ws,
-                         db if db is not None else ws, *self.ints), aligned, stream)
+    # ------------------------------------------------------------------------------------ launches
+    def counters(self, stream, need: int, traced: bool) -> Tensor:
+        """The look-back counters for a launch on ``stream`` (a fresh zeroed buffer in traced code)."""
+        if traced:
+            return torch.zeros(need, device=self.device, dtype=torch.int32)
+        last_stream, buf = self._cnt
+        if stream == last_stream and buf is not None and buf.numel() >= need:
+            return buf
+        if stream is None and self.device.type == "cuda":  # another device is current: Triton's own launch
+            return _counters(self.device, torch.cuda.current_stream(self.device).cuda_stream, need)
+        buf = _counters(self.device, stream, need)
+        self._cnt = (stream, buf)
+        return buf
 
-
-def _wkey(t: Tensor | None):
-    return None if t is None else t.dtype
-
-
-def fwd_plan(x: Tensor, weight: Tensor | None, bias: Tensor | None, G: int, silu: bool, packed: bool) -> FwdPlan:
-    """The cached ``FwdPlan`` of this geometry."""
-    key = ("f", x.shape, x.stride(), x.dtype, x.device, G, silu, _wkey(weight), _wkey(bias), packed)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) > 512:
-            _PLANS.clear()
-        plan = _PLANS[key] = FwdPlan(x, weight is not None, bias is not None, G, silu, packed)
-    return plan
-
-
-def bwd_plan(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, G: int, silu: bool, need_dw: bool,
-             packed: bool) -> BwdPlan:
-    """The cached ``BwdPlan`` of this geometry."""
-    key = ("b", x.shape, x.stride(), x.dtype, x.device, dy.stride(), dy.dtype, G, silu, need_dw, _wkey(weight),
-           _wkey(bias), packed)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) > 512:
-            _PLANS.clear()
-        plan = _PLANS[key] = BwdPlan(dy, x, weight is not None, bias is not None, G, silu, need_dw, packed)
-    return plan
-
-
-def _empty_stats(mean: Tensor, rstd: Tensor, eps: float) -> None:
-    """The statistics of empty groups (an empty batch or spatial size): mean 0, rstd ``eps ** -0.5``."""
-    mean.zero_()
-    rstd.fill_(float(eps) ** -0.5 if eps > 0 else float("inf"))
-
-
-def group_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, G: int, eps: float,
-                   silu: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward: ``(y, mean, rstd)``; ``y`` like ``x`` (same dtype and memory format), ``mean``/``rstd``
-    ``(N, G)`` fp32 (fp64 for fp64 ``x``), separate tensors."""
-    dev = x.device
-    N = x.shape[0]
-    y = torch.empty_like(x)
-    mean = torch.empty((N, G), device=dev, dtype=stats_dtype(x))
-    rstd = torch.empty((N, G), device=dev, dtype=stats_dtype(x))
-    if x.numel() == 0:
-        _empty_stats(mean, rstd, eps)
-        return y, mean, rstd
-    plan = fwd_plan(x, weight, bias, G, silu, packed=False)
-    part = torch.empty(plan.part_numel, device=dev, dtype=plan.stats)
-    plan.run(x, y, weight, bias, float(eps), mean, rstd, part)
-    return y, mean, rstd
-
-
-def group_norm_fwd_packed(x: Tensor, weight: Tensor | None, bias: Tensor | None, G: int, eps: float, silu: bool,
-                          plan: FwdPlan | None = None) -> tuple[Tensor, Tensor]:
-    """Forward for the autograd path: ``(y, ws)``; ``ws[:N G]`` holds the mean and ``ws[N G : 2 N G]`` the rstd
-    (then the partials). ``plan``: ``fwd_plan(..., packed=True)`` of these arguments when the caller has it."""
-    y = torch.empty_like(x)
-    if x.numel() == 0:
-        NG = x.shape[0] * G
-        ws = torch.empty(2 * NG, device=x.device, dtype=stats_dtype(x))
-        _empty_stats(ws[:NG], ws[NG:], eps)
+    def forward(self, x: Tensor, weight, bias, traced: bool = False):
+        """Launch the forward on ``x`` (``x.contiguous()`` when ``fix_x``) and ``(C,)`` parameters. Eager: returns
+        ``(y, ws)``, ``ws = [mean (N G) | rstd (N G) | partials]`` in the statistics dtype. Traced: returns
+        ``(y, mean, rstd)``, ``mean``/``rstd`` separate ``(N, G)`` tensors (custom-op outputs may not alias)."""
+        dev = self.device
+        y = torch.empty_like(x)
+        w = weight if weight is not None else x  # never read (HAS_W / HAS_B are off)
+        b = bias if bias is not None else x
+        if traced:
+            mean = torch.empty((self.N, self.G), device=dev, dtype=self.stats)
+            rstd = torch.empty((self.N, self.G), device=dev, dtype=self.stats)
+            part = torch.empty((self.part_numel,), device=dev, dtype=self.stats)
+            cnt = self.counters(None, self.fwd_cnt, True)
+            self.fwd.traced(x, y, w, b, mean, rstd, 0, part, 0, cnt, *self.fwd_ints, self.eps)
+            return y, mean, rstd
+        ws = torch.empty((self.ws_numel,), device=dev, dtype=self.stats)
+        stream = self.stream()
+        cnt = self.counters(stream, self.fwd_cnt, False)
+        self.fwd(stream, _aligned(x, weight, bias), x, y, w, b, ws, ws, self.NG, ws, 2 * self.NG, cnt,
+                 *self.fwd_ints, self.eps)
         return y, ws
-    if plan is None:
-        plan = fwd_plan(x, weight, bias, G, silu, packed=True)
-    ws = torch.empty(plan.ws_numel, device=x.device, dtype=plan.stats)
-    plan.run(x, y, weight, bias, eps, ws, ws, ws)
-    return y, ws
+
+    def backward(self, dy: Tensor, x: Tensor, weight, bias, mean: Tensor, rstd: Tensor, roff, need_dw: bool,
+                 traced: bool = False):
+        """``(dx, dweight, dbias)`` (``None`` without the parameter or without ``need_dw``); ``dx`` like ``x``,
+        the parameter gradients in the parameters' dtypes. ``mean``/``rstd`` at offsets ``0``/``roff`` (the
+        eager workspace: both ``ws``, ``roff = N G``)."""
+        b = None if traced else self._bwd.get((dy.stride(), need_dw))
+        if b is None:
+            b = self._plan_bwd(spatial_strides(dy), need_dw)
+            if not traced:
+                self._bwd[dy.stride(), need_dw] = b
+        if b.fix_dy:
+            dy = dy.contiguous()
+        dev = self.device
+        dx = torch.empty_like(x)
+        ws = torch.empty((b.ws_numel,), device=dev, dtype=self.stats)
+        dw = torch.empty_like(weight) if (b.store_dw and weight is not None) else None
+        db = torch.empty_like(bias) if (b.store_dw and bias is not None) else None
+        stream = None if traced else self.stream()
+        cnt = self.counters(stream, b.cnt, traced)
+        args = (dy, x, dx, weight if weight is not None else x, bias if bias is not None else x, mean, rstd, roff,
+                ws, cnt, dw if dw is not None else ws, db if db is not None else ws, *b.ints, *b.sd, *self.sx,
+                *self.sy)
+        if traced:
+            b.launch.traced(*args)
+        else:
+            b.launch(stream, _aligned(dy, x, weight, bias, mean, rstd), *args)
+        return dx, dw, db
 
 
-def group_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, rstd: Tensor,
-                   G: int, silu: bool, need_dw: bool, packed: bool = False, plan: BwdPlan | None = None
-                   ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Backward: ``(dx, dweight, dbias)``; ``dx`` like ``x``, ``dweight``/``dbias`` in the parameter dtypes
-    (``None`` without the parameter or when ``need_dw`` is false). ``packed``: ``mean`` and ``rstd`` are both
-    the forward's packed workspace. ``plan``: ``bwd_plan`` of these arguments when the caller has it."""
-    dx = torch.empty_like(x)
-    store_dw = need_dw and (weight is not None or bias is not None)
-    dw = torch.empty_like(weight) if (store_dw and weight is not None) else None
-    db = torch.empty_like(bias) if (store_dw and bias is not None) else None
-    if x.numel() == 0:
-        return dx, (dw.zero_() if dw is not None else None), (db.zero_() if db is not None else None)
-    if plan is None:
-        plan = bwd_plan(dy, x, weight, bias, G, silu, need_dw, packed)
-    plan.run(dy, x, dx, weight, bias, mean, rstd, dw, db)
-    return dx, dw, db
+class _BwdPlan:
+    __slots__ = ("launch", "ints", "sd", "fix_dy", "store_dw", "ws_numel", "cnt")
+
+
+def _aligned(*ts) -> bool:
+    bits = 0
+    for t in ts:
+        if t is not None:
+            bits |= t.data_ptr()
+    return bits & 15 == 0

@@ -19,9 +19,13 @@ from torch import Tensor
 def spatial_strides(t: Tensor) -> tuple[int, int, int] | None:
     """``(stride_n, stride_c, stride_l)`` of ``t`` ``(N, C, *spatial)`` viewed as ``(N, C, L)``, or ``None``
     when the spatial dims do not collapse into one stride (then the caller makes a copy)."""
-    if torch.compiler.is_compiling():  # symbolic sizes are not hashable; dynamo traces the plain function
-        return _spatial_strides(t.shape, t.stride())
-    return _spatial_strides_cached(t.shape, t.stride())
+    shape, strides = t.shape, t.stride()
+    if torch.compiler.is_compiling():  # dynamo traces the plain function
+        return _spatial_strides(shape, strides)
+    try:
+        return _spatial_strides_cached(shape, strides)
+    except TypeError:  # symbolic sizes (torch.compile) are not hashable
+        return _spatial_strides(shape, strides)
 
 
 def _spatial_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int, int] | None:
