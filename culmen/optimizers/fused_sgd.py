@@ -9,7 +9,9 @@ import torch
 from torch import Tensor
 
 from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
-from culmen.optimizers._base import FusedOptimizer, check_lr, check_momentum, check_weight_decay, required
+from culmen.ops.backend import choose_backend
+from culmen.ops.multi_tensor.sgd import SGDPlan
+from culmen.optimizers._base import FusedOptimizer, GroupPlan, check_lr, check_momentum, check_weight_decay, required
 
 
 class FusedSGD(FusedOptimizer):
@@ -69,24 +71,50 @@ class FusedSGD(FusedOptimizer):
         host_scale = 1.0 / self.most_recent_scale
         self._skipped: bool | None = None
         for group in self.param_groups:
-            live, grads = self._live(group)
-            if not live:
+            plan = self._group_plan(group, lambda g, p, gr, m: self._build_plan(g, p, gr, m, found_inf))
+            if plan is None:
                 continue
-            momentum = group["momentum"]
-            sets = self._state_lists(group, momentum != 0, live, grads,
-                                     lambda ps, g=group: self._build(g, ps, found_inf))
+            grads = plan.live_grads
             self._unscale_grads_(grads, inv_scale)
-            noop = self._noop(live[0].device) if found_inf is None else \
-                self._found_inf_flag(found_inf, live[0].device)
-            for first, idx, (ps, bufs) in sets:
+            dev = plan.device
+            noop = self._noop(dev) if found_inf is None else self._found_inf_flag(found_inf, dev)
+            momentum = group["momentum"]
+            args = (float(group["weight_decay"]), float(momentum), float(group["dampening"]), float(group["lr"]))
+            if plan.fast:
+                key = (args[0] != 0, args[1] != 0, bool(group["nesterov"]))
+                plans = plan.variants.get(key)
+                if plans is None:
+                    plans = plan.variants[key] = [
+                        SGDPlan("FusedSGD", [grads if idx is None else [grads[i] for i in idx], ps, bufs], noop,
+                                has_wd=key[0], has_mom=key[1], first_run=first, nesterov=key[2],
+                                wd_after=self.wd_after_momentum, static=(1, 2))
+                        for first, idx, (ps, bufs), _ in plan.calls]
+                gkey = plan.gkey
+                for sp, (_, _, _, sel) in zip(plans, plan.calls):
+                    sp.run(sp.tables.ptrs(gkey if sel is None else sel(gkey)), noop, *args, host_scale)
+                continue
+            for first, idx, (ps, bufs), _ in plan.calls:
                 gs = grads if idx is None else [grads[i] for i in idx]
-                multi_tensor_applier(amp_C.multi_tensor_sgd, noop, [gs, ps, gs if bufs is None else bufs],
-                                     group["weight_decay"], momentum,
-                                     group["dampening"], float(group["lr"]), group["nesterov"], first,
-                                     self.wd_after_momentum, host_scale)
+                multi_tensor_applier(amp_C.multi_tensor_sgd, noop, [gs, ps, gs if bufs is None else bufs], args[0],
+                                     momentum, args[2], args[3], group["nesterov"], first, self.wd_after_momentum,
+                                     host_scale)
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss
+
+    def _build_plan(self, group: dict, params: list, grads: list, mask: tuple, found_inf) -> GroupPlan:
+        plan = GroupPlan(group, params, grads, mask, self._check_live)
+        sets, plan.cacheable = self._build(group, plan.live, found_inf)
+        plan.calls = [(first, idx, lists, plan.select(idx)) for first, idx, lists in sets]
+        dev = plan.device
+        plan.fast = (plan.cacheable and choose_backend(dev) == "triton"
+                     and all(t.device == dev and t.is_contiguous() for t in plan.live_grads)
+                     and all(t.device == dev and t.is_contiguous() for _, _, lists, _ in plan.calls
+                             for lst in lists if lst is not None for t in lst))
+        if plan.fast:  # without momentum the params stand in for the (untouched) buffers
+            plan.calls = [(first, idx, (ps, ps if bufs is None else bufs), sel)
+                          for first, idx, (ps, bufs), sel in plan.calls]
+        return plan
 
     def _build(self, group: dict, live: list[Tensor], found_inf: Tensor | None) -> tuple[list, bool]:
         """``[(first_run, grad indices | None, [params, momentum buffers])]`` for ``live``.
