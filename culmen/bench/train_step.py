@@ -28,13 +28,16 @@ host time, then ``steps`` timed steps. What is reported:
   ``warmup + host_steps + steps`` updates), for both models; ``loss_diff`` = culmen - torch.
 * ``host_ms``: host (CPU) time per step, measured by enqueueing: each of the three phases (forward +
   loss, ``backward()``, optimizer step + ``zero_grad``) starts on a drained GPU and is timed with
-  ``perf_counter`` from its first call until its last kernel is enqueued, with no sync inside (a
-  ``synchronize`` separates the phases and is not counted). The GPU runs behind the host while it
-  enqueues, so the host never waits for device work unless the code itself syncs (which counts, as
-  it costs users the same) or a phase runs more than the stream's launch queue holds (~1000 pending
-  launches) ahead of the GPU, which splitting the step in three phases keeps clear of at these
-  depths. ``host_phases_ms`` gives the three medians (over ``host_steps`` steps). When ``host_ms`` is
-  close to ``ms`` the step is host-bound. On CPU everything is host time.
+  ``perf_counter`` from its first call until its last kernel is enqueued (``backward()`` returns when
+  the autograd engine has enqueued everything); a ``synchronize`` separates the phases and is not
+  counted. The host only ever waits for the GPU when the code itself syncs (that counts: it costs
+  users the same) or when it runs more than a CUDA stream's launch queue (~1000 pending launches)
+  ahead of a busy GPU. Against the latter, eager mode also drains the GPU at every block boundary
+  (a forward pre-hook per block and a hook on each block's input gradient) and subtracts the time
+  spent in those hooks, so at most one block's launches are ever pending; compiled graphs (far fewer
+  launches, and a syncing hook would break them) are measured by phase only. ``host_phases_ms`` gives
+  the three medians over ``host_steps`` steps. ``host_ms`` close to ``ms`` means the step is
+  host-bound. On CPU everything is host time.
 
 Run alone: ``python -m culmen.bench.train_step [--sizes d512,d768] [--modes eager] ... [--json PATH]``;
 through the CLI: ``culmen bench train_step [same options]``. ``--quick`` (and CPU by default) runs a
@@ -181,6 +184,38 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
+class _BlockDrain:
+    """While installed, drains the GPU before every block's forward and after every block's backward
+    (a hook on the block's input gradient) and adds up the seconds spent in these hooks, so that the
+    host-time steps never let a long phase fill the stream's launch queue (eager mode only: a hook
+    that syncs would break a compiled graph)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.device = device
+        self.spent = 0.0
+        self.handles = [layer.register_forward_pre_hook(self._before_block) for layer in model.layers]
+
+    def _drain(self) -> None:
+        t = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        self.spent += time.perf_counter() - t
+
+    def _before_block(self, module: torch.nn.Module, args: tuple) -> None:
+        t = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(self._after_block_backward)
+        self.spent += time.perf_counter() - t
+
+    def _after_block_backward(self, grad: torch.Tensor) -> None:
+        self._drain()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def run_model(cfg: ModelConfig, impl: str, mode: str, opts: TrainOptions, device: torch.device,
               tokens: torch.Tensor, labels: torch.Tensor) -> ModelRun:
     """Build, (compile,) train and measure one model; see the module docstring for each number. A failure
@@ -238,24 +273,34 @@ def _train(res: ModelRun, cfg: ModelConfig, impl: str, mode: str, opts: TrainOpt
         res.opt_state_gib = _tensor_bytes(opt.state_dict()["state"]) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
 
-    # Host time: each phase starts on a drained GPU and ends when its last kernel is enqueued.
+    # Host time: each phase starts on a drained GPU and ends when its last kernel is enqueued; in eager
+    # mode the GPU is also drained at every block boundary (time spent draining not counted).
+    drain = _BlockDrain(model, device) if cuda and mode == "eager" and opts.host_steps else None
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-    for _ in range(opts.host_steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = forward()
-        t1 = time.perf_counter()
-        _sync(device)
-        t2 = time.perf_counter()
-        loss.backward()
-        t3 = time.perf_counter()
-        _sync(device)
-        t4 = time.perf_counter()
-        update()
-        t5 = time.perf_counter()
-        _sync(device)
-        for k, v in (("forward", t1 - t0), ("backward", t3 - t2), ("optimizer", t5 - t4)):
-            phases[k].append(v * 1e3)
+    try:
+        for _ in range(opts.host_steps):
+            _sync(device)
+            spent = drain.spent if drain else 0.0
+            t0 = time.perf_counter()
+            loss = forward()
+            t1 = time.perf_counter()
+            fwd_drain = (drain.spent - spent) if drain else 0.0
+            _sync(device)
+            spent = drain.spent if drain else 0.0
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            bwd_drain = (drain.spent - spent) if drain else 0.0
+            _sync(device)
+            t4 = time.perf_counter()
+            update()
+            t5 = time.perf_counter()
+            _sync(device)
+            for k, v in (("forward", t1 - t0 - fwd_drain), ("backward", t3 - t2 - bwd_drain), ("optimizer", t5 - t4)):
+                phases[k].append(v * 1e3)
+    finally:
+        if drain is not None:
+            drain.remove()
     if opts.host_steps:
         res.host_phases_ms = {k: statistics.median(v) for k, v in phases.items()}
         res.host_ms = sum(res.host_phases_ms.values())
