@@ -25,20 +25,20 @@ from culmen.flash_attn.ops.triton.cross_entropy import cross_entropy_loss
 from culmen.ops.backend import set_backend
 from culmen.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from culmen.ops.cross_entropy import launch as ce_launch
-from culmen.ops.cross_entropy.op import NO_IGNORE, bwd_impl, fwd_impl
-from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, randn
+from culmen.ops.cross_entropy.launch import CEPlan
+from culmen.ops.cross_entropy.op import NO_IGNORE, run_backward, run_forward
+from culmen.testing import assert_close_tolerance, make_noncontiguous, poisoned_allocations, randn
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["reference", "triton"])
-def backend(request, monkeypatch):
-    """Each test once per CPU path; the Triton path's output buffers are poisoned before launch."""
+def backend(request):
+    """Each test once per CPU path; every fresh buffer is poisoned (NaN) before a kernel writes it."""
     request.getfixturevalue(f"{request.param}_backend")
-    monkeypatch.setattr(ce_launch, "_alloc", lambda shape, dtype, device: poison_(torch.empty(shape, dtype=dtype,
-                                                                                             device=device)))
-    return request.param
+    with poisoned_allocations():
+        yield request.param
 
 
 @pytest.fixture
@@ -156,14 +156,20 @@ def test_precomputed_lse_only_without_smoothing(backend):
 
 
 def test_invalid_label_gives_nan_rows(backend):
-    """Past the host check (GPU labels), an invalid label poisons its own row only."""
+    """Past the host check (GPU labels), an invalid label poisons its own row only (and a mean)."""
     x = randn((4, 50))
     y = torch.tensor([3, 50, -100, 7])
-    loss, zl, lse = fwd_impl(x, y, None, 0.1, 1.0, 1e-3, -100, 0.0, 0, 50, True)
+    plan = CEPlan(x, y, None, 0.1, 1.0, 1e-3, -100, None, "none", False, None)
+    loss, zl, lse, _ = run_forward(plan, x, y, None)
     assert torch.isnan(loss[1]) and bool(torch.isfinite(loss[[0, 2, 3]]).all())
-    g = bwd_impl(torch.ones(4), x, lse, y, 0.1, 1.0, 1e-3, -100, 0.0, 0, 50)
+    g = run_backward(plan, torch.ones(4), x, lse, y, None)
     assert bool(torch.isnan(g[1]).all()) and bool(torch.isfinite(g[[0, 2, 3]]).all())
     assert bool((g[2] == 0).all())
+    mean = CEPlan(x, y, None, 0.1, 1.0, 1e-3, -100, None, "mean", False, None)
+    loss, _, lse, rows = run_forward(mean, x, y, None)
+    assert loss.shape == () and torch.isnan(loss)
+    g = run_backward(mean, torch.ones(()), x, lse, y, rows)
+    assert bool(torch.isnan(g[1]).all()) and bool((g[2] == 0).all()) and bool(torch.isfinite(g[[0, 3]]).all())
 
 
 def test_bad_inputs_raise():

@@ -3,12 +3,11 @@
 Every rank builds the same full logits, keeps its half of the vocab (rank r: columns [r V/2, (r+1) V/2)),
 and must get the single-process float64 losses and its slice of the full gradient, on both CPU paths
 (reference and the Triton interpreter), with label smoothing, z-loss, logit scale, ignored rows and
-labels in either rank's half, also with ``inplace_backward``, a precomputed LSE and the module's mean.
+labels in either rank's half, also with ``inplace_backward``, a precomputed LSE, the module's mean and the
+op's reductions.
 """
 
 from __future__ import annotations
-
-import os
 
 from dist_harness import run_group
 
@@ -19,7 +18,8 @@ def _worker(rank: int, world: int) -> list[str]:
 
     from culmen.flash_attn.losses.cross_entropy import CrossEntropyLoss
     from culmen.flash_attn.ops.triton.cross_entropy import cross_entropy_loss
-    from culmen.ops.cross_entropy import cross_entropy_ref
+    from culmen.ops.backend import backend_mode, set_backend
+    from culmen.ops.cross_entropy import cross_entropy, cross_entropy_ref
 
     failures: list[str] = []
     n, v_local = 11, 37  # odd sizes: V = 74 split 37 / 37
@@ -29,10 +29,10 @@ def _worker(rank: int, world: int) -> list[str]:
     def check(name, got, want, tol):
         err = (got.double() - want).abs().max().item()
         if not err <= tol:
-            failures.append(f"rank {rank} {os.environ['CULMEN_BACKEND']} {name}: max err {err:.3g} > {tol:g}")
+            failures.append(f"rank {rank} {backend_mode()} {name}: max err {err:.3g} > {tol:g}")
 
     for backend in ("reference", "triton"):
-        os.environ["CULMEN_BACKEND"] = backend
+        set_backend(backend)
         torch.manual_seed(1234)  # identical full tensors on every rank
         full = torch.randn(n, v) * 3.0
         labels = torch.randint(0, v, (n,))
@@ -71,6 +71,15 @@ def _worker(rank: int, world: int) -> list[str]:
         mean = mod(shard, labels.reshape(1, n))
         ref_m = cross_entropy_ref(full.double(), labels, label_smoothing=0.1)[0].sum() / (labels != -100).sum()
         check("module mean", mean.reshape(1), ref_m.reshape(1), 1e-6)
+        mean.backward()
+        full64m = full.double().requires_grad_()
+        (cross_entropy_ref(full64m, labels, label_smoothing=0.1)[0].sum() / (labels != -100).sum()).backward()
+        check("module mean dlogits", shard.grad.reshape(n, v_local), full64m.grad[:, cols], 1e-6)
+
+        # The op's own reductions with a sharded vocab (reduced after the all-reduces).
+        shard = full[:, cols].clone()
+        total = cross_entropy(shard, labels, process_group=dist.group.WORLD, reduction="sum", **kw).loss
+        check("op sum", total.reshape(1), ref_loss.detach().sum().reshape(1), 1e-4)
     return failures
 
 

@@ -2,7 +2,7 @@
 
 Apex semantics: per-token losses ``(1 - s) * CE + s * mean_j(-log p_j)``, rows whose label equals
 ``padding_idx`` get loss 0 and gradient 0, the loss is in the logits' dtype unless ``half_to_float``
-(then fp32). Statistics are fp32 either way.
+(then fp32). Statistics are fp32 either way; the kernel writes the loss in its final dtype (no cast op).
 
 Differences from Apex: a label outside ``[0, V)`` other than ``padding_idx`` raises ``ValueError``
 for CPU labels and gives a NaN loss row on the GPU (Apex computes a smoothing-only loss); the
@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from culmen.ops.cross_entropy import cross_entropy
-from culmen.ops.cross_entropy.op import check_float
+from culmen.ops.cross_entropy.launch import check_float
 
 __all__ = ["SoftmaxCrossEntropyLoss", "softmax_cross_entropy"]
 
@@ -27,16 +27,19 @@ def softmax_cross_entropy(logits: Tensor, labels: Tensor, smoothing: float = 0.0
     Returns the losses with ``labels``' shape, in fp32 when ``half_to_float`` (or fp32 logits), else in
     the logits' dtype; differentiable w.r.t. ``logits``.
     """
-    check_float("logits", logits)
+    if not isinstance(logits, Tensor):
+        check_float("logits", logits)  # raises; dtypes are checked by the op's plan
     if logits.dim() < 1:
         raise ValueError("logits must have a class dimension (..., V)")
-    lead = tuple(logits.shape[:-1])
-    if not isinstance(labels, Tensor) or tuple(labels.shape) != lead:
-        raise ValueError(f"labels must have shape {lead} (logits' without the class dim), got "
-                         f"{tuple(getattr(labels, 'shape', ()))}")
-    loss = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing=smoothing,
-                         ignore_index=padding_idx).loss.reshape(lead)
-    return loss if half_to_float else loss.to(logits.dtype)
+    lead = getattr(labels, "shape", None)
+    if lead != logits.shape[:-1]:
+        raise ValueError(f"labels must have shape {tuple(logits.shape[:-1])} (logits' without the class dim), got "
+                         f"{tuple(lead or ())}")
+    flat = logits.dim() != 2
+    x, y = (logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) if flat else (logits, labels)
+    loss = cross_entropy(x, y, label_smoothing=smoothing, ignore_index=padding_idx,
+                         out_dtype=None if half_to_float else logits.dtype).loss
+    return loss.reshape(lead) if flat else loss
 
 
 class SoftmaxCrossEntropyLoss:

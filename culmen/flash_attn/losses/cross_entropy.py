@@ -3,7 +3,8 @@
 ``CrossEntropyLoss`` has flash_attn 2.8's arguments, defaults and return convention (the loss, or
 ``(loss, z_loss)`` with ``return_z_loss``; ``mean`` divides by the number of non-ignored rows).
 Differences: it runs on CPU too, accepts ``(..., vocab)`` input with ``(...)`` targets, and invalid
-labels raise / give NaN (see ``culmen.flash_attn.ops.triton.cross_entropy``).
+labels raise / give NaN (see ``culmen.flash_attn.ops.triton.cross_entropy``). Both modules call
+culmen's ops directly (``culmen.ops.cross_entropy``), whose cached plans hold every check.
 
 ``FusedLinearCrossEntropyLoss`` is culmen's addition (flash_attn has none): the loss of
 ``hidden @ weight.T + bias`` computed in token chunks without materialising the logits, see
@@ -16,21 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from culmen.flash_attn.ops.triton.cross_entropy import cross_entropy_loss
-from culmen.ops.cross_entropy import fused_linear_cross_entropy
-from culmen.ops.cross_entropy.op import check_scalars
+from culmen.ops.cross_entropy import cross_entropy, fused_linear_cross_entropy
+from culmen.ops.cross_entropy.launch import check_scalars
 
 __all__ = ["CrossEntropyLoss", "FusedLinearCrossEntropyLoss"]
 
 _REDUCTIONS = ("mean", "none", "sum")
-
-
-def _reduce(t: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    if reduction == "mean":
-        return t.sum() / (target != ignore_index).sum()
-    if reduction == "sum":
-        return t.sum()
-    return t
 
 
 class CrossEntropyLoss(nn.Module):
@@ -44,6 +36,8 @@ class CrossEntropyLoss(nn.Module):
         inplace_backward: write the gradient into the input logits (saves memory).
         process_group: tensor parallel: each rank's input is its equal, contiguous slice of the vocab.
         return_z_loss: also return the z-loss part (reduced the same way; for logging).
+
+    The reduction runs inside the op (a one-program kernel on the GPU), not as PyTorch ops.
     """
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
@@ -70,23 +64,21 @@ class CrossEntropyLoss(nn.Module):
         """
         if not isinstance(input, Tensor) or input.dim() < 1:
             raise ValueError(f"input must be a tensor (..., vocab), got {getattr(input, 'shape', type(input))}")
-        if not isinstance(target, Tensor) or tuple(target.shape) != tuple(input.shape[:-1]):
+        lead = getattr(target, "shape", None)
+        if lead != input.shape[:-1]:
             raise ValueError(f"target must have shape {tuple(input.shape[:-1])} (input's without the vocab dim), "
-                             f"got {tuple(getattr(target, 'shape', ()))}")
-        lead = target.shape
-        loss, z_loss = cross_entropy_loss(
-            input.reshape(-1, input.shape[-1]), target.reshape(-1), precomputed_lse=precomputed_lse,
-            label_smoothing=self.label_smoothing, logit_scale=self.logit_scale,
-            lse_square_scale=self.lse_square_scale, ignore_index=self.ignore_index,
-            inplace_backward=self.inplace_backward, process_group=self.process_group)
-        flat = target.reshape(-1)
-        loss = _reduce(loss, flat, self.ignore_index, self.reduction)
-        if self.reduction == "none":
-            loss = loss.reshape(lead)
-        if not self.return_z_loss:
-            return loss
-        z_loss = _reduce(z_loss, flat, self.ignore_index, self.reduction)
-        return loss, (z_loss.reshape(lead) if self.reduction == "none" else z_loss)
+                             f"got {tuple(lead or ())}")
+        flat = input.dim() != 2
+        if flat:
+            input, target = input.reshape(-1, input.shape[-1]), target.reshape(-1)
+        out = cross_entropy(input, target, label_smoothing=self.label_smoothing, logit_scale=self.logit_scale,
+                            lse_square_scale=self.lse_square_scale, ignore_index=self.ignore_index,
+                            precomputed_lse=precomputed_lse, inplace_backward=self.inplace_backward,
+                            process_group=self.process_group, reduction=self.reduction)
+        loss, z_loss = out.loss, out.z_loss
+        if flat and self.reduction == "none":
+            loss, z_loss = loss.reshape(lead), z_loss.reshape(lead)
+        return (loss, z_loss) if self.return_z_loss else loss
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):

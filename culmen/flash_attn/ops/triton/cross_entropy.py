@@ -10,7 +10,8 @@ Differences from flash_attn 2.8:
 * A label outside ``[0, total classes)`` that is not ``ignore_index`` raises ``ValueError`` for CPU
   labels and gives a NaN loss and gradient row on the GPU (flash_attn silently drops its CE term). In
   the vocab-parallel case a label outside *this rank's* shard is normal, as in flash_attn.
-* Under ``torch.compile`` the op is traced as a custom op and ``inplace_backward`` is ignored.
+* Under ``torch.compile`` the op is traced as a ``triton_op`` (Inductor launches its kernels) and
+  ``inplace_backward`` is ignored.
 """
 
 from __future__ import annotations
