@@ -72,6 +72,10 @@ class FusedSGD(FusedOptimizer):
         self._skipped: bool | None = None
         for group in self.param_groups:
             plan = self._group_plan(group, lambda g, p, gr, m: self._build_plan(g, p, gr, m, found_inf))
+            if plan is not None and plan.has_mom != (group["momentum"] != 0):
+                # momentum switched on/off: the state lists (buffers or none) are rebuilt
+                self._plans.pop(id(group), None)
+                plan = self._group_plan(group, lambda g, p, gr, m: self._build_plan(g, p, gr, m, found_inf))
             if plan is None:
                 continue
             grads = plan.live_grads
@@ -104,6 +108,7 @@ class FusedSGD(FusedOptimizer):
 
     def _build_plan(self, group: dict, params: list, grads: list, mask: tuple, found_inf) -> GroupPlan:
         plan = GroupPlan(group, params, grads, mask, self._check_live)
+        plan.has_mom = group["momentum"] != 0
         sets, plan.cacheable = self._build(group, plan.live, found_inf)
         plan.calls = [(first, idx, lists, plan.select(idx)) for first, idx, lists in sets]
         dev = plan.device

@@ -156,3 +156,16 @@ def test_required_lr_and_sparse(lockstep):
     opt = FusedSGD([p], lr=0.1)
     opt.zero_grad()  # set_grad_none=False: zeroed, not dropped (Apex's default for FusedSGD)
     assert p.grad is not None and not p.grad.any()
+
+
+def test_sgd_momentum_switched_on_later(backend, lockstep):
+    """A cached step plan without momentum buffers must not survive ``momentum`` being set on the group."""
+    a = lockstep.params()
+    b = lockstep.copies(a)
+    ours = FusedSGD(a, lr=0.05)
+    ref = torch.optim.SGD(b, lr=0.05)
+    lockstep.run(ours, ref, a, b, steps=3)
+    for opt in (ours, ref):
+        opt.param_groups[0]["momentum"] = 0.9
+    lockstep.run(ours, ref, a, b, steps=3)
+    lockstep.assert_close(a, b, what="param")

@@ -305,3 +305,96 @@ def test_params_on_two_devices():
         ours.step()
         ref.step()
     close(a, b)
+
+
+def _launches(*opts):
+    """Every bound ``Launch`` of the multi-tensor plans: amp_C signature plans and the optimizers' own."""
+    from culmen.ops.multi_tensor.common import PLANS
+
+    plans = list(PLANS.values())
+    for opt in opts:
+        for gp in opt._plans.values():
+            for variant in gp.variants.values():
+                plans.extend(variant)
+    return [la for p in plans for la in p._la.values()]
+
+
+def test_fast_launch_bitwise():
+    """The direct C launches of the cached plans (second step on) give exactly what Triton's own launch gives:
+    FusedAdam (plain; capturable + masters + GradScaler attributes, in-kernel step counter), FusedSGD, FusedLAMB,
+    and the amp_C scale / l2norm entries."""
+    from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
+    from culmen.ops.common.launch import set_fast_launch
+
+    init = params(shapes=SHAPES[:12] + [(1,), (4097,), (3, 77)])
+    low = params(torch.bfloat16, shapes=[(513,), (64, 65), (8193,)])
+    gs = [grads(init) for _ in range(3)]
+    gl = [grads(low) for _ in range(3)]
+    results = {}
+    try:
+        for fast in (False, True):
+            set_fast_launch(fast)
+            a, b, c, d = copies(init), copies(init), copies(init), copies(low)
+            opts = [FusedAdam(a, lr=1e-3, weight_decay=0.1), FusedSGD(b, lr=0.05, momentum=0.9),
+                    FusedLAMB(c, lr=1e-3), FusedAdam(d, lr=1e-3, capturable=True, master_weights=True)]
+            opts[3].grad_scale = torch.full((1,), 256.0, device=DEV)
+            opts[3].found_inf = torch.zeros(1, device=DEV)
+            flag = torch.zeros(1, dtype=torch.int32, device=DEV)
+            outs = [torch.empty_like(p) for p in init]
+            norms = []
+            for s in range(3):
+                for ps, g in ((a, gs[s]), (b, gs[s]), (c, gs[s]), (d, [x * 256 for x in gl[s]])):
+                    set_grads(ps, g)
+                for opt in opts:
+                    opt.step()
+                multi_tensor_applier(amp_C.multi_tensor_scale, flag, [gs[s], outs], 0.5)
+                norms.append(multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [outs], True))
+            results[fast] = [t.detach().clone() for t in a + b + c + d + outs] + [n for pair in norms for n in pair]
+            results[fast].append(opts[3].param_groups[0]["step"].clone())
+            launches = _launches(*opts)
+            assert launches
+            for la in launches:
+                if fast:
+                    assert la._run is not None, f"{la.fn.fn.__name__} never took the direct path: {la.error}"
+                else:
+                    assert la._run is None
+    finally:
+        set_fast_launch(True)
+    assert int(results[True][-1]) == 3
+    for x, y in zip(results[False], results[True]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_inductor(dynamic):
+    """amp_C ops inside a compiled function (Inductor, fullgraph): the custom ops run the same kernels, results
+    equal eager's, and with dynamic shapes new tensor sizes do not recompile."""
+    from culmen.multi_tensor_apply import amp_C
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def fn(g, p, m, v, out, flag, lr, step):
+        amp_C.multi_tensor_scale(2048, flag, [g, out], 0.5)
+        norm, per = amp_C.multi_tensor_l2norm(2048, flag, [out], True)
+        amp_C.multi_tensor_adam_capturable(2048, flag, [g, p, m, v], lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.01,
+                                           torch.ones(1, device=DEV))
+        amp_C.multi_tensor_sgd(2048, flag, [out, p, m], 0.0, 0.9, 0.0, 0.1, False, False, False, 1.0)
+        return norm, per
+
+    compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+    for sizes in ((1000, 77, 4097), (1200, 93, 9000), (3000, 130, 8193)):
+        base = [[torch.randn(n, device=DEV) for n in sizes] for _ in range(5)]
+        base[3] = [x.abs() for x in base[3]]
+        runs = []
+        for f in (fn, compiled):
+            lists = [[x.clone() for x in lst] for lst in base]
+            flag = torch.zeros(1, dtype=torch.int32, device=DEV)
+            lr = torch.full((1,), 1e-3, device=DEV)
+            step = torch.full((1,), 3, dtype=torch.int32, device=DEV)
+            norm, per = f(*lists, flag, lr, step)
+            runs.append([norm, per, *lists[1], *lists[2], *lists[3], *lists[4]])
+        for e, c in zip(*runs):
+            assert torch.equal(e, c)
+    if dynamic:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1
