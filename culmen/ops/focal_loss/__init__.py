@@ -1,9 +1,9 @@
 """Sigmoid focal loss (RetinaNet; Apex's ``contrib.focal_loss``) in Triton, with a PyTorch reference.
 
-Layers (DESIGN.md): Triton kernels in ``kernels.py``; launchers ``focal_loss_fwd`` / ``focal_loss_bwd``
-in ``launch.py``; the reference ``focal_loss_ref`` (and ``focal_loss_fwd_ref`` / ``focal_loss_bwd_ref``,
-the CPU path) in ``reference.py``; custom ops ``culmen::focal_loss_fwd`` / ``culmen::focal_loss_bwd``
-with autograd and the op-level entry point ``focal_loss`` in ``op.py``.
+Layers (DESIGN.md): Triton kernels in ``kernels.py``; the cached call plan ``FocalPlan`` (validation,
+conversions, tiles, bound launches) in ``launch.py``; the reference ``focal_loss_ref`` (and
+``focal_loss_fwd_ref`` / ``focal_loss_bwd_ref``, the CPU path) in ``reference.py``; the entry point
+``focal_loss``, its eager autograd and the ``torch.compile`` op ``culmen::focal_loss_fwd`` in ``op.py``.
 """
 
 from culmen.ops.focal_loss.op import focal_loss

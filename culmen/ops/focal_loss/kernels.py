@@ -127,7 +127,7 @@ def _row_tile(Y, tile, R, BLOCK_R: tl.constexpr):
     return rows_c, y, row_ok & (y != -2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "num_tiles"])
 def _focal_loss_fwd_kernel(X, Y, PART, R, C, num_real, num_tiles, alpha, gamma, smoothing,
                            INT_GAMMA: tl.constexpr, SMOOTHING: tl.constexpr, FAST: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -174,7 +174,7 @@ def _focal_loss_finish_kernel(PART, NPOS, LOSS, P, BLOCK_P: tl.constexpr):
     tl.store(LOSS, (total / npos).to(LOSS.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _focal_loss_bwd_kernel(X, Y, DX, GRAD, NPOS, R, C, num_real, alpha, gamma, smoothing,
                            INT_GAMMA: tl.constexpr, SMOOTHING: tl.constexpr, NORMALIZE: tl.constexpr,
                            FAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):

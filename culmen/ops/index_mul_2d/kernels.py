@@ -38,7 +38,7 @@ def _cols(F, BLOCK_F: tl.constexpr):
     return cols, cols < F
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "M"])
 def _index_mul_2d_fwd_kernel(OUT, IN1, IN2, IDX, N, M, F, s_out, s_in1, s_in2,
                              ACC: tl.constexpr, HINTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
     """``OUT[n] = IN1[IDX[n]] * IN2[n]``; also the gradient of ``in2`` (``grad * in1[idx]``).
@@ -62,7 +62,7 @@ def _index_mul_2d_fwd_kernel(OUT, IN1, IN2, IDX, N, M, F, s_out, s_in1, s_in2,
         tl.store(OUT + rows[:, None] * s_out + cols[None, :], (a * b).to(OUT.dtype.element_ty), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "M"])
 def _index_mul_2d_bwd_kernel(GIN1, GIN2, GOUT, IN1, IN2, IDX, N, M, F, s_gin1, s_gin2, s_gout, s_in1, s_in2,
                              ACC: tl.constexpr, ATOMIC: tl.constexpr, NEED_GIN1: tl.constexpr,
                              NEED_GIN2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -81,7 +81,7 @@ def _index_mul_2d_bwd_kernel(GIN1, GIN2, GOUT, IN1, IN2, IDX, N, M, F, s_gin1, s
                       sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "M"])
 def _index_mul_2d_bwd_bwd_kernel(GGOUT, GIN1, GIN2, GOUT, GG1, GG2, IN1, IN2, IDX, N, M, F,
                                  s_ggout, s_gin1, s_gin2, s_gout, s_gg1, s_gg2, s_in1, s_in2,
                                  ACC: tl.constexpr, ATOMIC: tl.constexpr, HAS_GG1: tl.constexpr,
@@ -120,7 +120,7 @@ def _index_mul_2d_bwd_bwd_kernel(GGOUT, GIN1, GIN2, GOUT, GG1, GG2, IN1, IN2, ID
         tl.store(GGOUT + roff * s_ggout + coff, ggo.to(GGOUT.dtype.element_ty), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "M"])
 def _index_mul_2d_bwd_segment_kernel(GIN1, GIN2, GOUT, IN1, IN2, PERM, STARTS, N, M, F,
                                      s_gin1, s_gin2, s_gout, s_in1, s_in2,
                                      ACC: tl.constexpr, NEED_GIN1: tl.constexpr, NEED_GIN2: tl.constexpr,
