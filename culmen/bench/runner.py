@@ -82,6 +82,8 @@ class Record:
     graph_error: str | None = None
     host_us: float | None = None
     """Host microseconds per call (for ``train_step``: per training step); see the module docstring."""
+    host_error: str | None = None
+    """Why ``host_us`` is missing (the call waits for the GPU: a host sync inside)."""
     host_ratio: float | None = None
     """This provider's ``host_us`` / the case reference's (torch eager): > 1 means more host time."""
 
@@ -347,7 +349,7 @@ def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
 _HEADER = f"{'case':<30} {'provider':<9} {'wall(ms)':>10} {'graph(ms)':>10} {'host(us)':>9} {'GB/s':>9} " \
           f"{'TFLOP/s':>8} {'%roof':>7} {'speedup':>16}  max|diff| vs ref"
 _LEGEND = ("wall: do_bench of the eager call (ratio basis); graph: CUDA-graph replay (device time, "
-           "n/a: not capturable); host: host us per call")
+           "n/a: not capturable); host: host us per call (sync: the call waits for the GPU)")
 
 
 def _row(rec: Record, first: bool, reference: str) -> str:
@@ -366,7 +368,8 @@ def _row(rec: Record, first: bool, reference: str) -> str:
     else:
         diff = "(reference)" if rec.provider == reference else "-"
     graph = "n/a" if rec.graph_error is not None else _fmt(rec.graph_ms, ".4f")
-    return (f"{case:<30} {rec.provider:<9} {_fmt(rec.ms, '10.4f')} {graph:>10} {_fmt(rec.host_us, '9.1f')} "
+    host = "sync" if rec.host_error is not None else _fmt(rec.host_us, ".1f")
+    return (f"{case:<30} {rec.provider:<9} {_fmt(rec.ms, '10.4f')} {graph:>10} {host:>9} "
             f"{_fmt(rec.gbps, '9.1f')} {_fmt(rec.tflops, '8.1f')} {_fmt(rec.pct_roofline, '6.1f', '%')} "
             f"{speed:>16}  {diff}")
 
@@ -417,6 +420,8 @@ def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, r
             if graph:
                 rec.graph_ms, rec.graph_error = graph_ms(fn, device)
             rec.host_us = host_us(fn, device, wall_ms=rec.ms) if device.type == "cuda" else rec.ms * 1e3
+            if rec.host_us is None:
+                rec.host_error = "the call waits for the GPU (a host sync inside)"
         except Exception as exc:
             rec.error = _short_error(exc)
             if device.type == "cuda":
