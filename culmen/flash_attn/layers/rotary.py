@@ -221,7 +221,7 @@ class RotaryEmbedding(torch.nn.Module):
             self._update_cos_sin_cache(seqlen + seqlen_offset, device=qkv.device, dtype=qkv.dtype)
         elif self._cos_cached is None:
             raise ValueError("a tensor seqlen_offset needs max_seqlen the first time (to size the cos/sin cache)")
-        xpos = self.scale is not None
+        xpos = self.scale_base is not None  # (a plain attribute: the buffer lookup costs more)
         if kv is None:
             return apply_rotary_emb_qkv_(qkv, self._cos_cached, self._sin_cached,
                                          self._cos_k_cached if xpos else None, self._sin_k_cached if xpos else None,

@@ -22,7 +22,7 @@ register_op("scaled_masked_softmax_fwd", "softmax", "softmax(x * scale) with a p
 register_op("scaled_masked_softmax_bwd", "softmax", "backward of scaled_masked_softmax_fwd")
 
 
-def _scale(scale) -> float:
+def as_scale(scale) -> float:
     """``scale`` as a Python float (a one-element tensor is read once: a device sync, as in Apex)."""
     if isinstance(scale, Tensor):
         if scale.numel() != 1:
@@ -52,17 +52,37 @@ class _SoftmaxFn(torch.autograd.Function):
         return None, ctx.plan.backward(dy, y, ctx.scale), None, None
 
 
-def fwd_plan(x: Tensor, mask: Tensor | None, causal: bool, dims: tuple[int, ...] = (4,),
-             name: str = "x") -> SoftmaxPlan:
-    """The cached forward plan of a call signature (built, and so checked, on first use)."""
+def fwd_plan(x: Tensor, mask: Tensor | None, causal: bool, dims: tuple[int, ...] = (4,), name: str = "x",
+             check=None) -> SoftmaxPlan:
+    """The cached forward plan of a call signature (built, and so checked, on first use). ``check(x, mask)``:
+    an API layer's own checks, run when the plan is built (the cache keeps its plans apart)."""
     try:
-        key = (dims, x.shape, x.stride(), x.dtype, x.device,
+        key = (dims, check, x.shape, x.stride(), x.dtype, x.device,
                None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device), causal)
         plan = PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors: the plan names the problem
         key, plan = None, None
     if plan is None:
+        if check is not None:
+            check(x, mask)
         plan = SoftmaxPlan(x, mask, causal, dims, name)
+        if key is not None:
+            PLANS.put(key, plan)
+    return plan
+
+
+def bwd_plan(dy: Tensor, y: Tensor, causal: bool, check=None) -> SoftmaxBwdPlan:
+    """The cached backward plan of a call signature; ``check(dy, y)`` as in ``fwd_plan``."""
+    try:
+        key = ("bwd", check, dy.shape, dy.stride(), dy.dtype, dy.device, y.shape, y.stride(), y.dtype, y.device,
+               causal)
+        plan = PLANS.get(key)
+    except (AttributeError, TypeError):
+        key, plan = None, None
+    if plan is None:
+        if check is not None:
+            check(dy, y)
+        plan = SoftmaxBwdPlan(dy, y, causal)
         if key is not None:
             PLANS.put(key, plan)
     return plan
@@ -83,11 +103,11 @@ def scaled_masked_softmax(x: Tensor, mask: Tensor | None = None, scale: float | 
     the result is contiguous, in ``x``'s dtype. Rows with every element masked are all zeros.
     """
     if torch.compiler.is_compiling():
-        return softmax_fwd_op(x, mask, _scale(scale), bool(causal))
+        return softmax_fwd_op(x, mask, as_scale(scale), bool(causal))
     if type(scale) is not float:
-        scale = _scale(scale)
+        scale = as_scale(scale)
     try:
-        key = ((4,), x.shape, x.stride(), x.dtype, x.device,
+        key = ((4,), None, x.shape, x.stride(), x.dtype, x.device,
                None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device), causal)
         plan = PLANS.get(key)
     except (AttributeError, TypeError):
@@ -104,7 +124,7 @@ def softmax_forward(x: Tensor, mask: Tensor | None = None, scale: float | Tensor
     """Probabilities of ``scaled_masked_softmax`` without autograd (for Apex-style extension calls);
     ``x`` may also be 3-D ``(attn_batches, SQ, SK)``."""
     if type(scale) is not float:
-        scale = _scale(scale)
+        scale = as_scale(scale)
     if torch.compiler.is_compiling():
         return softmax_fwd_op(x, mask, scale, bool(causal))
     return fwd_plan(x, mask, causal, (3, 4), "input").forward(x, mask, scale)
@@ -114,19 +134,10 @@ def softmax_backward(dy: Tensor, y: Tensor, scale: float | Tensor = 1.0, causal:
     """Input gradient of ``scaled_masked_softmax`` from the output gradient ``dy`` and the saved ``y``
     (3-D or 4-D, one shape)."""
     if type(scale) is not float:
-        scale = _scale(scale)
+        scale = as_scale(scale)
     if torch.compiler.is_compiling():
         return softmax_bwd_op(dy, y, scale, bool(causal))
-    try:
-        key = ("bwd", dy.shape, dy.stride(), dy.dtype, dy.device, y.shape, y.stride(), y.dtype, y.device, causal)
-        plan = PLANS.get(key)
-    except (AttributeError, TypeError):
-        key, plan = None, None
-    if plan is None:
-        plan = SoftmaxBwdPlan(dy, y, causal)
-        if key is not None:
-            PLANS.put(key, plan)
-    return plan.backward(dy, y, scale)
+    return bwd_plan(dy, y, causal).backward(dy, y, scale)
 
 
 # -------------------------------------------------------------------------- torch.compile
