@@ -4,7 +4,7 @@
 
 For each config of ``--kind`` (fwd / dkdv_atomic, the default backward / dkdv + dq, the deterministic
 backward; the other kinds keep ``launch.TUNING``) it times
-``attention_fwd`` or ``attention_bwd`` (do_bench median) at batch*seqlen = 16k tokens, hidden 2048,
+an ``AttnPlan``'s forward or backward (do_bench median) at batch*seqlen = 16k tokens, hidden 2048,
 bf16, causal and not, checks the result against SDPA's flash backend, and prints TFLOP/s. Kernels
 are compiled first in a pool of processes (Triton's on-disk cache), then timed in this process.
 """
@@ -46,14 +46,15 @@ def _set(kind, cfg, d):
 
 
 def _run(kind, d, s, causal, q, k, v, do):
-    from culmen.ops.attention.launch import attention_bwd, attention_fwd
+    from culmen.ops.attention.launch import AttnPlan
 
-    kw = dict(softmax_scale=d ** -0.5, window_right=0 if causal else -1)
-    out, lse = attention_fwd(q, k, v, **kw)
+    # kinds dkdv / dq: the deterministic dQ-kernel path; dkdv_atomic needs TUNING["atomic_dq"].
+    plan = AttnPlan("dense", q, k, v, None, softmax_scale=d ** -0.5, causal=causal,
+                    deterministic=kind in ("dkdv", "dq"))
+    out, lse, _ = plan.forward(q, k, v, None, None)
     if kind == "fwd":
-        return (lambda: attention_fwd(q, k, v, **kw)), (out,)
-    kw["deterministic"] = kind in ("dkdv", "dq")  # the dQ-kernel path; dkdv_atomic is the default one
-    return (lambda: attention_bwd(do, q, k, v, out, lse, **kw)), attention_bwd(do, q, k, v, out, lse, **kw)
+        return (lambda: plan.forward(q, k, v, None, None)), (out,)
+    return (lambda: plan.backward(do, q, k, v, out, lse, None, None)), plan.backward(do, q, k, v, out, lse, None, None)
 
 
 def _warm(args):

@@ -162,6 +162,37 @@ def test_compile_fullgraph_no_graph_break():
     torch.testing.assert_close(cf(vq, vk, vv), fa.flash_attn_varlen_func(vq, vk, vv, cu, cu, mx, mx, causal=True))
 
 
+def test_compile_dynamic_no_recompiles():
+    """Dense and varlen under torch.compile(dynamic=True): one graph each for every sequence length (and
+    max_seqlen), results and gradients equal to eager. On CPU the traced plans run the reference (the
+    interpreter's kernels cannot be traced), whose varlen form is loop-free for that reason."""
+
+    def dense(q, k, v):
+        return fa.flash_attn_func(q, k, v, causal=True, window_size=(5, -1), softcap=3.0)
+
+    def varlen(q, k, v, cu, mx):
+        return fa.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True)
+
+    for fn in (dense, varlen):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+        for s in (20, 33):
+            if fn is dense:
+                args, extra = _qkv(sq=s, sk=s + 3), ()
+            else:
+                lens = [s, s // 2, 3]
+                cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+                args = tuple(torch.randn(sum(lens), n, 16, requires_grad=True) for n in (4, 2, 2))
+                extra = (cu, max(lens))
+            ref, out = fn(*args, *extra), compiled(*args, *extra)
+            dout = torch.randn_like(ref)
+            torch.testing.assert_close(out, ref)
+            for g, r in zip(_grads(out, args, dout), _grads(ref, args, dout)):
+                torch.testing.assert_close(g, r)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, fn.__name__
+
+
 @pytest.mark.parametrize("d,dtype", [(256, torch.float16), (512, torch.bfloat16), (59, torch.float32)])
 def test_head_dims_and_dtypes_accepted(d, dtype):
     q, k, v = _qkv(B=1, sq=3, sk=4, h=2, hk=1, d=d, dtype=dtype, grad=False)

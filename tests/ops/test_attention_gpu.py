@@ -147,9 +147,175 @@ def test_head_dim_512_and_fp64_run():
     torch.testing.assert_close(out, plain(q, k, v, F64, causal=True))
 
 
-def test_kernels_run_by_default_on_cuda(monkeypatch):
-    monkeypatch.delenv("CULMEN_FLASH_TRITON", raising=False)
-    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=BF16)
-    assert attn_op._use_kernels(q)
-    monkeypatch.setenv("CULMEN_FLASH_TRITON", "0")
-    assert not attn_op._use_kernels(q)
+def test_kernels_run_by_default_on_cuda():
+    from culmen.ops.attention import launch
+
+    dev = torch.device("cuda")
+    assert launch.use_kernels(dev, BF16, 64)
+    try:
+        launch.set_kernels_on_gpu(False)  # CULMEN_FLASH_TRITON=0
+        assert not launch.use_kernels(dev, BF16, 64)
+    finally:
+        launch.set_kernels_on_gpu(True)
+
+
+# ---------------------------------------------------------------------------- the call path
+
+
+@pytest.fixture
+def fresh_plans():
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
+    yield
+    clear_plans()
+
+
+def _all_launches():
+    from culmen.ops.attention.op import PLANS
+
+    las = []
+    for plan in PLANS.values():
+        las += list(plan._fwd.values())
+        for b in plan._bwd.values():
+            las += [b.pre, *b.dkdv.values(), b.dq]
+    return las
+
+
+def _varlen_inputs(lens, h=8, hk=2, d=128, seed=3):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
+    n = sum(lens)
+    return cu, max(lens), tuple(torch.randn(n, m, d, device="cuda", dtype=BF16, generator=g).requires_grad_()
+                                for m in (h, hk, hk))
+
+
+def _call_path_results(inp, monkeypatch):
+    """Dense (dropout, window, GQA) and varlen forward + backward, and a no-grad forward, each run twice
+    (the second call of a plan takes the direct launch path)."""
+    rng = torch.tensor([0x5EED_4321, 12], dtype=torch.int64, device="cuda")
+    monkeypatch.setattr(attn_op, "_rng_state", lambda dp, dev: rng.clone())
+    (q, k, v), dout, (cu, mx, (vq, vk, vv)), vdout = inp
+    res = []
+    for _ in range(2):
+        out, lse, _ = flash_attn(q, k, v, 0.1, causal=True, window_size=(300, -1))
+        res = [out, lse, *_grads(out, dout, (q, k, v))]
+        with torch.no_grad():
+            res.append(flash_attn(q, k, v, causal=True)[0])
+        vo, vlse, _ = flash_attn_varlen(vq, vk, vv, cu, cu, mx, mx, causal=True)
+        res += [vo, vlse, *_grads(vo, vdout, (vq, vk, vv))]
+    return res
+
+
+def test_fast_launch_bitwise(fresh_plans, monkeypatch):
+    """The direct launch path (second call of a plan) gives what Triton's own launch gives."""
+    from culmen.ops.common.launch import set_fast_launch
+
+    qkv = _inputs(2, 700, 517, 8, 2, 128, BF16)
+    lens = [1, 700, 0, 129, 1025, 64]
+    vin = _varlen_inputs(lens)
+    inp = (qkv, torch.randn_like(qkv[0]), vin, torch.randn_like(vin[2][0]))
+    results = {}
+    try:
+        for mode in (False, True):
+            set_fast_launch(mode)  # drops the plans
+            results[mode] = _call_path_results(inp, monkeypatch)
+            launches = _all_launches()
+            assert len(launches) >= 9
+            for la in launches:
+                if mode:
+                    assert la._run is not None, f"{la.fn.__name__} never took the direct path: {la.error}"
+                else:
+                    assert la._run is None
+    finally:
+        set_fast_launch(True)
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+
+
+def test_non_current_device(fresh_plans, monkeypatch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    qkv = _inputs(2, 300, 257, 4, 2, 64, BF16)
+    q1, k1, v1 = (t.detach().to("cuda:1").requires_grad_() for t in qkv)
+    dout = torch.randn_like(qkv[0])
+    rng = torch.tensor([77, 5], dtype=torch.int64)
+    monkeypatch.setattr(attn_op, "_rng_state", lambda dp, dev: rng.to(dev))
+    for _ in range(2):  # the second call of each plan launches directly
+        o0, _, _ = flash_attn(*qkv, 0.2, causal=True)
+        g0 = _grads(o0, dout, qkv)
+        o1, _, _ = flash_attn(q1, k1, v1, 0.2, causal=True)
+        g1 = _grads(o1, dout.to("cuda:1"), (q1, k1, v1))
+    assert torch.cuda.current_device() == 0 and o1.device == torch.device("cuda", 1)
+    for a, b in zip((o0, *g0), (o1, *g1)):
+        assert torch.equal(a, b.to("cuda:0"))
+
+
+def _compiled_count(fn) -> int:
+    """Kernels Triton holds compiled for ``fn`` in this process (its in-memory JIT cache)."""
+    return sum(len(entry[0]) for entry in fn.device_caches.values())
+
+
+def test_one_compile_per_configuration(fresh_plans):
+    """24 random sequence lengths (and batch sizes) between 128 and 2048: each kernel compiles once for
+    the dense path and once for the varlen path (the CPU twin: test_attention_specialize.py)."""
+    import random
+
+    from culmen.ops.attention import kernels as K
+
+    fns = (K._attn_fwd_kernel, K._attn_bwd_preprocess_kernel, K._attn_bwd_dkdv_kernel, K._attn_bwd_dq_kernel)
+    rnd = random.Random(7)
+    kw = dict(causal=True, window_size=(123, -1), softcap=7.0)  # a configuration no other test compiles
+    for phase in ("dense", "varlen"):
+        before = [_compiled_count(f) for f in fns]
+        for i in range(24):
+            s = rnd.randint(128, 2048)
+            if phase == "dense":
+                q, k, v = _inputs(1 + i % 3, s, rnd.randint(128, 2048), 4, 4, 80, BF16)
+                out = flash_attn(q, k, v, **kw)[0]
+            else:
+                lens = [rnd.randint(1, s) for _ in range(1 + i % 3)]
+                cu, mx, (q, k, v) = _varlen_inputs(lens, h=4, hk=4, d=80, seed=i)
+                out = flash_attn_varlen(q, k, v, cu, cu, mx, mx, **kw)[0]
+            out.backward(torch.randn_like(out))
+        new = [_compiled_count(f) - b for f, b in zip(fns, before)]
+        assert new == [1, 1, 1, 1], f"{phase}: compiles per kernel {dict(zip([f.__name__ for f in fns], new))}"
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_inductor(dynamic):
+    """Under torch.compile (Inductor) the kernels are traced (triton_op + wrap_triton, backward through
+    register_autograd): results and gradients equal eager's, no graph break, and with dynamic shapes new
+    sequence lengths do not recompile."""
+    from culmen.flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    def dense(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, window_size=(200, -1))
+
+    def varlen(q, k, v, cu, mx):
+        return flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=True)
+
+    def make_dense(s):
+        return _inputs(2, s, s + 13, 8, 2, 64, BF16), ()
+
+    def make_varlen(s):
+        cu, mx, qkv = _varlen_inputs([s, s // 3, 17], d=64, seed=s)
+        return qkv, (cu, mx)
+
+    for fn, make in ((dense, make_dense), (varlen, make_varlen)):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+        for s in (257, 400, 1000):
+            qkv, extra = make(s)
+            dout = None
+            outs = []
+            for f in (fn, compiled):
+                o = f(*qkv, *extra)
+                dout = torch.randn_like(o) if dout is None else dout
+                outs.append((o, *torch.autograd.grad(o, qkv, dout)))
+            for e, c in zip(*outs):
+                assert c.dtype == e.dtype and c.shape == e.shape
+                torch.testing.assert_close(c, e, rtol=1e-2, atol=1e-2)
+        if dynamic:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1, fn.__name__

@@ -221,3 +221,35 @@ def test_tma_descriptor_forward(triton_backend, monkeypatch):
     monkeypatch.setitem(launch.TUNING, "tma", True)
     check(B=1, sq=37, sk=45, h=2, hk=1, d=16, causal=True)
     check(B=2, sq=29, sk=23, h=2, hk=2, d=24, window=(6, 3))
+
+
+def test_set_deterministic_turns_off_atomic_dq(triton_backend, monkeypatch):
+    """With TUNING["atomic_dq"] the dK/dV kernel also sums dQ (no dQ kernel); culmen.set_deterministic
+    (checked per backward, not per plan) brings the reproducible dQ kernel back. Same gradients both ways."""
+    import culmen
+    from culmen.ops.common.launch import Launch
+
+    monkeypatch.setitem(launch.TUNING, "atomic_dq", True)
+    seen = []
+    real = Launch.__call__
+
+    def spy(self, stream, aligned, *args):
+        seen.append(self.fn.__name__)
+        return real(self, stream, aligned, *args)
+
+    monkeypatch.setattr(Launch, "__call__", spy)
+    q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
+    g_atomic = _grads(flash_attn(q, k, v, causal=True)[0], torch.ones(1, 20, 2, 16), (q, k, v))
+    assert "_attn_bwd_dkdv_kernel" in seen and "_attn_bwd_dq_kernel" not in seen
+    seen.clear()
+    culmen.set_deterministic(True)
+    try:
+        for t in (q, k, v):
+            t.grad = None
+        out = flash_attn(q, k, v, causal=True)[0]
+        out.sum().backward()  # an expanded (all stride 0) gradient: copied for the kernels
+    finally:
+        culmen.set_deterministic(False)
+    assert "_attn_bwd_dq_kernel" in seen
+    for a, b in zip(g_atomic, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b)

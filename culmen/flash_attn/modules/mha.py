@@ -37,7 +37,8 @@ class FlashSelfAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-        self.window_size = window_size
+        # A list would make every call miss the plan cache (keys must be hashable).
+        self.window_size = tuple(window_size) if isinstance(window_size, list) else window_size
         self.deterministic = deterministic
 
     def forward(self, qkv: Tensor, causal: bool | None = None, cu_seqlens: Tensor | None = None,
@@ -69,7 +70,8 @@ class FlashCrossAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-        self.window_size = window_size
+        # A list would make every call miss the plan cache (keys must be hashable).
+        self.window_size = tuple(window_size) if isinstance(window_size, list) else window_size
         self.deterministic = deterministic
 
     def forward(self, q: Tensor, kv: Tensor, causal: bool | None = None, cu_seqlens: Tensor | None = None,

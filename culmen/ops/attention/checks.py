@@ -81,7 +81,7 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> 
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
                          "must have the same length (batch + 1)")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m < 0:
             raise ValueError(f"{name} must be a non-negative Python int, got {m!r}")
 
 

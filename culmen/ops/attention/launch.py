@@ -175,7 +175,7 @@ class AttnPlan:
                                 "(total, nheads, headdim)")
         self.device, self.dtype = q.device, q.dtype
         self.q_shape, self.k_shape, self.v_shape = q.shape, k.shape, v.shape
-        D = q.shape[-1]
+        D = int(q.shape[-1])  # specialized under torch.compile(dynamic=True) too: it picks the kernel config
         self.scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
         self.dropout_p = float(dropout_p)
         self.has_dropout = self.dropout_p > 0.0
@@ -195,7 +195,7 @@ class AttnPlan:
         self.cu_fix = varlen and not (cu_q.is_contiguous() and cu_k.is_contiguous()
                                       and cu_q.device == q.device and cu_k.device == q.device)
         if varlen:
-            self.B, self.sq, self.sk = cu_q.shape[0] - 1, int(max_q), int(max_k)
+            self.B, self.sq, self.sk = cu_q.shape[0] - 1, _as_int(max_q), _as_int(max_k)
             self.total_q, self.total_k = q.shape[0], k.shape[0]
             self.lse_shape = (q.shape[1], q.shape[0])
         else:
@@ -273,11 +273,13 @@ class AttnPlan:
                     and (not on_gpu or (torch.cuda.get_device_capability(q.device)[0] >= 9
                                         and not getattr(torch.version, "hip", None))))
         self.fwd_empty = self.fwd_grid[0] == 0
+        # Pointers besides q/k/v whose alignment the direct launch must check per call.
+        self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0
         self.atomic_ok = TUNING["atomic_dq"] and not self.deterministic
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
         """The forward's ``Launch`` (built on first use)."""
-        key = (store_lse, tma)
+        key = (store_lse, True) if tma else store_lse
         la = self._fwd.get(key)
         if la is None:
             bm, bn, warps, stages, su = self.fwd_cfg
@@ -319,12 +321,16 @@ class AttnPlan:
             self.fwd_launch(store_lse).traced(q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end,
                                               *self.fwd_ints)
             return out, lse, None
-        aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end)
-        tma = self.tma and aligned
-        if tma:
+        if self.extra_ptrs:
+            aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end)
+        else:
+            aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0
+        if self.tma and aligned:
             _ensure_allocator(self.device)
-        self.fwd_launch(store_lse, tma)(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start,
-                                        k_end, *self.fwd_ints)
+            la = self.fwd_launch(store_lse, True)
+        else:
+            la = self._fwd.get(store_lse) or self.fwd_launch(store_lse)
+        la(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, *self.fwd_ints)
         return out, lse, None
 
     def check_cu(self, q, k, cu_q, cu_k) -> None:
@@ -425,7 +431,12 @@ class AttnPlan:
         atomic = self.atomic_ok and not deterministic_enabled()
         dq_acc = torch.zeros(self.q_shape, dtype=_F32, device=dev) if atomic else dq
         stream = None if traced else self.stream()
-        ok = True if traced else _aligned(q, k, v, dout, alibi, cu_q, cu_k)
+        if traced:
+            ok = True
+        elif self.extra_ptrs:
+            ok = _aligned(q, k, v, dout, alibi, cu_q, cu_k)
+        else:
+            ok = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) & 15 == 0
         launches = ((b.pre, (out, dout, delta, cu_q, *b.pre_ints), ()),
                     (b.dkdv[atomic], (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, cu_q, cu_k,
                                       *b.dkdv_ints[atomic]), (dk, dv)))
@@ -446,6 +457,11 @@ class AttnPlan:
 
 class _BwdPlan:
     __slots__ = ("copy_do", "pre", "pre_ints", "dkdv", "dkdv_ints", "dq", "dq_ints")
+
+
+def _as_int(n):
+    """``n`` as an int, or as it is when symbolic (``torch.compile(dynamic=True)``: no specialization)."""
+    return n if isinstance(n, torch.SymInt) else int(n)
 
 
 def _needs_copy(t) -> bool:

@@ -270,12 +270,12 @@ def _attention_compiled(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_sc
         checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k)
         checks.check_common(q, k, v, dropout_p, window_size, softcap, alibi, cu_q.shape[0] - 1, 3,
                             "(total, nheads, headdim)")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = int(q.shape[-1]) ** -0.5 if softmax_scale is None else float(softmax_scale)
     rng = _rng_state(dropout_p, q.device) if dropout_p > 0.0 else None
     tail = (alibi, rng, float(dropout_p), scale, bool(causal), int(window_size[0]), int(window_size[1]),
             float(softcap), bool(return_probs), bool(deterministic))
     if cu_q is None:
         out, lse, probs = flash_attn_fwd_op(q, k, v, *tail)
     else:
-        out, lse, probs = flash_attn_varlen_fwd_op(q, k, v, cu_q, cu_k, int(max_q), int(max_k), *tail)
+        out, lse, probs = flash_attn_varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, *tail)
     return (out, lse, probs) if (return_lse or return_probs) else out
