@@ -8,7 +8,7 @@
     python3 scripts/tune_group_norm.py --tuning choice.json --bench [--json out.json]
 
 For each (shape, layout) and config it sets ``culmen.ops.group_norm.launch.TUNING`` and times the
-launchers themselves (``group_norm_fwd_packed`` / ``group_norm_bwd``, GroupNorm(32) + SiLU, bf16) with
+plan's launches themselves (``GNPlan.forward`` / ``GNPlan.backward``, GroupNorm(32) + SiLU, bf16) with
 ``triton.testing.do_bench``: the L2 is flushed before every run and the flush (a 256 MB memset) covers
 the host cost of the launch, so the times are device times with cold caches. It checks ``y`` and the
 gradients against an fp32 PyTorch computation (``err``: max abs difference, largest over the outputs)
@@ -210,12 +210,13 @@ def main() -> None:
                     launch.TUNING.clear()
                     launch.TUNING.update(base, **cfg)
                     try:
-                        y, ws = launch.group_norm_fwd_packed(x, w, b, G, eps, True)
+                        plan = launch.GNPlan(x, G, w, b, eps, "silu")  # built after the TUNING change
+                        y, ws = plan.forward(x, w, b)
                         if mode == "fwd":
-                            fn = lambda: launch.group_norm_fwd_packed(x, w, b, G, eps, True)  # noqa: E731
+                            fn = lambda: plan.forward(x, w, b)  # noqa: E731
                             got = (y,)
                         else:
-                            fn = lambda: launch.group_norm_bwd(dy, x, w, b, ws, ws, G, True, True, True)  # noqa: E731
+                            fn = lambda: plan.backward(dy, x, w, b, ws, ws, plan.NG, True)  # noqa: E731
                             got = fn()
                         err = _err(got, refs[mode])
                         if args.warm:

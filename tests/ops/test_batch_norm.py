@@ -367,3 +367,94 @@ def test_gpu_int64_offsets():
     del y
     dx = torch.autograd.grad(sync_batch_norm(x.requires_grad_(), w, None, None, None)[-1000:].sum(), x)[0]
     assert torch.isfinite(dx[-1000:].float()).all() and dx[-1000:].float().abs().sum() > 0
+
+
+def _bn_launches():
+    out = []
+    for plan in bn_launch.PLANS.values():
+        if plan.use_kernel:
+            out += [la for la in (getattr(plan, n, None) for n in ("stats", "final", "running", "fwd", "finalize",
+                                                                  "bwd")) if la is not None]
+            out += list(plan._bwd.values())
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_fast_launch_bitwise():
+    """The direct launch path (second call of a plan) gives what Triton's own launch gives, bit for bit (output,
+    every gradient, running statistics), and every launch of the cached plans took it."""
+    from culmen.ops.common.launch import set_fast_launch
+    from culmen.ops.common.plans import clear_plans
+
+    torch.manual_seed(3)
+    cases = [Case((8, 64, 14, 14), dtype=BF16), Case((8, 96, 9, 11), dtype=BF16, layout="fmt", relu=True, z=True),
+             Case((6, 7, 7, 160), dtype=F16, layout="flag"), Case((33, 300)),
+             Case((8, 64, 14, 14), dtype=BF16, training=False, relu=True)]
+    with torch.device("cuda"):
+        inputs = []
+        for c in cases:
+            C = _channels(c)
+            inputs.append((c, _act(c), _act(c) if c.z else None, (torch.rand(C) + 0.5).requires_grad_(),
+                           torch.randn(C).requires_grad_(), torch.randn(c.shape).to(c.dtype)))
+
+    def run(c, x, z, w, b, gy):
+        rm, rv = torch.zeros(w.shape, device="cuda"), torch.ones(w.shape, device="cuda")
+        y = sync_batch_norm(x, w, b, rm, rv, c.training, 0.1, EPS, channel_last=c.layout == "flag", fuse_relu=c.relu,
+                            z=z)
+        leaves = [t for t in (x, z, w, b) if t is not None]
+        return (y, *torch.autograd.grad((y * gy).sum(), leaves), rm, rv)
+
+    results = {}
+    try:
+        for mode in (False, True):
+            set_fast_launch(mode)
+            results[mode] = [[run(*inp) for _ in range(2)][-1] for inp in inputs]
+            launches = _bn_launches()
+            assert launches
+            for la in launches:
+                assert (la._run is not None) == mode, f"{la.fn.fn.__name__}: {la.error}"
+    finally:
+        set_fast_launch(True)
+        clear_plans()
+    for slow, fast in zip(results[False], results[True]):
+        for a, c in zip(slow, fast):
+            assert torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("layout", ["nchw", "fmt", "flag"])
+def test_gpu_torch_compile_inductor(dynamic, layout):
+    """Under torch.compile (Inductor, fullgraph, one process) the kernels are traced (triton_op + wrap_triton):
+    output, gradients of x, z, weight, bias and the running statistics equal eager's; with dynamic shapes new
+    batch sizes do not recompile."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    C = 64
+    relu = layout != "nchw"
+    with torch.device("cuda"):
+        w, b = (torch.rand(C) + 0.5).requires_grad_(), torch.randn(C).requires_grad_()
+
+        def fn(x, z, rm, rv):
+            return sync_batch_norm(x, w, b, rm, rv, True, 0.1, EPS, channel_last=layout == "flag", fuse_relu=relu,
+                                   z=z)
+
+        compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+        for n in (4, 6, 9):
+            c = Case((n, 7, 9, C) if layout == "flag" else (n, C, 9, 7), dtype=BF16, layout=layout, relu=relu, z=relu)
+            x = _act(c)
+            z = _act(c) if c.z else None
+            gy = torch.randn(c.shape).to(BF16)
+            leaves = [t for t in (x, z, w, b) if t is not None]
+            res = []
+            for f in (fn, compiled):
+                rm, rv = torch.zeros(C), torch.ones(C)
+                y = f(x, z, rm, rv)
+                res.append((y, *torch.autograd.grad((y.float() * gy.float()).sum(), leaves), rm, rv))
+            for e, got in zip(*res):
+                assert got.dtype == e.dtype and got.shape == e.shape
+                torch.testing.assert_close(got, e, rtol=2e-2, atol=2e-2)
+            if layout == "fmt":
+                assert res[1][0].is_contiguous(memory_format=torch.channels_last)
+    if dynamic:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1

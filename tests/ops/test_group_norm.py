@@ -273,3 +273,39 @@ def test_bad_arguments():
         group_norm(x, 3, None, torch.ones(6, dtype=torch.int32))
     with pytest.raises(ValueError, match="eps must be non-negative, got -1"):
         group_norm(x, 3, eps=-1.0)
+
+
+def test_return_stats_with_autograd(path):
+    """``return_stats`` with autograd recording: the statistics are not differentiable, the gradients are those
+    of ``y``, and an in-place change of the returned statistics is caught before the backward uses them."""
+    x = randn((2, 8, 3, 5), F32, requires_grad=True)
+    w = randn(8, requires_grad=True)
+    y, mean, rstd = group_norm(x, 4, w, None, EPS, "silu", return_stats=True)
+    assert y.requires_grad and not mean.requires_grad and not rstd.requires_grad
+    got = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    ref = group_norm_ref(x, 4, w, None, EPS, True)
+    for a, e in zip(got, torch.autograd.grad(ref, (x, w), torch.ones_like(ref))):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    y, mean, _ = group_norm(x, 4, w, None, EPS, "silu", return_stats=True)
+    mean.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+def test_explicit_backward_matches_autograd(path, layout):
+    """``group_norm_backward`` (Apex's ``group_norm_nhwc_bprop``) from the returned statistics, with a gradient
+    in another layout than ``x``, equals autograd's gradients."""
+    from culmen.ops.group_norm.op import group_norm_backward
+
+    x = randn((2, 8, 3, 5), F32)
+    if layout == "cl":
+        x = x.contiguous(memory_format=torch.channels_last)
+    w, b = randn(8), randn(8)
+    dy = randn((2, 8, 5, 3)).transpose(2, 3)  # neither NCHW- nor channels-last-contiguous
+    y, mean, rstd = group_norm(x, 4, w, b, EPS, "silu", return_stats=True)
+    got = group_norm_backward(dy, x, 4, w, b, mean, rstd, "silu")
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    expected = torch.autograd.grad(group_norm(*leaves[:1], 4, *leaves[1:], EPS, "silu"), leaves, dy)
+    for a, e in zip(got, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)

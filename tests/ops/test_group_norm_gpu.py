@@ -4,7 +4,8 @@ Same tolerance rule as ``test_group_norm.py``: against ``group_norm_ref`` (``F.g
 float64 copies, the op's error must be at most 2x PyTorch's own in the input dtype, plus a small atol,
 for ``y`` and every gradient. Both kernel families (rows, channels-last) under several chunkings run; the
 look-back schedule's counters are checked to reset themselves, across two concurrent streams and
-inside a CUDA graph.
+inside a CUDA graph; the direct launch path against Triton's own, bit for bit; ``torch.compile`` with
+Inductor (static and dynamic shapes).
 """
 
 from __future__ import annotations
@@ -173,19 +174,91 @@ def test_bitwise_reproducible():
         assert torch.equal(a, c)
 
 
-def test_inductor_fullgraph():
-    """``torch.compile`` (inductor, fullgraph) around the custom ops on CUDA gives the eager results."""
+def _launches():
+    out = []
+    for plan in gn_launch.PLANS.values():
+        if plan.use_kernel:
+            out.append(plan.fwd)
+            out.extend(b.launch for b in plan._bwd.values())
+    return out
+
+
+def _fwd_bwd(x, w, b, dy):
+    y = group_norm(x, 32, w, b, EPS, "silu")
+    return (y, *torch.autograd.grad(y, (x, w, b), dy))
+
+
+def test_fast_launch_bitwise():
+    """The direct launch path (second call of a plan) gives what Triton's own launch gives, bit for bit, and
+    every launch of the cached plans took it."""
+    from culmen.ops.common.launch import set_fast_launch
+    from culmen.ops.common.plans import clear_plans
+
+    cases = []
+    for layout in ("nchw", "nhwc", "crop"):
+        x = _x((3, 320, 24, 20), BF16, layout)
+        w = randn(320, BF16, DEV).requires_grad_()
+        b = randn(320, BF16, DEV).requires_grad_()
+        cases.append((x, w, b, randn(x.shape, BF16, DEV)))
+    results = {}
+    try:
+        for mode in (False, True):
+            set_fast_launch(mode)
+            results[mode] = [[_fwd_bwd(*c) for _ in range(2)][-1] for c in cases]
+            launches = _launches()
+            assert launches
+            for la in launches:
+                assert (la._run is not None) == mode, f"{la.fn.fn.__name__}: {la.error}"
+    finally:
+        set_fast_launch(True)
+        clear_plans()
+    for slow, fast in zip(results[False], results[True]):
+        for a, c in zip(slow, fast):
+            assert torch.equal(a, c)
+
+
+def test_non_current_device():
+    """A plan of cuda:1 called while cuda:0 is current: Triton's own launch on the right device and stream,
+    the same results as on cuda:0."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert torch.cuda.current_device() == 0
+    x0 = _x((2, 320, 16, 16), BF16, "nhwc")
+    w0, b0 = randn(320, BF16, DEV).requires_grad_(), randn(320, BF16, DEV).requires_grad_()
+    dy0 = randn(x0.shape, BF16, DEV)
+    x1, w1, b1 = (t.detach().to("cuda:1").requires_grad_() for t in (x0, w0, b0))
+    r0 = [_fwd_bwd(x0, w0, b0, dy0) for _ in range(2)][-1]
+    r1 = [_fwd_bwd(x1, w1, b1, dy0.to("cuda:1")) for _ in range(2)][-1]
+    assert torch.cuda.current_device() == 0
+    for a, c in zip(r0, r1):
+        assert c.device == torch.device("cuda", 1) and torch.equal(a, c.to("cuda:0"))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_torch_compile_inductor(dynamic, layout):
+    """Under torch.compile (Inductor, fullgraph) the kernels are traced (triton_op + wrap_triton): results,
+    statistics and gradients equal eager's, and with dynamic shapes new batch sizes do not recompile."""
     torch._dynamo.reset()
-
-    def fn(x, w, b):
-        return group_norm(x, 32, w, b, EPS, "silu") * 2.0
-
-    x = _x((2, 320, 32, 32), BF16, "nhwc")
+    torch._dynamo.utils.counters.clear()
     w, b = randn(320, BF16, DEV).requires_grad_(), randn(320, BF16, DEV).requires_grad_()
-    dy = randn(x.shape, BF16, DEV)
-    res = []
-    for f in (fn, torch.compile(fn, fullgraph=True)):
-        y = f(x, w, b)
-        res.append((y, *torch.autograd.grad(y, (x, w, b), dy)))
-    for e, c in zip(*res):
-        torch.testing.assert_close(c, e, rtol=2e-2, atol=2e-2)
+
+    def fn(x):
+        y, mean, rstd = group_norm(x, 32, w, b, EPS, "silu", return_stats=True)
+        return y * 2.0, mean, rstd
+
+    compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+    for n in (2, 3, 6):
+        x = _x((n, 320, 24, 20), BF16, layout)
+        dy = randn(x.shape, BF16, DEV)
+        res = []
+        for f in (fn, compiled):
+            y, mean, rstd = f(x)
+            res.append((y, mean, rstd, *torch.autograd.grad(y, (x, w, b), dy)))
+        for name, e, c in zip(("y", "mean", "rstd", "dx", "dw", "db"), *res):
+            assert c.dtype == e.dtype and c.shape == e.shape, name
+            torch.testing.assert_close(c, e, rtol=2e-2, atol=2e-2, msg=name)
+        if layout == "nhwc":
+            assert res[1][0].is_contiguous(memory_format=torch.channels_last)
+    if dynamic:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1

@@ -28,13 +28,16 @@ def _cmp(failures, name, got, expect, dtype):
 
 def _syncbn_worker(rank, world, cases):
     from culmen.ops.backend import set_backend
+    from culmen.ops.batch_norm import launch as bn_launch
     from culmen.ops.batch_norm import sync_batch_norm_ref
     from culmen.parallel import SyncBatchNorm, create_syncbn_process_group
 
     failures = []
     dev = torch.device("cuda", rank) if cases and cases[0].get("device") == "cuda" else torch.device("cpu")
+    default_tuning = dict(bn_launch.TUNING)
     for c in cases:
         set_backend(c["backend"])
+        bn_launch.TUNING.update(default_tuning, **c.get("tuning", {}))
         name = f"{c['name']}[{c['backend']}]"
         sizes, rest, dtype, layout = c["sizes"], c["rest"], c.get("dtype", F32), c.get("layout", "nchw")
         relu, use_z = c.get("relu", False), c.get("z", False)
@@ -126,6 +129,9 @@ def test_syncbn_2_ranks():
         dict(name="3d-bf16-relu", backend=R, sizes=(2, 6), rest=(4, 9), dtype=BF16, relu=True),
         dict(name="5d-fmt", backend=T, sizes=(2, 1), rest=(3, 2, 3, 2), layout="fmt"),
         dict(name="groups-of-1", backend=T, sizes=(3, 4), rest=(2, 5), group_size=1),
+        # Each rank merges its split statistics into one row before the all-gather.
+        dict(name="merged-rows", backend=T, sizes=(4, 3), rest=(3, 5, 4), layout="fmt", relu=True, z=True,
+             tuning={"max_gather_bytes": 0, "reduce_tile": 16}),
     ])
 
 

@@ -311,8 +311,7 @@ class BNPlan:
         nw = TUNING["num_warps"]
         if self.cl:
             bm, bc, rows_per, S = _nhwc_reduce_plan(N, C, dev, fixed=True)
-            self.stats = Launch(_bn_stats_nhwc_kernel, (cdiv(C, bc), S), dict(BLOCK_M=bm, BLOCK_C=bc), nw,
-                                device=dev)
+            stats = Launch(_bn_stats_nhwc_kernel, (cdiv(C, bc), S), dict(BLOCK_M=bm, BLOCK_C=bc), nw, device=dev)
             self.stats_ints = (N, C, W, rows_per)
             bm, bc = _elem_plan_nhwc(_hint(N), C)
             self.elem_grid = (cdiv(N, bm), cdiv(C, bc))
@@ -321,7 +320,7 @@ class BNPlan:
         else:
             br, bl, rows_per, s_r, cols_per, s_l = _nchw_reduce_plan(N, C, L, dev, fixed=True)
             S = s_r * s_l
-            self.stats = Launch(_bn_stats_nchw_kernel, (C, S), dict(BLOCK_R=br, BLOCK_L=bl), nw, device=dev)
+            stats = Launch(_bn_stats_nchw_kernel, (C, S), dict(BLOCK_R=br, BLOCK_L=bl), nw, device=dev)
             self.stats_ints = (N, C, L, W, rows_per, cols_per, s_l)
             br, bl = _elem_plan_nchw(_hint(N) * C, L)
             self.elem_grid = (cdiv(N * C, br), cdiv(L, bl))
@@ -337,7 +336,9 @@ class BNPlan:
         # The workspace: [partial rows | (local row) | (every rank's rows) | final stats] (training) or
         # [final stats] (eval), then, when autograd records, the backward's [partial sums | sums].
         off = 0
-        self.merge = None
+        # Only the launches of this plan's mode exist (the others stay None).
+        self.stats = stats if self.training else None
+        self.merge = self.final = self.running = None
         if self.training:
             self.o_part = 0
             off = _pad4(S * W)

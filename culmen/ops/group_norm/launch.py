@@ -237,10 +237,11 @@ class GNPlan:
         self.empty = self.N == 0 or self.L == 0
         self.use_kernel = choose_backend(dev) == "triton" and not self.empty
         self.stream = stream_getter(dev)
-        self._cnt = (None, None)  # (stream, counter buffer) of the last eager launch
+        self._cnt = (None, None, 0)  # (stream, counter buffer, its size) of the last eager launch
         self._bwd: dict = {}
         if self.use_kernel:
-            self._plan_fwd(x.contiguous() if self.fix_x else x, weight, bias)
+            # The copy of an x whose spatial dims do not collapse is contiguous: its strides from a meta tensor.
+            self._plan_fwd(torch.empty(x.shape, dtype=x.dtype, device="meta") if self.fix_x else x)
 
     def params(self, weight, bias):
         """``(weight, bias)`` as contiguous ``(C,)`` tensors (differentiable reshapes, only when ``fix_params``)."""
@@ -255,7 +256,8 @@ class GNPlan:
         return sx[1] == 1 and self.L > 1 and next_pow2(self.C) <= TUNING["max_block_c"]
 
     def _geometry(self, sx, pre: str):
-        """``(cl, meta, S, Sl, Lc, Dc)`` of one direction's kernels (``pre``: ``""`` forward, ``"bwd_"``)."""
+        """``(cl, meta, S, Sl, Lc, Dc, num_warps, BLOCK_C)`` of one direction's kernels (``pre``: ``""`` forward,
+        ``"bwd_"`` backward): the kernel family, its constexprs and the chunking (``BLOCK_C`` 0 for rows)."""
         N, C, G, D, L = _hint(self.N), self.C, self.G, self.D, self.L
         dev = self.device
         cl = self._use_cl(sx)
@@ -273,7 +275,7 @@ class GNPlan:
                                                                                       TUNING["merge_block"]))
         return cl, meta, S, sl, lc, dc, TUNING[key + "num_warps"], 0
 
-    def _plan_fwd(self, x: Tensor, weight, bias) -> None:
+    def _plan_fwd(self, x: Tensor) -> None:
         self.x_dtype, self.itemsize = x.dtype, x.element_size()
         self.sx = sx = spatial_strides(x)
         # y = empty_like(x) (and dx in the backward): its strides, from a meta tensor (nothing allocated).
@@ -338,13 +340,14 @@ class GNPlan:
         """The look-back counters for a launch on ``stream`` (a fresh zeroed buffer in traced code)."""
         if traced:
             return torch.zeros(need, device=self.device, dtype=torch.int32)
-        last_stream, buf = self._cnt
-        if stream == last_stream and buf is not None and buf.numel() >= need:
+        last_stream, buf, size = self._cnt
+        if stream == last_stream and size >= need:
             return buf
         if stream is None and self.device.type == "cuda":  # another device is current: Triton's own launch
             return _counters(self.device, torch.cuda.current_stream(self.device).cuda_stream, need)
         buf = _counters(self.device, stream, need)
-        self._cnt = (stream, buf)
+        if _COUNTERS.get((self.device, stream)) is buf:  # not a one-off buffer of a CUDA-graph capture
+            self._cnt = (stream, buf, buf.numel())
         return buf
 
     def forward(self, x: Tensor, weight, bias, traced: bool = False):
@@ -394,7 +397,8 @@ class GNPlan:
         if traced:
             b.launch.traced(*args)
         else:
-            b.launch(stream, _aligned(dy, x, weight, bias, mean, rstd), *args)
+            # The workspace of the autograd forward (roff != 0) is a fresh allocation: aligned.
+            b.launch(stream, _aligned(dy, x, weight, bias, *((mean, rstd) if not roff else ())), *args)
         return dx, dw, db
 
 
