@@ -253,3 +253,38 @@ def test_set_deterministic_turns_off_atomic_dq(triton_backend, monkeypatch):
     assert "_attn_bwd_dq_kernel" in seen
     for a, b in zip(g_atomic, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(a, b)
+
+
+def test_bad_index_values_checked_on_cpu_and_clamped_by_kernels(triton_backend):
+    """cu_seqlens / cache_seqlens are value-checked on CPU tensors (on GPUs under set_check_values); with the
+    check off the kernels clamp every offset they read, so even absurd values stay inside the tensors (under
+    the interpreter an access outside them crashes the process)."""
+    from culmen.flash_attn import flash_attn_with_kvcache
+    from culmen.ops.attention import kvcache, op
+
+    q, k, v = (torch.randn(40, 2, 16, requires_grad=True) for _ in range(3))
+    good = torch.tensor([0, 15, 40], dtype=torch.int32)
+    flash_attn_varlen(q, k, v, good, good, 25, 25, causal=True)
+    (plan,) = op.PLANS.values()
+    for bad in ([0, 100, 5000], [-50, 10, 7], [0, 30, 2**31 - 1]):
+        cu = torch.tensor(bad, dtype=torch.int32)
+        with pytest.raises(ValueError, match="cu_seqlens_q"):
+            flash_attn_varlen(q, k, v, cu, good, 25, 25, causal=True)
+        plan.check_values = False
+        try:
+            out, lse, _ = flash_attn_varlen(q, k, v, cu, cu, 25, 25, causal=True)
+            out.sum().backward()
+        finally:
+            plan.check_values = True
+    qd, kc = torch.randn(2, 3, 2, 16), torch.randn(2, 30, 2, 16)
+    flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=torch.tensor([5, 30], dtype=torch.int32), causal=True)
+    (kplan,) = kvcache.PLANS.values()
+    bad_lens = torch.tensor([-7, 10**9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=bad_lens, causal=True)
+    kplan.check_values = False
+    try:
+        out = flash_attn_with_kvcache(qd, kc, kc, cache_seqlens=bad_lens, causal=True)
+    finally:
+        kplan.check_values = True
+    assert torch.isfinite(out).all()

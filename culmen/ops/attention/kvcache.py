@@ -89,6 +89,12 @@ class KVCachePlan:
         for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
             if t is not None and (t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != (B,)):
                 raise TypeError(f"{name} must be an integer tensor of shape ({B},), got {t.dtype} {tuple(t.shape)}")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("rotary_cos", rotary_cos),
+                        ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("block_table", block_table)):
+            if isinstance(t, Tensor) and t.device != q.device:  # the kernel reads them through raw pointers
+                raise ValueError(f"{name} is on {t.device}, q on {q.device}: all inputs must share a device")
         if (rotary_cos is None) != (rotary_sin is None):
             raise ValueError("rotary_cos and rotary_sin must be given together")
         if rotary_cos is not None and (rotary_cos.dim() != 2 or 2 * rotary_cos.shape[1] > d

@@ -20,7 +20,8 @@ fp32) and no ``return_attn_probs``; the reference otherwise (and on GPUs after
   offset)`` drawn per call (one small kernel, CUDA-graph and compile safe; none when ``dropout_p == 0``);
 * the probabilities (``return_probs``) are ``(B, h, round128(sq), round128(sk))`` in q's dtype,
   normalized, zero in the padding, dropped entries negated;
-* varlen rows outside every sequence (past ``cu_seqlens[-1]``) are left unwritten, as in flash_attn.
+* varlen rows outside every sequence (past ``cu_seqlens[-1]``) are left unwritten by the kernels (their
+  ``out``, ``lse`` and gradients), as in flash_attn; the reference gives 0 (``lse = +inf``) there.
 """
 
 from __future__ import annotations

@@ -242,7 +242,8 @@ class _Packing:
         return torch.where(mine, y, torch.full_like(y, fill))
 
 
-def _varlen_geometry(cu_q, cu_k, max_q, max_k, total_q, total_k, causal, window_size):
+def _varlen_geometry(cu_q, cu_k, max_q, max_k, total_q, total_k, causal, window_size, device):
+    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
     pq, pk = _Packing(cu_q, max_q, total_q), _Packing(cu_k, max_k, total_k)
     rel = _rows_rel(max_q, max_k, pk.lens - pq.lens + max_q)  # each sequence's diagonal: i + lens_k - lens_q
     i = torch.arange(max_q, device=cu_q.device).view(1, 1, 1, -1, 1)
@@ -273,7 +274,7 @@ def attention_varlen_fwd_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
         probs = torch.zeros(B, h, max_seqlen_q, max_seqlen_k, dtype=q.dtype, device=q.device) if return_probs else None
         return out, lse, probs
     pq, pk, rel, vis = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, k.shape[0],
-                                        causal, window_size)
+                                        causal, window_size, q.device)
     bidx = torch.arange(B, device=q.device)
     out, lse, probs = _dense_fwd(pq.padded(q), pk.padded(k), pk.padded(v), softmax_scale, rel, vis, softcap,
                                  alibi_slopes, dropout_p, rng, bidx, max_seqlen_q, max_seqlen_k, return_probs)
@@ -293,7 +294,7 @@ def attention_varlen_bwd_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     B = cu_seqlens_q.shape[0] - 1
     pq, pk, rel, vis = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
-                                        k.shape[0], causal, window_size)
+                                        k.shape[0], causal, window_size, q.device)
     lse_p = pq.padded(lse.t()).transpose(1, 2)  # (B, h, max_q)
     bidx = torch.arange(B, device=q.device)
     dq, dk, dv = _dense_bwd(pq.padded(dout), pq.padded(q), pk.padded(k), pk.padded(v), pq.padded(out), lse_p,
