@@ -27,9 +27,9 @@ F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float6
 DEV = torch.device("cuda")
 
 
-def _tables(rows: int, half: int, dtype=F32):
-    inv = 1.0 / 10000.0 ** (torch.arange(0, 2 * half, 2, device=DEV, dtype=F64) / (2 * half))
-    f = torch.outer(torch.arange(rows, device=DEV, dtype=F64), inv)
+def _tables(rows: int, half: int, dtype=F32, dev=DEV):
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 2 * half, 2, device=dev, dtype=F64) / (2 * half))
+    f = torch.outer(torch.arange(rows, device=dev, dtype=F64), inv)
     return f.cos().to(dtype), f.sin().to(dtype)
 
 
@@ -155,22 +155,168 @@ def test_int64_indexing_past_2_31_elements():
     assert_close_tolerance(y[1:, tail], ref, rotary_emb_ref(x[1:, tail], cos[tail], sin[tail]), name="tail")
 
 
-def test_torch_compile_inductor():
-    B, S, H, D = 2, 1024, 8, 128
-    cos, sin = _tables(S, D // 2, BF16)
+N_FORMS = 6
 
-    def fn(q, k):
-        return rotary(q, cos, sin) * 2.0, rotary(k, cos, sin, interleaved=True) + 1.0
 
-    q, k = randn((B, S, H, D), BF16, DEV, requires_grad=True), randn((B, S, H, D), BF16, DEV, requires_grad=True)
+def _forms(S_max, D, dev=DEV):
+    """The call forms of the family: ``{name: (fn, make)}``; ``make(B, S, H)`` draws fresh inputs
+    ``(x, *extra)`` for ``fn(x, *extra)``, which returns the outputs whose gradients the tests take.
+    The tables are built once (for sequences up to ``S_max``, on ``dev``): only the inputs change with the
+    size. Everything is deterministic but the inputs."""
+    from culmen.transformer.functional import fused_apply_rotary_pos_emb_cached
+
+    cos, sin = _tables(S_max + 16, D // 2, BF16, dev)
+    cos_k, sin_k = _tables(S_max + 16, D // 2, F32, dev)
+    offs = torch.tensor([3, 16], device=dev, dtype=torch.int32)
+
+    def leaf(shape, dtype=BF16):
+        return randn(shape, dtype, dev, requires_grad=True)
+
+    def freqs(S):
+        inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2, device=dev, dtype=F32) / D)
+        f = torch.outer(torch.arange(S, device=dev, dtype=F32), inv)
+        return torch.cat((f, f), -1)[:, None, None, :]
+
+    def packed(B, S, H):
+        lens = [S - 5, 4][:B]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+        return leaf((int(cu[-1]), H, D)), cu, max(lens)
+
+    def qkv_xpos(w):
+        qkv = w * 1.0
+        apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, seqlen_offsets=offs)
+        return (qkv,)
+
+    def apex_cached(t, f):
+        return (fused_apply_rotary_pos_emb_cached(t, f.cos(), f.sin()),)
+
+    return {
+        "neox+offsets": (lambda x: (apply_rotary_emb(x, cos, sin, seqlen_offsets=offs),),
+                         lambda B, S, H: (leaf((B, S, H, D)),)),
+        "gptj-partial": (lambda x: (rotary(x, cos[:, :D // 4], sin[:, :D // 4], interleaved=True, seqlen_offsets=7),),
+                         lambda B, S, H: (leaf((B, S, H, D), F16),)),
+        "qkv-xpos": (qkv_xpos, lambda B, S, H: (leaf((B, S, 3, H, D)),)),
+        "varlen": (lambda x, cu, m: (rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=m),), packed),
+        "apex-sbhd-transposed": (lambda t, f: (fused_apply_rotary_pos_emb(t, f, True),),
+                                 lambda B, S, H: (leaf((S, B, H, D)), freqs(S))),
+        "apex-cached": (apex_cached, lambda B, S, H: (leaf((S, B, H, D)), freqs(S))),
+    }
+
+
+def _fwd_bwd(fn, x, *extra):
+    outs = fn(x, *extra)
+    gen = torch.Generator(x.device).manual_seed(0)
+    cots = [torch.randn(o.shape, generator=gen, device=x.device, dtype=F32).to(o.dtype) for o in outs]
+    (dx,) = torch.autograd.grad(outs, (x,), cots)
+    return (*[o.detach().clone() for o in outs], dx)
+
+
+def _all_launches():
+    """Every ``Launch`` of every cached rotary plan (the op's and Apex's)."""
+    from culmen.ops.rotary.launch import PLANS
+    from culmen.transformer.functional.fused_rope import _PLANS
+
+    out = []
+    for plan in list(PLANS.values()) + list(_PLANS.values()):
+        entries = ([plan._fwd] if plan._fwd is not None else []) + list(plan._bwd.values())
+        out += [la for la, _ in entries]
+    return out
+
+
+@pytest.fixture
+def fresh_plans():
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
+    yield
+    clear_plans()
+
+
+def test_fast_launch_bitwise(fresh_plans):
+    """The direct launch path (the compiled kernel's C launcher, from the second call of a plan on) gives
+    bit for bit what Triton's own launch gives, for every call form, forward and backward."""
+    from culmen.ops.common.launch import set_fast_launch
+
+    B, S, H, D = 2, 300, 8, 128
+    forms = _forms(S, D)
+    assert len(forms) == N_FORMS
+    inputs = {name: make(B, S, H) for name, (_, make) in forms.items()}
+    results = {}
+    try:
+        for mode in (False, True):
+            set_fast_launch(mode)  # (drops every plan)
+            for name, (fn, _) in forms.items():
+                results[name, mode] = [_fwd_bwd(fn, *inputs[name]) for _ in range(3)][-1]
+            launches = _all_launches()
+            assert launches
+            for la in launches:
+                if mode:
+                    assert la._run is not None, f"a rotary launch never took the direct path: {la.error}"
+                else:
+                    assert la._run is None
+    finally:
+        set_fast_launch(True)
+    for name in forms:
+        for a, c in zip(results[name, False], results[name, True]):
+            assert torch.equal(a, c), name
+
+
+def test_non_current_device(fresh_plans):
+    """Tensors on a GPU that is not the current one: the plans launch on the tensors' device (Triton's own
+    launch there), with results equal to the current device's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert torch.cuda.current_device() == 0
+    dev1 = torch.device("cuda", 1)
+    forms0, forms1 = _forms(200, 128), _forms(200, 128, dev1)
+    for name, (fn0, make) in forms0.items():
+        args0 = make(2, 200, 8)
+        args1 = [a.detach().to(dev1).requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                 for a in args0]
+        r0 = [_fwd_bwd(fn0, *args0) for _ in range(2)][-1]
+        r1 = [_fwd_bwd(forms1[name][0], *args1) for _ in range(2)][-1]
+        assert torch.cuda.current_device() == 0
+        for a, c in zip(r0, r1):
+            assert c.device == dev1 and torch.equal(a, c.to(DEV)), name
+
+
+def test_qkv_is_one_launch_per_direction(fresh_plans):
+    """``apply_rotary_emb_qkv_`` rotates Q and K with one launch (also with XPos tables for K)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn, make = _forms(256, 128)["qkv-xpos"]
+    w = make(2, 256, 8)
+    _fwd_bwd(fn, *w)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _fwd_bwd(fn, *w)
+        torch.cuda.synchronize()
+    n = sum(e.count for e in prof.key_averages() if "_rotary_kernel" in e.key)
+    assert n == 2, [(e.key, e.count) for e in prof.key_averages()]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_inductor(dynamic):
+    """Under torch.compile (Inductor) the kernel is traced (triton_op + wrap_triton) for every call form:
+    results and gradients equal eager's, no graph break (fullgraph), and with dynamic shapes new sequence
+    lengths do not recompile."""
     torch._dynamo.reset()
-    comp = torch.compile(fn, fullgraph=True)
-    for a, b_ in zip(fn(q, k), comp(q, k)):
-        torch.testing.assert_close(b_, a, rtol=0, atol=1e-2)
-    ga = torch.autograd.grad(sum(t.float().sum() for t in fn(q, k)), (q, k))
-    gb = torch.autograd.grad(sum(t.float().sum() for t in comp(q, k)), (q, k))
-    for a, b_ in zip(ga, gb):
-        torch.testing.assert_close(b_, a, rtol=0, atol=1e-2)
+    torch._dynamo.utils.counters.clear()
+    H, D = 8, 128
+    forms = _forms(130, D)
+    compiled = {name: torch.compile(fn, dynamic=dynamic, fullgraph=True) for name, (fn, _) in forms.items()}
+    # (Lengths unequal to every other size of the test: dynamo gives equal sizes one symbol, so a length
+    # equal to, say, the head dim would be specialized with it.)
+    for S in (97, 113, 130):
+        for name, (fn, make) in forms.items():
+            args = make(2, S, H)
+            eager, comp = _fwd_bwd(fn, *args), _fwd_bwd(compiled[name], *args)
+            for e, c in zip(eager, comp):
+                assert c.dtype == e.dtype and c.shape == e.shape, name
+                torch.testing.assert_close(c, e, rtol=0, atol=1e-2, msg=f"{name} S={S}")
+    if dynamic:
+        # One graph per call form (each is its own frame), none more for a new sequence length.
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= N_FORMS
 
 
 def test_repeated_calls_fast_launch():

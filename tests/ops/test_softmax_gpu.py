@@ -126,3 +126,142 @@ def test_torch_compile_inductor():
     ga = torch.autograd.grad(fn(x).float().sum(), x)[0]
     gb = torch.autograd.grad(comp(x).float().sum(), x)[0]
     torch.testing.assert_close(gb, ga, rtol=0, atol=1e-2)
+
+
+# ------------------------------------------------------------------- call path: launches and compile
+
+N_FORMS = 5
+
+
+def _forms(SK: int, dev=DEV):
+    """The call forms of the family: ``{name: (fn, make)}``; ``make(B, SQ)`` draws fresh inputs
+    ``(x, *extra)`` for ``fn(x, *extra)``, which returns the outputs whose gradients the tests take."""
+    from culmen.transformer.functional.fused_softmax import ScaledUpperTriangMaskedSoftmax
+
+    module = FusedScaleMaskSoftmax(False, True, AttnMaskType.padding, True, lambda t, m: t.masked_fill(m, -1e4),
+                                   True, 0.125)
+
+    def scores(*shape):
+        return randn(shape, BF16, dev, scale=4.0, requires_grad=True)
+
+    def padded(B, SQ):
+        return scores(B, 4, SQ, SK), torch.rand(B, 1, SQ, SK, device=dev) < 0.25
+
+    def keypad(B, SQ):
+        lens = torch.randint(1, SK + 1, (B,), device=dev)
+        mask = (torch.arange(SK, device=dev)[None] >= lens[:, None]).to(torch.uint8)
+        return scores(B, 4, SQ, SK), mask[:, None, None]
+
+    return {
+        "padding-bool": (lambda x, m: (scaled_masked_softmax(x, m, 0.125),), padded),
+        "keypad-uint8": (lambda x, m: (scaled_masked_softmax(x, m, 0.7),), keypad),
+        "causal": (lambda x: (scaled_masked_softmax(x, None, 0.3, causal=True),),
+                   lambda B, SQ: (scores(B, 4, SQ, SK),)),
+        "apex-module": (lambda x, m: (module(x, m),), padded),
+        "apex-3d-causal": (lambda x: (ScaledUpperTriangMaskedSoftmax.apply(x, 0.5),),
+                           lambda B, SQ: (scores(B * 4, SQ, SK),)),
+    }
+
+
+def _fwd_bwd(fn, x, *extra):
+    outs = fn(x, *extra)
+    gen = torch.Generator(x.device).manual_seed(0)
+    cots = [torch.randn(o.shape, generator=gen, device=x.device, dtype=F32).to(o.dtype) for o in outs]
+    (dx,) = torch.autograd.grad(outs, (x,), cots)
+    return (*[o.detach().clone() for o in outs], dx)
+
+
+def _all_launches():
+    from culmen.ops.softmax.launch import PLANS, SoftmaxPlan
+
+    out = []
+    for plan in PLANS.values():
+        if isinstance(plan, SoftmaxPlan):
+            out.append(plan.fwd)
+            out += [b.bwd for b in plan._bwd.values()]
+        else:
+            out.append(plan.bwd)
+    return out
+
+
+@pytest.fixture
+def fresh_plans():
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
+    yield
+    clear_plans()
+
+
+@pytest.mark.parametrize("kernels", ["resident", "chunked"])
+def test_fast_launch_bitwise(fresh_plans, monkeypatch, kernels):
+    """The direct launch path (the compiled kernel's C launcher, from the second call of a plan on) gives
+    bit for bit what Triton's own launch gives, for every call form, forward and backward, with the
+    row-resident and the chunked kernels."""
+    from culmen.ops.common.launch import set_fast_launch
+    from culmen.ops.softmax.launch import TUNING
+
+    if kernels == "chunked":  # rows of 1000 take the chunked kernels (every TUNING change drops the plans)
+        for key in ("fwd_max_resident", "bwd_max_resident", "chunk"):
+            monkeypatch.setitem(TUNING, key, 256)
+    forms = _forms(1000)
+    assert len(forms) == N_FORMS
+    inputs = {name: make(2, 97) for name, (_, make) in forms.items()}
+    results = {}
+    try:
+        for mode in (False, True):
+            set_fast_launch(mode)  # (drops every plan)
+            for name, (fn, _) in forms.items():
+                results[name, mode] = [_fwd_bwd(fn, *inputs[name]) for _ in range(3)][-1]
+            launches = _all_launches()
+            assert launches
+            for la in launches:
+                if mode:
+                    assert la._run is not None, f"{la.fn.fn.__name__} never took the direct path: {la.error}"
+                else:
+                    assert la._run is None
+            if kernels == "chunked":
+                assert all("chunked" in la.fn.fn.__name__ for la in launches)
+    finally:
+        set_fast_launch(True)
+    for name in forms:
+        for a, c in zip(results[name, False], results[name, True]):
+            assert torch.equal(a, c), name
+
+
+def test_non_current_device(fresh_plans):
+    """Scores on a GPU that is not the current one: the plans launch on the tensors' device, with results
+    equal to the current device's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    dev1 = torch.device("cuda", 1)
+    forms0, forms1 = _forms(1000), _forms(1000, dev1)
+    for name, (fn0, make) in forms0.items():
+        args0 = make(2, 97)
+        args1 = [a.detach().to(dev1).requires_grad_(a.requires_grad) for a in args0]
+        r0 = [_fwd_bwd(fn0, *args0) for _ in range(2)][-1]
+        r1 = [_fwd_bwd(forms1[name][0], *args1) for _ in range(2)][-1]
+        assert torch.cuda.current_device() == 0
+        for a, c in zip(r0, r1):
+            assert c.device == dev1 and torch.equal(a, c.to(DEV)), name
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_inductor_call_forms(dynamic):
+    """Under torch.compile (Inductor) the kernels are traced (triton_op + wrap_triton) for every call form:
+    results and gradients equal eager's, no graph break (fullgraph), and with dynamic shapes new query
+    lengths do not recompile (the key length sets the block: it stays)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    forms = _forms(1000)
+    compiled = {name: torch.compile(fn, dynamic=dynamic, fullgraph=True) for name, (fn, _) in forms.items()}
+    # (Lengths unequal to every other size of the test: dynamo gives equal sizes one symbol.)
+    for SQ in (97, 113, 130):
+        for name, (fn, make) in forms.items():
+            args = make(2, SQ)
+            eager, comp = _fwd_bwd(fn, *args), _fwd_bwd(compiled[name], *args)
+            for e, c in zip(eager, comp):
+                assert c.dtype == e.dtype and c.shape == e.shape, name
+                torch.testing.assert_close(c, e, rtol=0, atol=1e-2, msg=f"{name} SQ={SQ}")
+    if dynamic:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= N_FORMS

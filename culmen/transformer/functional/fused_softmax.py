@@ -23,7 +23,6 @@ from torch import Tensor
 
 from culmen.ops.softmax import scaled_masked_softmax as scaled_masked_softmax_op
 from culmen.ops.softmax import softmax_backward, softmax_forward
-from culmen.ops.softmax.op import fwd_plan
 from culmen.transformer.enums import AttnMaskType
 
 __all__ = [
@@ -49,8 +48,11 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inputs: Tensor, scale: float) -> Tensor:
+        if not isinstance(inputs, Tensor) or inputs.dim() != 3:
+            raise ValueError(f"inputs must be a 3-D tensor (attn_batches, sq, sk), got "
+                             f"{tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__}")
         ctx.scale = _scale_value(scale)
-        y = fwd_plan(inputs, None, True, (3,), "inputs").forward(inputs, None, ctx.scale)
+        y = softmax_forward(inputs, None, ctx.scale, causal=True)
         ctx.save_for_backward(y)
         return y
 
