@@ -309,3 +309,12 @@ def test_explicit_backward_matches_autograd(path, layout):
     expected = torch.autograd.grad(group_norm(*leaves[:1], 4, *leaves[1:], EPS, "silu"), leaves, dy)
     for a, e in zip(got, expected):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck(path):
+    """The traced op's schema and fake impl hold (torch.library.opcheck)."""
+    x = randn((2, 6, 3, 4), F32)
+    for args in ((x, randn(6), randn(6), 3, EPS, True),
+                 (x.contiguous(memory_format=torch.channels_last), None, None, 2, EPS, False)):
+        torch.library.opcheck(torch.ops.culmen.group_norm_fwd.default, args, test_utils=("test_schema",
+                                                                                         "test_faketensor"))

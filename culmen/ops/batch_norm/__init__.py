@@ -1,9 +1,10 @@
 """(Synchronized) batch normalization in Triton, with a PyTorch reference.
 
-Layers (DESIGN.md): Triton kernels in ``kernels.py``; launchers ``bn_stats`` / ``bn_combine`` /
-``bn_fwd`` / ``bn_bwd_reduce`` / ``bn_bwd`` in ``launch.py``; their references ``bn_*_ref`` and the
-oracle ``sync_batch_norm_ref`` in ``reference.py``; the custom ops ``culmen::batch_norm_*``, the
-autograd ``SyncBatchNormFunction`` and the op-level entry point ``sync_batch_norm`` in ``op.py``.
+Layers (DESIGN.md): Triton kernels in ``kernels.py``; the cached call plan ``BNPlan`` (validation,
+layout, workspace, bound launches of the statistics / combine / normalize / backward kernels) in
+``launch.py``; the references ``bn_*_ref`` and the oracle ``sync_batch_norm_ref`` in ``reference.py``; the
+entry point ``sync_batch_norm``, its autograd (and Apex's ``SyncBatchNormFunction``) and the
+``torch.compile`` op ``culmen::batch_norm_fwd`` in ``op.py``.
 """
 
 from culmen.ops.batch_norm.op import SyncBatchNormFunction, sync_batch_norm

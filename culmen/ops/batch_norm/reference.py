@@ -1,8 +1,8 @@
 """Pure-PyTorch references of the batch-norm ops.
 
-``bn_*_ref`` are the CPU path of the custom ops: they take and return exactly what the Triton launchers
-in ``launch.py`` take and return (canonical ``(N, C, L)`` / ``(M, C)`` layouts, packed statistics),
-computing in fp32 (fp64 for fp64 inputs). ``sync_batch_norm_ref`` is the oracle of the tests: plain
+``bn_*_ref`` are the reference path of ``BNPlan`` (CPU, fp64, the ``reference`` backend): each computes what
+one kernel step computes, on the canonical ``(N, C, L)`` / ``(M, C)`` layouts with the same packed
+statistics rows, in fp32 (fp64 for fp64 inputs). ``sync_batch_norm_ref`` is the oracle of the tests: plain
 differentiable PyTorch on the whole (concatenated) batch, in whatever dtype its inputs have.
 """
 
