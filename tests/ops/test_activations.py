@@ -325,3 +325,49 @@ def test_torch_compile_fullgraph(backend):
     torch.testing.assert_close(y, y_ref)
     for a, r in zip(grads, grads_ref):
         torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("order,shape", [("gate_up", (6, 2 * 40)), ("up_gate", (2, 3, 2 * 24))])
+def test_gated_act_on_chunk_halves(backend, order, shape):
+    """``gated_act(*h.chunk(2, -1))`` on a non-leaf ``h``: the kernels read the halves in place, and on the
+    kernels the backward writes ``h``'s gradient as one buffer (no chunk backward, no concatenation)."""
+    w = randn(shape, BF16, scale=2.0, requires_grad=True)
+    h = w * 1.5  # a non-leaf, like a linear layer's output
+    a, b = h.chunk(2, -1)
+    x, u = (a, b) if order == "gate_up" else (b, a)
+    y = gated_act(x, u, "silu")
+    if backend == "triton":
+        # The autograd node takes h itself: its only input edge is h's MulBackward.
+        assert [f for f, _ in y.grad_fn.next_functions if f is not None] == [h.grad_fn]
+    g = randn(y.shape, BF16)
+    (dw,) = torch.autograd.grad(y, [w], g)
+    wr = w.detach().double().requires_grad_()
+    ar, br = (wr * 1.5).chunk(2, -1)
+    xr, ur = (ar, br) if order == "gate_up" else (br, ar)
+    yr = act_ref(xr, "silu") * ur
+    (dwr,) = torch.autograd.grad(yr, [wr], g.double())
+    wl = w.detach().clone().requires_grad_()
+    al, bl = (wl * 1.5).chunk(2, -1)
+    xl, ul = (al, bl) if order == "gate_up" else (bl, al)
+    yl = act_ref(xl, "silu") * ul
+    (dwl,) = torch.autograd.grad(yl, [wl], g)
+    assert_close_tolerance(y, yr, yl, name="y")
+    assert_close_tolerance(dw, dwr, dwl, name="dh")
+
+
+def test_gated_act_chunk_halves_keep_their_autograd_state(triton_backend):
+    """Halves with a hook or ``retain_grad`` take the ordinary path: the hook runs, ``.grad`` is kept."""
+    w = randn((4, 32), F32, requires_grad=True)
+    x, u = (w * 2.0).chunk(2, -1)
+    seen = []
+    x.register_hook(lambda gx: seen.append(gx.shape))
+    u.retain_grad()
+    y = gated_act(x, u, "silu")
+    y.backward(torch.ones_like(y))
+    assert seen == [(4, 16)] and u.grad is not None
+    torch.testing.assert_close(u.grad, act_ref(x.detach(), "silu"))
+    # Leaves that are views of a tensor needing no grad keep their own gradients too.
+    base = randn((4, 32), F32)
+    xl, ul = base[:, :16].requires_grad_(), base[:, 16:].requires_grad_()
+    gx, gu = torch.autograd.grad(gated_act(xl, ul, "silu"), [xl, ul], torch.ones(4, 16))
+    torch.testing.assert_close(gu, act_ref(xl.detach(), "silu"))

@@ -63,3 +63,68 @@ def test_bitwise_reproducible():
         loss = focal_loss(x, labels, nps, 90, 0.25, 2.0)
         runs.append((loss, *torch.autograd.grad(loss, x)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# --------------------------------------------------------------------- the call path (issue 13)
+
+
+@pytest.fixture
+def fresh_plans():
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
+    yield
+    clear_plans()
+
+
+def _launches():
+    """The launches of every cached focal-loss plan that a forward + backward uses."""
+    from culmen.ops.focal_loss.launch import PLANS
+
+    out = []
+    for p in PLANS.values():
+        out += [p.fwd, p.finish, p.bwd[True]]
+    return out
+
+
+def test_fast_launch_bitwise(fresh_plans):
+    """The direct launch path (second call of a plan) gives what Triton's own launch gives."""
+    from culmen.ops.common.launch import set_fast_launch
+
+    x = randn((50000, 91), BF16, DEV, 2.0).requires_grad_()
+    labels = _labels(50000, 80)
+    nps = torch.tensor([1234.0], device=DEV)
+    results = {}
+    try:
+        for mode in (False, True):
+            set_fast_launch(mode)
+            for _ in range(2):
+                loss = focal_loss(x, labels, nps, 80, 0.25, 2.0, 0.1)
+                results[mode] = (loss, *torch.autograd.grad(loss, x))
+            for la in _launches():
+                assert (la._run is not None) == mode, f"{la.fn.fn.__name__}: {la.error}"
+    finally:
+        set_fast_launch(True)
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_inductor(dynamic):
+    """Under torch.compile (Inductor, fullgraph) the kernels are traced (triton_op + wrap_triton): loss and
+    gradient equal eager's, and with dynamic shapes new anchor counts do not recompile."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def fn(x, labels, nps):
+        return focal_loss(x, labels, nps, 80, 0.25, 2.0, 0.05) * 2.0
+
+    compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+    for R in (1000, 1537, 4099):
+        x = randn((R, 91), BF16, DEV, 2.0).requires_grad_()
+        labels = _labels(R, 80)
+        nps = (labels >= 0).sum().float().clamp(min=1.0).reshape(1)
+        outs = [(lambda v: (v, *torch.autograd.grad(v, x)))(f(x, labels, nps)) for f in (fn, compiled)]
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1.6e-2, atol=1e-5)
+    if dynamic:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1

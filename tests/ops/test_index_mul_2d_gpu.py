@@ -88,3 +88,63 @@ def test_deterministic_is_bitwise_reproducible():
         torch.use_deterministic_algorithms(previous)
     assert torch.equal(a, b)
     torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-3)
+
+
+# --------------------------------------------------------------------- the call path (issue 13)
+
+
+@pytest.fixture
+def fresh_plans():
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
+    yield
+    clear_plans()
+
+
+def test_fast_launch_bitwise(fresh_plans):
+    """The direct launch path (second call of a plan) gives what Triton's own launch gives, for the
+    forward, the segmented backward and the double backward."""
+    from culmen.ops.common.launch import set_fast_launch
+    from culmen.ops.index_mul_2d.launch import PLANS
+
+    in1, in2, idx = _inputs(1000, 50000, 37, BF16, noncontig=True)
+    g = randn((50000, 37), BF16, DEV, requires_grad=True)
+    w1 = randn((1000, 37), BF16, DEV)
+    results = {}
+    try:
+        for mode in (False, True):
+            set_fast_launch(mode)
+            for _ in range(2):
+                out = index_mul_2d(in1, in2, idx)
+                ga, gb = torch.autograd.grad(out, (in1, in2), g, create_graph=True)
+                dd = torch.autograd.grad((ga.float() * w1.float()).sum() + gb.float().sum(), (in1, in2, g))
+                results[mode] = (out, ga, gb, *dd)
+            launches = [la for p in PLANS.values() for la in (p.fwd, *p._seg.values(), *p._bwd_bwd.values())]
+            assert len(launches) >= 3
+            for la in launches:
+                assert (la._run is not None) == mode, f"{la.fn.fn.__name__}: {la.error}"
+    finally:
+        set_fast_launch(True)
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_inductor(dynamic):
+    """Under torch.compile (Inductor, fullgraph) the kernels are traced (triton_op + wrap_triton): output and
+    gradients equal eager's, and with dynamic shapes new row counts do not recompile."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def fn(a, b, idx):
+        return index_mul_2d(a, b, idx) * 2.0
+
+    compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+    for M, N in ((500, 3000), (733, 4099), (1000, 8192)):
+        in1, in2, idx = _inputs(M, N, 64, F32)
+        g = randn((N, 64), F32, DEV)
+        outs = [(y, *torch.autograd.grad(y, (in1, in2), g)) for y in (f(in1, in2, idx) for f in (fn, compiled))]
+        for e, c in zip(*outs):
+            torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+    if dynamic:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1

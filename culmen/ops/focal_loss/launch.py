@@ -104,7 +104,7 @@ class FocalPlan:
 
     __slots__ = ("shape", "R", "C", "num_real", "alpha", "gamma", "smoothing", "device", "dtype", "loss_dtype",
                  "copy_x", "fix_labels", "nps_kind", "check_values", "use_kernel", "stream", "fwd", "finish",
-                 "progs", "num_tiles", "bwd", "bwd_norm")
+                 "progs", "num_tiles", "bwd", "empty")
 
     def __init__(self, x, labels, nps, num_real_classes, alpha, gamma, label_smoothing, traced: bool = False):
         self.num_real = check_args(x, labels, nps, num_real_classes, gamma, label_smoothing)
@@ -113,6 +113,7 @@ class FocalPlan:
         self.loss_dtype = out_dtype(x)
         C = self.C = x.shape[-1]
         self.R = x.numel() // C if C else 0
+        self.empty = isinstance(self.R, int) and self.R * C == 0  # no gradient to compute
         self.copy_x = not x.is_contiguous()
         self.fix_labels = not (labels.dtype in (torch.int32, torch.int64) and labels.is_contiguous())
         # 0: a one-element tensor the kernels read as it is; 1: one on another device; 2: a number.
@@ -202,7 +203,7 @@ class FocalPlan:
             return focal_loss_bwd_ref(grad, x.reshape(-1, self.C), labels.reshape(-1), nps, self.num_real,
                                       self.alpha, self.gamma, self.smoothing).reshape(x.shape)
         dx = torch.empty_like(x)
-        if isinstance(self.R, int) and self.R * self.C == 0:
+        if self.empty:
             return dx
         normalize = grad is not None
         args = (x, labels, dx, grad, nps, self.R, self.C, self.num_real, self.alpha, self.gamma, self.smoothing)

@@ -104,7 +104,8 @@ class IndexMulPlan:
     """
 
     __slots__ = ("M", "N", "F", "dtype", "device", "copy1", "copy2", "s1", "s2", "fix_idx", "check_values",
-                 "use_kernel", "stream", "like", "acc", "fwd", "_bwd", "_seg", "_bwd_bwd", "atomic_ok", "grid", "meta")
+                 "use_kernel", "stream", "like", "acc", "fwd", "_bwd", "_seg", "_bwd_bwd", "atomic_ok", "grid", "meta",
+                 "no_rows", "no_out", "no_gin1")
 
     def __init__(self, in1: Tensor, in2: Tensor, idx: Tensor, traced: bool = False) -> None:
         check_args(in1, in2, idx)
@@ -124,6 +125,11 @@ class IndexMulPlan:
         self.like = not traced and in2.is_contiguous()
         self.acc = _acc_dtype(in2)
         self.atomic_ok = TUNING["scatter"] == "atomic"
+        # Empty problems (known only for concrete sizes): no launch.
+        static = isinstance(self.N, int) and isinstance(self.M, int)
+        self.no_out = static and self.N * self.F == 0
+        self.no_rows = static and self.N == 0
+        self.no_gin1 = static and self.M * self.F == 0
         self._bwd: dict = {}
         self._seg: dict = {}
         self._bwd_bwd: dict = {}
@@ -176,7 +182,7 @@ class IndexMulPlan:
             return index_mul_2d_fwd_ref(in1, in2, idx)
         out = torch.empty_like(in2) if self.like else torch.empty((self.N, self.F), dtype=self.dtype,
                                                                    device=self.device)
-        if isinstance(self.N, int) and self.N * self.F == 0:
+        if self.no_out:
             return out
         self._go(self.fwd, traced, (out, in1, in2, idx, self.N, self.M, self.F, self.F, self.s1, self.s2), in1, in2,
                  idx)
@@ -211,9 +217,9 @@ class IndexMulPlan:
         """``zeros(M, F).index_add_(0, idx, a * b)`` in ``out_dtype`` (``a``/``b`` ``(N, F)`` row-addressable),
         bitwise reproducible: each row adds its products in increasing ``n`` (fp32, fp64 for fp64)."""
         out = torch.empty((self.M, self.F), device=self.device, dtype=out_dtype)
-        if isinstance(self.M, int) and self.M * self.F == 0:
+        if self.no_gin1:
             return out
-        if isinstance(self.N, int) and self.N == 0:
+        if self.no_rows:
             return out.zero_()
         perm, starts = self._sorted_segments(idx)
         args = (out, None, a, b, b, perm, starts, self.N, self.M, self.F, self.F, 0, a.stride(0), b.stride(0),
@@ -238,16 +244,16 @@ class IndexMulPlan:
         if need1 and not atomic:
             # One pass writes both gradients (each gout / in2 / in1 row read once, gin1 written once).
             gin1 = torch.empty((M, F), device=dev, dtype=self.dtype)
-            if isinstance(M, int) and M * F == 0:
+            if self.no_gin1:
                 return gin1, gin2
-            if isinstance(N, int) and N == 0:
+            if self.no_rows:
                 return gin1.zero_(), gin2
             perm, starts = self._sorted_segments(idx)
             args = (gin1, gin2, gout, in1, in2, perm, starts, N, M, F, F, sg2, F, self.s1, self.s2)
             self._go(self._segment(True, need2), traced, args, gout, in1, in2)
             return gin1, gin2
         gin1 = torch.zeros((M, F), device=dev, dtype=self.acc) if atomic else None
-        if (need2 or atomic) and not (isinstance(N, int) and N * F == 0):
+        if (need2 or atomic) and not self.no_out:
             la = self._bwd.get((atomic, need1, need2))
             if la is None:
                 la = self._bwd[atomic, need1, need2] = Launch(
@@ -276,7 +282,7 @@ class IndexMulPlan:
         scatter = need1 and gg2 is not None
         atomic = scatter and self.atomic_ok and not deterministic_enabled()
         gin1 = torch.zeros((M, F), device=dev, dtype=self.acc) if atomic else None
-        if N * F and (need_ggout or need2 or atomic):
+        if not self.no_out and (need_ggout or need2 or atomic):
             flags = (atomic, gg1 is not None, gg2 is not None, need_ggout, need1, need2)
             la = self._bwd_bwd.get(flags)
             if la is None:
