@@ -319,6 +319,25 @@ def test_torch_compile_inductor(dynamic):
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= N_FORMS
 
 
+def test_torch_compile_inplace_no_grad():
+    """The mutating op (in place, no autograd: inference with a KV cache) under Inductor, on a view."""
+    B, S, H, D = 2, 97, 8, 128
+    cos, sin = _tables(S + 8, D // 2, BF16)
+
+    def fn(qkv, offs):
+        apply_rotary_emb_qkv_(qkv, cos, sin, seqlen_offsets=offs)
+        return qkv
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    base = randn((B, S, 3, H, D), BF16, DEV)
+    offs = torch.tensor([0, 8], device=DEV, dtype=torch.int32)
+    with torch.no_grad():
+        want, got = fn(base.clone(), offs), compiled(base.clone(), offs)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
+    assert torch.equal(got[:, :, 2], base[:, :, 2])  # V untouched
+
+
 def test_repeated_calls_fast_launch():
     """From the second call of a signature on, the plan and the compiled kernel are reused (direct
     launch): every call, forward and backward, must still match the oracle, with new data, new

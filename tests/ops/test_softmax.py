@@ -132,6 +132,51 @@ def test_chunked_kernels(backend, chunked, case):
         assert torch.equal(y[0, :, case.shape[2] // 2], torch.zeros_like(y[0, :, 0]))
 
 
+@pytest.mark.parametrize("form", ["2d-mask", "uint8-strided-mask", "transposed-scores", "expanded-grad"])
+def test_masks_and_layouts_read_in_place(backend, form):
+    """Masks of fewer dims or any strides are read through broadcast strides (no expand, view or cast);
+    scores with a strided last dim and an expanded output gradient are copied once; every call of a
+    cached plan honours its own data and scale."""
+    B, NP, SQ, SK = 2, 3, 5, 11
+    for scale in (0.5, 1.7):  # the plan, then the cached plan with another scale
+        x = randn((B, NP, SQ, SK), BF16, scale=3.0)
+        mask = None
+        if form == "2d-mask":
+            mask = torch.rand(SQ, SK) < 0.3
+        elif form == "uint8-strided-mask":
+            mask = (torch.rand(B, 1, SK, SQ) < 0.3).to(torch.uint8).transpose(2, 3)  # (B, 1, SQ, SK), strided
+        elif form == "transposed-scores":
+            x = x.transpose(2, 3).contiguous().transpose(2, 3)
+            assert x.stride(-1) != 1
+        xg = x.detach().clone().requires_grad_()
+        y = scaled_masked_softmax(xg, mask, scale)
+        g = torch.ones_like(y) if form == "expanded-grad" else randn(y.shape, BF16)
+        if form == "expanded-grad":
+            y.float().sum().backward()  # dy arrives expanded (stride 0)
+        else:
+            y.backward(g)
+        hi, lo = x.detach().to(F64).requires_grad_(), x.detach().clone().requires_grad_()
+        y_hi, y_lo = (scaled_masked_softmax_ref(t, mask, scale) for t in (hi, lo))
+        assert_close_tolerance(y, y_hi, y_lo, name=f"{form} y")
+        (d_hi,) = torch.autograd.grad(y_hi, hi, g.to(F64))
+        (d_lo,) = torch.autograd.grad(y_lo, lo, g)
+        assert_close_tolerance(xg.grad, d_hi, d_lo, name=f"{form} dx")
+        assert y.is_contiguous()
+
+
+def test_three_d_halves(backend):
+    """``softmax_forward`` / ``softmax_backward`` also take Apex's 3-D ``(attn_batches, sq, sk)`` scores."""
+    x = randn((6, 7, 9), F16, requires_grad=True)
+    y = softmax_forward(x.detach(), None, 0.4, causal=True)
+    ref = scaled_masked_softmax_ref(x.detach().to(F64)[None], None, 0.4, True)[0]
+    assert_close_tolerance(y, ref, scaled_masked_softmax_ref(x.detach()[None], None, 0.4, True)[0], name="y3")
+    g = randn(y.shape, F16)
+    dx = softmax_backward(g, y, 0.4, causal=True)
+    y4 = scaled_masked_softmax(x[None], None, 0.4, causal=True)
+    (d4,) = torch.autograd.grad(y4, x, g[None])
+    assert torch.equal(y, y4[0]) and torch.equal(dx, d4)
+
+
 def test_two_halves_match_autograd(backend):
     """``softmax_forward`` / ``softmax_backward`` (the extension-style halves) equal the autograd op."""
     x = randn((2, 3, 6, 19), BF16, requires_grad=True)

@@ -130,7 +130,7 @@ def apply_rotary_emb_kv_(
     if not isinstance(kv, Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must be (batch, seqlen, 2, nheads, headdim), got "
                          f"{tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
-    rotary(kv[:, :, 0], cos, sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
+    rotary(kv.select(2, 0), cos, sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
     return kv
 
 

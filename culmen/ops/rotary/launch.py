@@ -204,7 +204,9 @@ class RotaryPlan:
         # Checked per call: an int offset keeps every position inside the tables.
         self.rows = cos.shape[table_dim] if cos2 is None else min(cos.shape[table_dim], cos2.shape[table_dim])
         self.check_rows = not two_d and offs_t is None
-        self.cast_offset = offs_t is None and not isinstance(seqlen_offsets, (int, torch.SymInt))
+        # Plain ints go to the kernel as they are; anything else (a bool, a NumPy integer) as ``int(...)``.
+        self.cast_offset = offs_t is None and type(seqlen_offsets) is not int and not isinstance(
+            seqlen_offsets, torch.SymInt)
         tables = (cos, sin, cos2, sin2)
         # The kernel reads one row stride for both tables of a pair, unit column strides and unit-stride
         # index vectors: anything else is copied per call (rare).
