@@ -1,7 +1,10 @@
 """Triton kernels of the fused bias + activation ops and the gated (GLU-family) activations.
 
 All kernels are elementwise over a 2-D ``(M, N)`` view whose last dim is contiguous (rows may be
-``stride`` elements apart, so halves of a packed tensor need no copy). A fully contiguous operand set
+``stride`` elements apart, so halves of a packed tensor need no copy; the gated kernels also take an
+element offset per operand, so both halves of one ``(M, 2N)`` tensor, and both halves of its gradient,
+are addressed through one pointer). Row counts are not specialized on (``do_not_specialize``): a new
+batch size reuses the compiled kernel. A fully contiguous operand set
 without a per-column operand is launched as one flat row (``M == 1``) with row stride 0, which lets
 Triton prove 16-byte alignment and emit 128-bit loads whatever the shape. Programs are laid out on a
 1-D grid (row block major), so neither grid axis limit of 65535 applies.

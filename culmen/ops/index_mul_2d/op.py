@@ -16,12 +16,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.backend import register_op
+from culmen.ops.backend import deterministic_enabled, register_op
 from culmen.ops.index_mul_2d.launch import PLANS, IndexMulPlan, check_args, rows_ok
 
 register_op("index_mul_2d_fwd", "indexing", "out = in1[idx] * in2 over rows")
 register_op("index_mul_2d_bwd", "indexing", "backward of index_mul_2d (scatter-add for in1, atomic or sorted)")
 register_op("index_mul_2d_bwd_bwd", "indexing", "double backward of index_mul_2d")
+
+
+def _deterministic() -> bool:
+    """Whether the gradient of ``in1`` must be bitwise reproducible (``culmen.set_deterministic`` or torch's
+    switch): the atomic scatter is then never used. (The plans read ``deterministic_enabled`` per call.)"""
+    return deterministic_enabled()
 
 
 def _plan(in1: Tensor, in2: Tensor, idx1: Tensor) -> IndexMulPlan:
