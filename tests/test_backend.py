@@ -158,22 +158,3 @@ def test_set_deterministic_switch(monkeypatch):
     assert not culmen.deterministic_enabled()
     with pytest.raises(TypeError, match="bool"):
         culmen.set_deterministic(1)
-
-
-def test_set_deterministic_turns_off_atomic_dq(triton_backend, monkeypatch):
-    import culmen
-    from culmen.ops.attention import flash_attn, launch
-
-    monkeypatch.setitem(launch.TUNING, "atomic_dq", True)
-    seen = []
-    real = launch._dq
-    monkeypatch.setattr(launch, "_dq", lambda *a, **k: (seen.append(1), real(*a, **k)))
-    q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
-    flash_attn(q, k, v, causal=True)[0].sum().backward()
-    assert not seen  # atomic dQ: no dQ kernel
-    culmen.set_deterministic(True)
-    try:
-        flash_attn(q, k, v, causal=True)[0].sum().backward()
-    finally:
-        culmen.set_deterministic(False)
-    assert seen == [1]
