@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
-from culmen.ops.activations.dense import DENSE_PLANS, DensePlan, mlp_backward, mlp_forward, tensor_key
+from culmen.ops.activations.dense import DENSE_PLANS, DensePlan, mlp_backward, mlp_forward
 from culmen.ops.activations.op import raw_apply
 
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
@@ -159,7 +159,7 @@ def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
         with _autocast_off(device_type):
             return MlpFunction.apply(bias, activation, *args)
     try:
-        key = ("mlp", bias, activation, *map(tensor_key, args))
+        key = ("mlp", bias, activation, *[(t.shape, t.dtype, t.device) for t in args])
         plan = DENSE_PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable flags: the checks say why
         key, plan = None, None

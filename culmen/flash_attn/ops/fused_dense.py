@@ -281,8 +281,8 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Tensor | 
             out = linear_act_linear(_parallel_input(x, process_group, sequence_parallel), weight1, bias1, weight2,
                                     bias2, act, checkpoint_lvl, "x")
     else:
-        out = linear_act_linear(_parallel_input(x, process_group, sequence_parallel), weight1, bias1, weight2, bias2,
-                                act, checkpoint_lvl, "x")
+        xin = x if process_group is None else _parallel_input(x, process_group, sequence_parallel)
+        out = linear_act_linear(xin, weight1, bias1, weight2, bias2, act, checkpoint_lvl, "x")
     return (out, x) if return_residual else out
 
 

@@ -101,11 +101,6 @@ def dense_plan(key: tuple, act: str, check) -> DensePlan:
     return plan
 
 
-def tensor_key(t: Tensor | None):
-    """The part of a plan key describing ``t`` (shape, dtype, device)."""
-    return None if t is None else (t.shape, t.dtype, t.device)
-
-
 # ------------------------------------------------------------------------------ activations
 
 
@@ -208,7 +203,7 @@ def checked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, x_name: str =
     """``linear`` with ``check_layers``' checks, run once per call signature."""
     try:
         key = ("linear", x_name, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
-               tensor_key(bias))
+               None if bias is None else (bias.shape, bias.dtype, bias.device))
     except AttributeError:
         key = None
     dense_plan(key, "none", lambda: check_layers(x, [("weight", weight, bias)], x_name))
@@ -319,8 +314,9 @@ def linear_act_linear(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: 
         check_layers(x, [(names[0], w1, b1), (names[1], w2, b2)], x_name)
         return LinearActLinearFunction.apply(x, w1, b1, w2, b2, activation, checkpoint_lvl)
     try:
-        key = ("lal", x_name, names, x.shape, x.dtype, x.device, w1.shape, w1.dtype, w1.device, tensor_key(b1),
-               w2.shape, w2.dtype, w2.device, tensor_key(b2), activation, checkpoint_lvl)
+        key = ("lal", x_name, names, x.shape, x.dtype, x.device, w1.shape, w1.dtype, w1.device,
+               None if b1 is None else (b1.shape, b1.dtype, b1.device), w2.shape, w2.dtype, w2.device,
+               None if b2 is None else (b2.shape, b2.dtype, b2.device), activation, checkpoint_lvl)
     except AttributeError:
         key = None
     plan = dense_plan(key, activation,
