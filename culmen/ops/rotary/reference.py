@@ -4,8 +4,9 @@
 inputs' dtype (float64 inputs for the oracle, low-precision inputs for the "same computation in
 PyTorch" baseline of the tolerance rule), written as ``x * cos + rotate_half(x) * sin``.
 
-``rotary_fwd_ref`` is the CPU path of the custom ops: the launcher's contract (tables, positions,
-packed sequences, 2-D form, conjugate, partial copy), computed in fp32 and written into ``out``.
+``rotary_fwd_ref`` is the CPU path of the plans (``launch.RotaryPlan``): the kernel's contract (tables,
+positions, packed sequences, 2-D form, conjugate, partial copy), computed in fp32 and written into
+``out``; traceable by ``torch.compile`` (no data-dependent shapes).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def rotary_emb_ref(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fals
 
 
 # ---------------------------------------------------------------------------------------------
-# The CPU path of the custom ops: same arguments as the Triton launcher.
+# The CPU path of the plans: the same contract as the Triton kernel.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -104,8 +105,12 @@ def _token_positions(x: Tensor, seqlen_offsets: Tensor | None, cu_seqlens: Tenso
 def rotary_fwd_ref(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor, cos2: Tensor | None, sin2: Tensor | None,
                    seqlen_offsets: Tensor | None, cu_seqlens: Tensor | None, offset: int, max_seqlen: int,
                    interleaved: bool, conjugate: bool, full_table: bool, img_w: int, copy_rest: bool) -> None:
-    """Reference of ``launch.rotary_fwd`` (same arguments): rotate ``x`` into ``out`` in fp32 (fp64 for
-    fp64)."""
+    """Rotate ``x`` into ``out`` in fp32 (fp64 for fp64), as the kernel does.
+
+    Shapes: ``x``/``out`` ``(B, S, H, D)`` (any strides), or ``(T, H, D)`` packed with ``cu_seqlens``
+    ``(B + 1,)`` and ``max_seqlen``; ``cos``/``sin`` ``(rows, W)``, ``W = half`` (``full_table=False``) or
+    ``2 * half``; ``cos2``/``sin2`` the column tables of the 2-D form (``img_w > 0``); ``seqlen_offsets``
+    ``(B,)`` int or ``None`` (then ``offset``). ``copy_rest`` copies columns ``[2 * half, D)`` too."""
     lead = 1 if cu_seqlens is not None else 2
     H, D = x.shape[lead:]
     xf = x.reshape(-1, H, D).to(torch.promote_types(x.dtype, torch.float32))

@@ -2,8 +2,8 @@
 
 ``scaled_masked_softmax_ref`` is the oracle: differentiable PyTorch in the input's dtype (float64
 inputs for the oracle, low-precision inputs for the baseline of the tolerance rule).
-``softmax_fwd_ref`` / ``softmax_bwd_ref`` are the CPU path of the custom ops (fp32 math, the
-launchers' contract).
+``softmax_fwd_ref`` / ``softmax_bwd_ref`` are the CPU path of the plans (fp32 math, the kernels'
+contract; traceable by ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ def scaled_masked_softmax_ref(x: Tensor, mask: Tensor | None = None, scale: floa
 
 
 def softmax_fwd_ref(x: Tensor, mask: Tensor | None, scale: float, causal: bool) -> Tensor:
-    """Reference of ``launch.softmax_fwd`` (same arguments): fp32 math (fp64 for fp64), contiguous output
-    in x's dtype."""
+    """The forward kernel's contract: ``x`` ``(B, NP, SQ, SK)`` or ``(A, SQ, SK)``, ``mask`` bool/uint8
+    broadcastable to x or ``None``; fp32 math (fp64 for fp64), contiguous output in x's dtype."""
     cdt = torch.promote_types(x.dtype, torch.float32)
     return scaled_masked_softmax_ref(x.to(cdt), mask, scale, causal).to(x.dtype).contiguous()
 
 
 def softmax_bwd_ref(dy: Tensor, y: Tensor, scale: float, causal: bool) -> Tensor:
-    """Reference of ``launch.softmax_bwd``: ``scale * y * (dy - sum(y * dy))`` in fp32 (fp64 for fp64),
-    contiguous."""
+    """The backward kernel's contract: ``scale * y * (dy - sum(y * dy))`` in fp32 (fp64 for fp64),
+    contiguous, in dy's dtype."""
     cdt = torch.promote_types(dy.dtype, torch.float32)
     yf, g = y.to(cdt), dy.to(cdt)
     dx = scale * yf * (g - (yf * g).sum(-1, keepdim=True))
