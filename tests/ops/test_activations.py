@@ -371,3 +371,18 @@ def test_gated_act_chunk_halves_keep_their_autograd_state(triton_backend):
     xl, ul = base[:, :16].requires_grad_(), base[:, 16:].requires_grad_()
     gx, gu = torch.autograd.grad(gated_act(xl, ul, "silu"), [xl, ul], torch.ones(4, 16))
     torch.testing.assert_close(gu, act_ref(xl.detach(), "silu"))
+
+
+def test_opcheck(backend):
+    """The traced ops' schemas and fake impls hold (torch.library.opcheck), including packed halves."""
+    x = randn((5, 40), BF16, scale=2.0)
+    b = randn(40, F32)
+    g = randn((5, 40), BF16)
+    base = randn((5, 80), BF16)
+    checks = ("test_schema", "test_faketensor")
+    ops = torch.ops.culmen
+    torch.library.opcheck(ops.act_fwd.default, (x, b, "gelu_tanh"), test_utils=checks)
+    torch.library.opcheck(ops.act_bwd.default, (g, x, b, "gelu", False, True, F32, True), test_utils=checks)
+    torch.library.opcheck(ops.act_bwd.default, (g, x, None, "relu", True, False, BF16, False), test_utils=checks)
+    torch.library.opcheck(ops.glu_fwd.default, (base[:, :40], base[:, 40:], "silu"), test_utils=checks)
+    torch.library.opcheck(ops.glu_bwd.default, (g, base[:, :40], base[:, 40:], "gelu"), test_utils=checks)

@@ -197,3 +197,11 @@ def test_bad_arguments():
         focal_loss(x, lab, nps, 6, 0.25, -1.0)
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\], got 1.5"):
         focal_loss(x, lab, nps, 6, 0.25, 2.0, 1.5)
+
+
+def test_opcheck(backend):
+    """The traced op's schema and fake impl hold (torch.library.opcheck)."""
+    x = randn((7, 12), BF16)
+    labels = make_labels((7,), 10)
+    torch.library.opcheck(torch.ops.culmen.focal_loss_fwd.default, (x, labels, torch.tensor([3.0]), 10, 0.25, 2.0,
+                                                                    0.1), test_utils=("test_schema", "test_faketensor"))

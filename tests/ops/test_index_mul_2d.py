@@ -213,3 +213,11 @@ def test_bad_arguments():
         index_mul_2d(in1, in2[:, :2], idx)
     with pytest.raises(ValueError, match=r"idx1 must be 1-D, got shape \(5, 1\)"):
         index_mul_2d(in1, in2, idx[:, None])
+
+
+def test_opcheck(path):
+    """The traced op's schema and fake impl hold (torch.library.opcheck), row-padded inputs included."""
+    in1, in2 = make_noncontiguous(randn((6, 9))), randn((14, 9))
+    idx = torch.randint(0, 6, (14,))
+    torch.library.opcheck(torch.ops.culmen.index_mul_2d_fwd.default, (in1, in2, idx),
+                          test_utils=("test_schema", "test_faketensor"))
