@@ -34,14 +34,14 @@ from torch import Tensor
 
 from culmen.ops.activations.launch import ActBwdPlan, ActPlan
 from culmen.ops.activations.op import act_bwd, act_fwd, apply_function, raw_apply
-from culmen.ops.common.launch import PlanTuning
-from culmen.ops.common.plans import PlanCache, clear_plans
+from culmen.ops.common.plans import PlanCache
 
-TUNING = PlanTuning({
+TUNING = {
     # Fuse bias + ReLU into the cuBLASLt GEMM epilogue (torch._addmm_activation) instead of a
-    # separate in-place Triton pass over the GEMM output.
+    # separate in-place Triton pass over the GEMM output. Read per call (a benchmark toggles it around
+    # single calls; the plans do not depend on it).
     "relu_epilogue": True,
-}, clear_plans)
+}
 
 DENSE_PLANS = PlanCache("dense")
 
@@ -80,11 +80,10 @@ class DensePlan:
     and the activation plans of its layers, built from the first call's tensors (the hidden tensors
     are fresh contiguous GEMM outputs, so one signature has one geometry). Holds no tensors."""
 
-    __slots__ = ("act", "relu_epilogue", "fwd", "bwd")
+    __slots__ = ("act", "fwd", "bwd")
 
     def __init__(self, act: str) -> None:
         self.act = act
-        self.relu_epilogue = TUNING["relu_epilogue"]
         self.fwd: dict = {}
         self.bwd: dict = {}
 
@@ -131,7 +130,7 @@ def _act_grad(plan: DensePlan | None, slot, g: Tensor, t: Tensor, act: str, from
 
 def _mm_bias_act(plan: DensePlan | None, slot, x2: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
     """``act(x2 @ weight^T + bias)``: ReLU in the GEMM epilogue when it can be, else one in-place pass."""
-    if act == "relu" and bias is not None and (TUNING["relu_epilogue"] if plan is None else plan.relu_epilogue):
+    if act == "relu" and bias is not None and TUNING["relu_epilogue"]:
         return torch._addmm_activation(bias, x2, weight.t())
     out = F.linear(x2, weight, bias)
     if act == "none":
