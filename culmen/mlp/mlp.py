@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
 from culmen.ops.activations.dense import DENSE_PLANS, DensePlan, mlp_backward, mlp_forward
-from culmen.ops.activations.op import raw_apply
+from culmen.ops.common.function import raw_apply
 
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from culmen.ops.activations.launch import ActBwdPlan, ActPlan
-from culmen.ops.activations.op import act_bwd, act_fwd, apply_function, raw_apply
+from culmen.ops.activations.op import act_bwd, act_fwd
+from culmen.ops.common.function import raw_apply
 from culmen.ops.common.plans import PlanCache
 
 TUNING = {
@@ -195,7 +196,7 @@ _LINEAR_APPLY = raw_apply(LinearFunction)
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Differentiable ``x @ weight^T + bias`` (``x`` ``(..., K)``; result ``(..., N)`` in ``x``'s dtype).
     Unchecked: the API functions check once per signature (``checked_linear``)."""
-    return apply_function(LinearFunction, _LINEAR_APPLY, x, weight, bias)
+    return _LINEAR_APPLY(x, weight, bias)
 
 
 def checked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, x_name: str = "input") -> Tensor:
@@ -206,7 +207,7 @@ def checked_linear(x: Tensor, weight: Tensor, bias: Tensor | None, x_name: str =
     except AttributeError:
         key = None
     dense_plan(key, "none", lambda: check_layers(x, [("weight", weight, bias)], x_name))
-    return apply_function(LinearFunction, _LINEAR_APPLY, x, weight, bias)
+    return _LINEAR_APPLY(x, weight, bias)
 
 
 # ------------------------------------------------------------------------------- linear-act-linear

@@ -44,6 +44,7 @@ from culmen.ops.activations.launch import (
     check_tensor,
 )
 from culmen.ops.backend import register_op
+from culmen.ops.common.function import raw_apply
 
 register_op("act_fwd", "activations", "act(x + bias): none/relu/sigmoid/gelu/gelu_tanh/sqrelu/silu")
 register_op("act_bwd", "activations", "backward of act_fwd, bias grad fused, optional recompute of act")
@@ -52,28 +53,10 @@ register_op("glu_bwd", "activations", "backward of glu_fwd")
 
 __all__ = [
     "ACTIVATIONS", "FROM_OUTPUT_ACTIVATIONS", "GATED_ACTIVATIONS", "MASK_ACTIVATIONS", "act_bwd", "act_fwd",
-    "apply_function", "bias_act", "check_activation", "gated_act", "glu_bwd", "glu_fwd", "raw_apply",
+    "bias_act", "check_activation", "gated_act", "glu_bwd", "glu_fwd",
 ]
 
 _functorch_active = torch._C._are_functorch_transforms_active
-
-
-def raw_apply(fn: type[torch.autograd.Function]):
-    """``fn``'s C-level ``apply`` (for autograd functions without ``setup_context``): ``Function.apply``'s
-    Python wrapper costs microseconds of host time per call and only matters under functorch
-    transforms, which callers check per call (``torch._C._are_functorch_transforms_active()``)."""
-    try:
-        return super(torch.autograd.Function, fn).apply
-    except AttributeError:  # a torch without the C base class: the public path
-        return fn.apply
-
-
-def apply_function(fn: type[torch.autograd.Function], raw, *args):
-    """``fn.apply(*args)``, through ``raw`` (``raw_apply(fn)``) in eager mode without functorch transforms
-    (dynamo traces only the public ``apply``)."""
-    if torch.compiler.is_compiling() or _functorch_active():
-        return fn.apply(*args)
-    return raw(*args)
 
 
 # ------------------------------------------------------------------------------------- plans
@@ -195,8 +178,6 @@ def bias_act(x: Tensor, bias: Tensor | None = None, activation: str = "gelu") ->
         return act_fwd_op(x, bias, activation)
     plan = act_plan(x, bias, activation)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        if _functorch_active():
-            return _BiasActFn.apply(plan, x, bias)
         return _BIAS_ACT_APPLY(plan, x, bias)
     return plan.forward(x, bias)
 
@@ -222,9 +203,7 @@ def gated_act(x: Tensor, u: Tensor, activation: str = "silu") -> Tensor:
     if plan is None:
         plan = glu_plan(x, u, activation)
     if torch.is_grad_enabled() and (x.requires_grad or u.requires_grad):
-        if _functorch_active():
-            return _GluFn.apply(plan, x, u)
-        if plan.packable:
+        if plan.packable and not _functorch_active():
             base = x._base
             # Non-leaf views of one base that needs grad, with no per-half autograd state to honour.
             if (base is not None and u._base is base and base.requires_grad and not x.is_leaf and not u.is_leaf

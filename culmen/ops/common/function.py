@@ -20,9 +20,10 @@ def raw_apply(cls: type[torch.autograd.Function]) -> Callable:
     raw = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
     full = cls.apply
     transforms_active = torch._C._are_functorch_transforms_active
+    compiling = torch.compiler.is_compiling
 
     def apply(*args):
-        if transforms_active():
+        if transforms_active() or compiling():  # dynamo traces only the public apply
             return full(*args)
         return raw(*args)
 
