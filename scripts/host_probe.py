@@ -210,6 +210,18 @@ def ops(rows):
     rows.append(("swiglu fwd+bwd torch", host_us(fwd_bwd(lambda: F.silu(a) * u, [a, u], g))))
     rows.append(("swiglu fwd+bwd culmen", host_us(fwd_bwd(lambda: swiglu(a, u), [a, u], g))))
 
+    from culmen.ops.softmax.op import scaled_masked_softmax
+
+    sc = torch.randn(4, 8, 64, 64, device=dev, dtype=bf, requires_grad=True)
+    pad = torch.rand(4, 1, 64, 64, device=dev) < 0.1
+    gs = torch.randn(4, 8, 64, 64, device=dev, dtype=bf)
+    rows.append(("masked softmax fwd+bwd torch", host_us(fwd_bwd(
+        lambda: torch.softmax((sc * 0.125).masked_fill(pad, -10000.0), -1), [sc], gs))))
+    rows.append(("masked softmax fwd+bwd culmen", host_us(fwd_bwd(
+        lambda: scaled_masked_softmax(sc, pad, 0.125), [sc], gs))))
+    rows.append(("softmax fwd+bwd torch", host_us(fwd_bwd(lambda: torch.softmax(sc, -1), [sc], gs))))
+    rows.append(("softmax fwd+bwd culmen", host_us(fwd_bwd(lambda: scaled_masked_softmax(sc, None, 1.0), [sc], gs))))
+
     from culmen.optimizers import FusedAdam
 
     params = [torch.randn(n, device=dev, requires_grad=True) for n in (1000, 4096, 50, 77777, 12, 300) * 4]
