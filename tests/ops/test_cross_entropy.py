@@ -306,8 +306,9 @@ def test_compat_names():
 
 
 @pytest.mark.parametrize("compile_backend", ["reference", "triton"])
-def test_torch_compile_fullgraph(compile_backend, monkeypatch):
-    """Both custom-op families trace without graph breaks and match eager (forward and gradients)."""
+def test_torch_compile_fullgraph(compile_backend):
+    """Both op families trace without graph breaks and match eager (forward and gradients): the triton_op
+    of ``cross_entropy`` per row and reduced, and the custom op of the fused linear loss."""
     from culmen.ops.cross_entropy import fused_linear_cross_entropy
 
     set_backend(compile_backend)
@@ -319,9 +320,11 @@ def test_torch_compile_fullgraph(compile_backend, monkeypatch):
 
     def fn(x, y, h, w):
         o = cross_entropy(x, y, label_smoothing=0.1, lse_square_scale=1e-3)
+        mean = cross_entropy(x, y, softcap=5.0, reduction="mean").loss
+        half = cross_entropy(x, y, reduction="sum", out_dtype=torch.float16).loss
         flce = fused_linear_cross_entropy(h, w, y, label_smoothing=0.1, chunk_size=4)
         none = fused_linear_cross_entropy(h, w, y, reduction="none", chunk_size=4)
-        return o.loss.sum() + flce + (none * torch.arange(6.0)).sum()
+        return o.loss.sum() + 2 * mean + half.float() + flce + (none * torch.arange(6.0)).sum()
 
     def run(f):
         total = f(x, y, h, w)
@@ -332,3 +335,119 @@ def test_torch_compile_fullgraph(compile_backend, monkeypatch):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6, msg=name)
     explained = torch._dynamo.explain(fn)(x, y, h, w)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_torch_compile_dynamic_rows():
+    """With dynamic shapes a new row count reuses the compiled graph (the plan takes no part in the guards:
+    block sizes and grids are symbolic in the rows), forward and backward equal eager's."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def fn(x, y):
+        return cross_entropy(x, y, label_smoothing=0.1, reduction="mean").loss
+
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend="aot_eager")
+    for n in (5, 9, 13):
+        x = randn((n, 40), requires_grad=True)
+        y = torch.randint(0, 40, (n,))
+        y[0] = -100
+        got = compiled(x, y)
+        (gc,) = torch.autograd.grad(got, x)
+        want = fn(x, y)
+        (ge,) = torch.autograd.grad(want, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gc, ge, rtol=1e-5, atol=1e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_op_reductions(backend, reduction, request):
+    """``reduction="mean"/"sum"`` in the op (one-program kernel; the backward reads the row scale from the
+    device): values and gradients against the float64 oracle, loss in ``out_dtype``, ignored rows not
+    counted; also with the split-vocab forward (few rows, small blocks)."""
+    request.getfixturevalue("small_blocks")
+    x, y = _inputs(Case(7, 1000, BF16, ignore=True))
+    kw = dict(label_smoothing=0.1, lse_square_scale=1e-3)
+    out = cross_entropy(x, y, reduction=reduction, **kw)
+    assert out.loss.shape == () and out.z_loss.shape == () and out.loss.dtype == F32 and out.lse.shape == (7,)
+    x64 = x.detach().double().requires_grad_()
+    x32 = x.detach().float().requires_grad_()
+    n = (y != -100).sum()
+
+    def red(t):
+        return t.sum() / n if reduction == "mean" else t.sum()
+
+    hi, lo = cross_entropy_ref(x64, y, **kw), cross_entropy_ref(x32, y, **kw)
+    assert_close_tolerance(out.loss, red(hi[0]), red(lo[0]), name="loss")
+    assert_close_tolerance(out.z_loss, red(hi[1]), red(lo[1]), name="z_loss")
+    (2.5 * out.loss).backward()
+    (2.5 * red(hi[0])).backward()
+    (2.5 * red(lo[0])).backward()
+    assert_close_tolerance(x.grad, x64.grad, x32.grad.to(BF16), name="dlogits")
+    half = cross_entropy(x.detach(), y, reduction=reduction, out_dtype=torch.float16, **kw).loss
+    assert half.dtype == torch.float16 and torch.allclose(half.float(), out.loss.detach(), rtol=1e-3)
+
+
+def test_mean_of_all_ignored_rows(backend):
+    """Every row ignored: the mean is 0 / 0 = NaN (PyTorch's), the gradient 0 (not NaN)."""
+    x = randn((5, 30), requires_grad=True)
+    y = torch.full((5,), -100)
+    loss = cross_entropy(x, y, reduction="mean").loss
+    assert torch.isnan(loss)
+    loss.backward()
+    assert bool((x.grad == 0).all())
+    assert cross_entropy(x.detach(), y, reduction="sum").loss == 0
+
+
+def test_strided_labels_and_precomputed_lse(backend):
+    """Labels with a stride (a view of every other label) and a precomputed LSE with a stride, in bf16 (read
+    as it is) and fp32; an in-place backward on logits whose rows are padded."""
+    x = make_noncontiguous(randn((6, 300), scale=2.0), pad=4).requires_grad_()
+    y = torch.randint(0, 300, (12,))[::2]
+    y[1] = -100
+    exact = torch.logsumexp(x.detach().double(), -1)
+    lse16 = exact.to(BF16).repeat_interleave(2)[::2]
+    assert y.stride(0) == 2 and lse16.stride(0) == 2
+    out = cross_entropy(x.detach(), y, precomputed_lse=lse16)
+    want = cross_entropy_ref(x.detach().double(), y, precomputed_lse=lse16.double())[0]
+    assert torch.allclose(out.loss.double(), want, atol=1e-5)
+    assert torch.equal(out.lse, lse16.float())
+    lse32 = exact.float().repeat_interleave(2)[::2]
+    out = cross_entropy(x * 1.0, y, precomputed_lse=lse32, inplace_backward=True)
+    out.loss.sum().backward()
+    # The oracle computes the LSE (the exact one was given): the gradient flows through it as the op's does.
+    x64 = x.detach().double().requires_grad_()
+    cross_entropy_ref(x64, y)[0].sum().backward()
+    assert torch.allclose(x.grad.double(), x64.grad, atol=1e-5)
+
+
+def test_plans_are_cached_and_dropped_by_switches(triton_backend, monkeypatch):
+    """One plan per signature; every switch and tuning change drops the cached plans. Label values are
+    always checked for CPU labels (whatever ``set_check_values`` says)."""
+    from culmen.ops.backend import set_check_values
+
+    x, y = _inputs(Case(4, 100))
+    ce_launch.PLANS.clear()
+    for _ in range(3):
+        cross_entropy(x, y)
+    assert len(ce_launch.PLANS) == 1
+    plan = next(iter(ce_launch.PLANS.values()))
+    assert plan.use_kernel and plan.check_values
+    cross_entropy(x, y, reduction="mean")
+    assert len(ce_launch.PLANS) == 2
+    monkeypatch.setitem(ce_launch.TUNING, "fwd_block_v", 64)
+    assert len(ce_launch.PLANS) == 0
+    cross_entropy(x, y)
+    set_check_values(True)
+    try:
+        assert len(ce_launch.PLANS) == 0
+        cross_entropy(x, y)
+    finally:
+        set_check_values(False)
+    assert len(ce_launch.PLANS) == 0
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 100\)"):
+        cross_entropy(x, torch.tensor([0, 1, 100, 2]))
+    set_backend("reference")
+    assert len(ce_launch.PLANS) == 0
+    cross_entropy(x, y)
+    assert not next(iter(ce_launch.PLANS.values())).use_kernel

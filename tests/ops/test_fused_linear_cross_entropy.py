@@ -260,3 +260,58 @@ def test_vocab_major_kernels(triton_backend, monkeypatch, smoothing, zloss, soft
     vm_grad(dloss, part, lse, y, smoothing, 1.0, zloss, -100, softcap, v0, V)
     torch.testing.assert_close(part, expect, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert bool((part[3] == 0).all()) and bool(torch.isnan(part[7]).all())
+
+
+@pytest.mark.parametrize("n,h,v,recompute", [
+    (8192, 4096, 128256, True),  # Llama-3 head: 248-row chunks; the measured faster plan (the notes' table)
+    (16384, 4096, 128256, True),
+    (4096, 512, 32000, False),  # train_step's LM heads: 640-1008-row chunks, accumulating is cheaper
+    (8192, 768, 50304, False),
+    (8192, 2048, 50304, False),
+])
+def test_auto_schedule(n, h, v, recompute):
+    """``recompute_dw="auto"`` picks stage 3 where a chunk is a few hundred rows (large vocabularies) and
+    the accumulation at 32k-50k classes; the scratch (peak memory) is the same either way, and with stage
+    3 the token chunks run in grad_weight's storage."""
+    assert TUNING["recompute_dw"] == "auto"
+    hid = torch.empty((n, h), dtype=BF16, device="meta")
+    w = torch.empty((v, h), dtype=BF16, device="meta")
+    y = torch.empty((n,), dtype=torch.long, device="meta")
+    plan = FLCEPlan(hid, w, None, y, -100, 0.0, 0.0, None, "mean", (True, True, False), None, None)
+    sg = plan.schedule("fwd_grad")
+    assert sg.recompute == recompute and sg.accumulate != recompute
+    assert sg.in_gw == (recompute and h > plan.C)
+    assert plan.C == default_chunk_rows(n, v, BF16)
+    # Every token is in the head or in exactly one chunk.
+    assert sg.n0 + sum(r1 - r0 for r0, r1 in sg.chunks) == n
+
+
+def test_strided_labels_and_3d_none(backend):
+    """Labels as a strided view (their stride goes to the kernels) and 3-D hidden with ``reduction="none"``
+    (losses in the labels' shape), forward and the recompute backward."""
+    c = Case((2, 7), 16, 120, F32, reduction="none", chunk=4)
+    hid, w, b, _ = _inputs(c)
+    y = torch.randint(0, 120, (2, 14))[:, ::2]
+    y[0, 1] = -100
+    assert not y.is_contiguous()
+    loss = fused_linear_cross_entropy(hid, w, y, reduction="none", chunk_size=4)
+    assert loss.shape == (2, 7)
+    cp = [t.detach().double().requires_grad_() for t in (hid, w)]
+    ref, _ = fused_linear_cross_entropy_ref(cp[0], cp[1], y, reduction="none")
+    assert torch.allclose(loss.double(), ref, atol=1e-5)
+    g = torch.rand(2, 7)
+    (loss * g).sum().backward()
+    (ref * g.double()).sum().backward()
+    for t, want in zip((hid, w), cp):
+        assert torch.allclose(t.grad.double(), want.grad, atol=1e-5)
+    # 1-D labels with stride 2 reach the kernels as they are (mean: gradients in the forward).
+    h2 = hid.detach()[0].clone().requires_grad_()
+    y1 = torch.randint(0, 120, (14,))[::2]
+    assert y1.stride(0) == 2
+    loss = fused_linear_cross_entropy(h2, w.detach(), y1, chunk_size=4, label_smoothing=0.1)
+    h64 = h2.detach().double().requires_grad_()
+    ref, _ = fused_linear_cross_entropy_ref(h64, w.detach().double(), y1, label_smoothing=0.1)
+    assert torch.allclose(loss.double(), ref, atol=1e-5)
+    loss.backward()
+    ref.backward()
+    assert torch.allclose(h2.grad.double(), h64.grad, atol=1e-5)

@@ -29,13 +29,14 @@ def softmax_cross_entropy(logits: Tensor, labels: Tensor, smoothing: float = 0.0
     """
     if not isinstance(logits, Tensor):
         check_float("logits", logits)  # raises; dtypes are checked by the op's plan
-    if logits.dim() < 1:
+    dim = logits.dim()
+    if dim < 1:
         raise ValueError("logits must have a class dimension (..., V)")
     lead = getattr(labels, "shape", None)
     if lead != logits.shape[:-1]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:-1])} (logits' without the class dim), got "
                          f"{tuple(lead or ())}")
-    flat = logits.dim() != 2
+    flat = dim != 2
     x, y = (logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)) if flat else (logits, labels)
     loss = cross_entropy(x, y, label_smoothing=smoothing, ignore_index=padding_idx,
                          out_dtype=None if half_to_float else logits.dtype).loss

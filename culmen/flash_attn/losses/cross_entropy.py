@@ -62,13 +62,14 @@ class CrossEntropyLoss(nn.Module):
 
         Returns the fp32 loss (0-dim, or ``target``'s shape for ``"none"``), or ``(loss, z_loss)``.
         """
-        if not isinstance(input, Tensor) or input.dim() < 1:
+        dim = input.dim() if isinstance(input, Tensor) else 0
+        if dim < 1:
             raise ValueError(f"input must be a tensor (..., vocab), got {getattr(input, 'shape', type(input))}")
         lead = getattr(target, "shape", None)
         if lead != input.shape[:-1]:
             raise ValueError(f"target must have shape {tuple(input.shape[:-1])} (input's without the vocab dim), "
                              f"got {tuple(lead or ())}")
-        flat = input.dim() != 2
+        flat = dim != 2
         if flat:
             input, target = input.reshape(-1, input.shape[-1]), target.reshape(-1)
         out = cross_entropy(input, target, label_smoothing=self.label_smoothing, logit_scale=self.logit_scale,

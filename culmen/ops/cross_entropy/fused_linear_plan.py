@@ -45,7 +45,7 @@ import math
 import torch
 from torch import Tensor
 
-from culmen.ops.backend import check_values_on, choose_backend
+from culmen.ops.backend import check_values_on, choose_backend, num_programs_hint
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, stream_getter
 from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.cross_entropy import vocab_major as vm
@@ -67,15 +67,21 @@ TUNING = PlanTuning({
     # Rows of the vocab slice used to accumulate grad_weight into an fp32 buffer (accum_dtype=float32).
     "fp32_accum_rows": 16384,
     # Stage 2 (head logits in grad_weight's storage) and stage 3 (grad_weight by vocab slices). H100, T=8192,
-    # H=4096, V=128256 bf16 (bench/notes/fused_linear_cross_entropy.md): these defaults 52.1 ms at 1.182 GB
-    # peak extra memory (Liger-Kernel 64.4 ms, 1.183 GB); recompute_dw=False with chunk_bytes=128 MiB
-    # 46.7 ms at 1.258 GB (the head, then 512-row chunks accumulating grad_weight).
+    # H=4096, V=128256 bf16 (bench/notes/fused_linear_cross_entropy.md): the slices 52.1 ms at 1.182 GB
+    # peak extra memory (Liger-Kernel 64.4 ms, 1.183 GB), the head + accumulating chunks 54.0 ms at the same
+    # memory; recompute_dw=False with chunk_bytes=128 MiB 46.7 ms at 1.258 GB (512-row chunks).
+    # recompute_dw: True, False, or "auto": whichever of the two costs less by the model of _recompute_pays
+    # (the slices where chunks are few rows, i.e. large vocabularies; the accumulation at 32k-50k classes).
     "vocab_major": True,
-    "recompute_dw": True,
+    "recompute_dw": "auto",
+    # The model's machine balance: matmul flop/s over memory bytes/s (H100 bf16: ~600 TFLOP/s, ~3 TB/s).
+    "flops_per_byte": 200,
     # Stage 3 needs slices of at least this many classes (scratch // N); else grad_weight accumulates.
     "min_slice_rows": 64,
-    # Elements per program of the in-place scaling of the gradients by the upstream gradient.
+    # The in-place scaling of the gradients by the upstream gradient: elements per program and step, and
+    # programs per multiprocessor (a fixed grid: with an upstream gradient of 1 every program exits at once).
     "scale_block": 4096,
+    "scale_programs_per_sm": 8,
 }, clear_plans)
 
 PLANS = PlanCache("fused_linear_cross_entropy")
@@ -187,9 +193,9 @@ class FLCEPlan:
                 MEAN=self.mean, WRITE_SCALE=True, WRITE_LOSS=False, BLOCK=CE_TUNING["reduce_block"]), 4, device=dev)
             self.finish_la = Launch(_cross_entropy_reduce_kernel, (1,), dict(
                 MEAN=self.mean, WRITE_SCALE=False, WRITE_LOSS=True, BLOCK=CE_TUNING["reduce_block"]), 4, device=dev)
-            blk = TUNING["scale_block"]
-            self.scale_la = tuple(Launch(_scale_by_kernel, (cdiv(n, blk),), dict(BLOCK=blk), 8, device=dev)
-                                  for n in (N * H, V * H, V))
+            blk, progs = TUNING["scale_block"], num_programs_hint(dev) * TUNING["scale_programs_per_sm"]
+            self.scale_la = tuple(Launch(_scale_by_kernel, (max(1, min(cdiv(n, blk), progs)),), dict(BLOCK=blk), 8,
+                                         device=dev) for n in (N * H, V * H, V))
 
     # --------------------------------------------------------------------------- schedule
     def schedule(self, mode: str) -> _Schedule:
@@ -205,8 +211,10 @@ class FLCEPlan:
         sg.stats = mode != "bwd"
         sg.want_grad = want = mode != "fwd"
         low = want and self.need_w and self.acc_dtype == self.dtype
-        sg.recompute = low and TUNING["recompute_dw"] and N > C and (C * V) // N >= TUNING["min_slice_rows"]
         sg.n0 = n0 = min(N, H) if low and TUNING["vocab_major"] and N > C and min(N, H) > C else 0
+        rd = TUNING["recompute_dw"]
+        sg.recompute = (low and N > C and (C * V) // N >= TUNING["min_slice_rows"]
+                        and (self._recompute_pays(n0) if rd == "auto" else bool(rd)))
         # grad_weight is written only by stage 3, so its storage (H rows of logits) first serves the token
         # chunks beyond the head (H-row matmuls: compute-bound, where the scratch's C-row ones are bound by
         # reading the weight), then the head's vocab-major logits.
@@ -246,6 +254,19 @@ class FLCEPlan:
         else:
             sg.slices = [(s0, s1, None) for s0, s1 in sg.slices]
         return sg
+
+    def _recompute_pays(self, n0: int) -> bool:
+        """Whether stage 3 (grad_weight by recomputed vocab slices) costs less than accumulating it chunk by
+        chunk, in bytes moved at memory speed (matmul flops divided by ``flops_per_byte``). Stage 3 pays one
+        more logits matmul and one more gradient pass over the tokens beyond the head, plus a copy of the
+        head's gradient; accumulating pays a read and a write of grad_weight per chunk of ``C`` rows (the
+        measured cost of ``addmm_`` at 248-row chunks: bench/notes/fused_linear_cross_entropy.md)."""
+        N, H, V, C = self.N, self.H, self.V, self.C
+        elem = torch.finfo(self.dtype).bits // 8
+        rest = N - n0
+        recompute = rest * V * (2 * H / TUNING["flops_per_byte"] + 2 * elem) + 2 * elem * n0 * V
+        accumulate = cdiv(rest, C) * 2 * elem * V * H
+        return recompute < accumulate
 
     # ------------------------------------------------------------------------------ passes
     def _alloc_grads(self, call: _Call) -> None:

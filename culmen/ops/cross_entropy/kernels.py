@@ -288,10 +288,13 @@ def _cross_entropy_reduce_kernel(
 @triton.jit(do_not_specialize=["n"])
 def _scale_by_kernel(X, DLOSS, n, BLOCK: tl.constexpr):
     """``X[:n] *= DLOSS[0]`` in fp32, one rounding; nothing is read or written when ``DLOSS[0] == 1`` (the
-    usual ``loss.backward()``), so an upstream gradient of 1 costs no pass over ``X``."""
+    usual ``loss.backward()``), so an upstream gradient of 1 costs one tiny launch, no pass over ``X``.
+    A fixed grid of programs strides over ``X`` (with ``DLOSS[0] == 1`` each exits at once)."""
     d = tl.load(DLOSS).to(tl.float32)
     if d != 1.0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(X + offs, (x * d).to(X.dtype.element_ty), mask=m)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(X + offs, (x * d).to(X.dtype.element_ty), mask=m)

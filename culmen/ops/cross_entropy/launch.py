@@ -295,7 +295,7 @@ class CEPlan:
         if traced:
             self.bwd.traced(*args)
         else:
-            aligned = (dx.data_ptr() | dloss.data_ptr() | logits.data_ptr() | lse.data_ptr()
-                       | labels.data_ptr()) & 15 == 0
+            # dx is the logits or fresh, the LSE is the forward's: only the caller's pointers can be unaligned.
+            aligned = (dloss.data_ptr() | logits.data_ptr() | labels.data_ptr()) & 15 == 0
             self.bwd(self.stream(), aligned, *args)
         return dx
