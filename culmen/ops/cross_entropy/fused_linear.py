@@ -201,10 +201,14 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, lse_square_sc
     shape = (N,) if reduction == "none" else ()
     grads = reduction != "none"
     return (hidden.new_empty(shape, dtype=f32), hidden.new_empty(shape, dtype=f32), hidden.new_empty((N,), dtype=f32),
-            torch.empty_like(hidden) if grads and need_hidden else nothing(hidden.device, hidden.dtype),
-            torch.empty_like(weight) if grads and need_weight else nothing(hidden.device, hidden.dtype),
-            torch.empty_like(bias) if grads and need_bias and bias is not None else nothing(hidden.device,
-                                                                                            hidden.dtype))
+            *_fake_grads(hidden, weight, bias, grads and need_hidden, grads and need_weight, grads and need_bias))
+
+
+def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    # The plans allocate the gradients contiguous, whatever the inputs' strides.
+    return (hidden.new_empty(hidden.shape) if need_hidden else nothing(hidden.device, hidden.dtype),
+            weight.new_empty(weight.shape) if need_weight else nothing(hidden.device, hidden.dtype),
+            bias.new_empty(bias.shape) if need_bias and bias is not None else nothing(hidden.device, hidden.dtype))
 
 
 @torch.library.custom_op("culmen::fused_linear_cross_entropy_bwd", mutates_args=())
@@ -235,9 +239,7 @@ def fused_linear_cross_entropy_bwd_op(
 @fused_linear_cross_entropy_bwd_op.register_fake
 def _(dloss, hidden, weight, bias, labels, lse, ignore_index, label_smoothing, lse_square_scale, softcap,
       need_hidden, need_weight, need_bias, chunk_size, accum_dtype):
-    return (torch.empty_like(hidden) if need_hidden else nothing(hidden.device, hidden.dtype),
-            torch.empty_like(weight) if need_weight else nothing(hidden.device, hidden.dtype),
-            torch.empty_like(bias) if need_bias and bias is not None else nothing(hidden.device, hidden.dtype))
+    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 _OP_ARGS = ("hidden", "weight", "bias", "labels", "ignore_index", "label_smoothing", "lse_square_scale", "softcap",

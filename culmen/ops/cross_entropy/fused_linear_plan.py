@@ -27,7 +27,10 @@ frozen weight: chunks of ``C`` rows in the scratch, ``grad_weight += dlogits_c.T
 writes all of ``grad_weight`` per chunk, which at a chunk small enough to stay under Liger-Kernel's
 memory costs more than the recomputation (at twice that chunk it costs less: see ``TUNING``); with
 ``vocab_major`` on it still takes its first ``N0`` tokens as a vocab-major head, whose ``grad_weight``
-slices are written first.
+slices are written first. ``TUNING["recompute_dw"] = "auto"`` (the default) picks one of the two per shape
+by a cost model (``FLCEPlan._recompute_pays``): stage 3 where the scratch holds few rows of a large vocab
+(248 at 128k classes), the accumulation where it holds many (640-1000 rows at 32k-50k classes), at the
+same peak memory.
 
 The plan (``FLCEPlan``) fixes all of that per call signature: the chunk and slice boundaries, which
 stages run, and a bound ``Launch`` per kernel geometry; a call allocates its outputs, gradients and one
@@ -194,8 +197,9 @@ class FLCEPlan:
             self.finish_la = Launch(_cross_entropy_reduce_kernel, (1,), dict(
                 MEAN=self.mean, WRITE_SCALE=False, WRITE_LOSS=True, BLOCK=CE_TUNING["reduce_block"]), 4, device=dev)
             blk, progs = TUNING["scale_block"], num_programs_hint(dev) * TUNING["scale_programs_per_sm"]
+            self.scale_n = (N * H, V * H, V)
             self.scale_la = tuple(Launch(_scale_by_kernel, (max(1, min(cdiv(n, blk), progs)),), dict(BLOCK=blk), 8,
-                                         device=dev) for n in (N * H, V * H, V))
+                                         device=dev) for n in self.scale_n)
 
     # --------------------------------------------------------------------------- schedule
     def schedule(self, mode: str) -> _Schedule:
@@ -361,9 +365,9 @@ class FLCEPlan:
             return
         stream = self.stream()
         aligned = dloss.data_ptr() & 15 == 0
-        for g, la in zip((gh, gw, gb), self.scale_la):
+        for g, la, n in zip((gh, gw, gb), self.scale_la, self.scale_n):
             if g is not None:
-                la(stream, aligned, g, dloss, g.numel())
+                la(stream, aligned, g, dloss, n)
 
     # -------------------------------------------------------------------- reference pieces
     def _scale_ref(self, call: _Call) -> None:

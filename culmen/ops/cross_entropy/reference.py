@@ -2,8 +2,8 @@
 
 ``cross_entropy_ref`` is the differentiable definition, computed in the dtype it is given (float64
 for the oracle, fp32 for PyTorch's usual upcast computation). ``cross_entropy_fwd_ref`` /
-``cross_entropy_bwd_ref`` mirror the launchers' signatures and outputs exactly (fp32 statistics,
-NaN rows for invalid labels, the in-place gradient write), so the op runs the same on every backend.
+``cross_entropy_bwd_ref`` compute what the kernels compute per row (fp32 statistics, NaN rows for invalid
+labels, the in-place gradient write), so the op runs the same on every backend.
 ``fused_linear_cross_entropy_ref`` is the unfused ``hidden @ weight.T + bias`` then cross-entropy.
 """
 
@@ -70,7 +70,9 @@ def cross_entropy_fwd_ref(logits: Tensor, labels: Tensor, lse_in: Tensor | None,
                           logit_scale: float, lse_square_scale: float, ignore_index: int, softcap: float,
                           vocab_start: int, total_classes: int, add_lse: bool,
                           grad_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The launcher ``cross_entropy_fwd`` in PyTorch (same arguments, outputs and in-place gradient)."""
+    """The forward kernels in PyTorch: per-row fp32 ``(loss, z_loss, lse)`` of ``logits (N, V)`` (a shard of
+    ``total_classes`` from ``vocab_start``; ``add_lse=False``: the shard's partial loss and zero z-loss);
+    ``grad_scale`` (1 element) also overwrites ``logits`` with ``grad_scale * d loss / d logits``."""
     x = logits.to(_compute_dtype(logits))
     valid, local, in_shard, bad = _label_info(labels, logits.shape[-1], vocab_start, total_classes, ignore_index)
     z = _softcap(x * logit_scale, softcap)
@@ -98,7 +100,7 @@ def cross_entropy_fwd_ref(logits: Tensor, labels: Tensor, lse_in: Tensor | None,
 def cross_entropy_bwd_ref(dloss: Tensor, logits: Tensor, lse: Tensor, labels: Tensor, label_smoothing: float,
                           logit_scale: float, lse_square_scale: float, ignore_index: int, softcap: float,
                           vocab_start: int, total_classes: int, out: Tensor | None = None) -> Tensor:
-    """The launcher ``cross_entropy_bwd`` in PyTorch: ``d loss / d logits`` for per-row ``dloss``."""
+    """The backward kernel in PyTorch: ``d loss / d logits`` for per-row ``dloss`` (into ``out`` if given)."""
     cdt = _compute_dtype(logits)
     x = logits.to(cdt)
     V = logits.shape[-1]
