@@ -293,7 +293,7 @@ def _scale_by_kernel(X, DLOSS, n, BLOCK: tl.constexpr):
     d = tl.load(DLOSS).to(tl.float32)
     if d != 1.0:
         step = tl.num_programs(0).to(tl.int64) * BLOCK
-        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n.to(tl.int64), step):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n
             x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
