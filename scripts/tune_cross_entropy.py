@@ -1,6 +1,7 @@
 """Sweep the launch settings of the cross-entropy kernels and the fused linear CE chunk budget.
 
-Usage (GPU machine): ``python3 scripts/tune_cross_entropy.py [--n 8192] [--v 128256] [--skip-flce]``.
+Usage (GPU machine): ``python3 scripts/tune_cross_entropy.py [--n 8192] [--v 128256] [--skip-flce]
+[--skip-kernels]``.
 Times the forward kernel, the backward kernel (bf16 logits, ``do_bench`` medians, through the cached
 plans) under each setting of ``culmen.ops.cross_entropy.launch.TUNING`` below, reports GB/s against bytes
 actually moved (forward: one read; backward: one read + one write), then times fused linear +
@@ -81,10 +82,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--skip-flce", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true", help="only the fused linear CE part")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    _kernels(args.n, args.v, dev)
-    torch.cuda.empty_cache()
+    if not args.skip_kernels:
+        _kernels(args.n, args.v, dev)
+        torch.cuda.empty_cache()
     if args.skip_flce:
         return
     from triton.testing import do_bench
