@@ -260,6 +260,10 @@ def _attn_fwd_kernel(
     ``K_RANGE`` (dense only; a KV cache): 1 = batch row ``b`` attends to keys ``[0, ken[b] + K_ADD)``,
     2 = keys ``[kst[b], ken[b] + K_ADD)``, clamped to ``[0, SK)``; its causal diagonal aligned to the end.
     """
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    p_drop = tl.cast(p_drop, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     sqb, sqs, sqh = _su(sqb, SU), _su(sqs, SU), _su(sqh, SU)
     skb, sks, skh = _su(skb, SU), _su(sks, SU), _su(skh, SU)
     svb, svs, svh = _su(svb, SU), _su(svs, SU), _su(svh, SU)
@@ -425,6 +429,10 @@ def _attn_bwd_dkdv_kernel(
     SU: tl.constexpr,
 ):
     """dK and dV of one key block (and, with ``ATOMIC_DQ``, its atomic share of dQ in fp32 ``dq_ptr``)."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    p_drop = tl.cast(p_drop, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     sqb, sqs, sqh = _su(sqb, SU), _su(sqs, SU), _su(sqh, SU)
     skb, sks, skh = _su(skb, SU), _su(sks, SU), _su(skh, SU)
     svb, svs, svh = _su(svb, SU), _su(svs, SU), _su(svh, SU)
@@ -533,6 +541,10 @@ def _attn_bwd_dq_kernel(
     SU: tl.constexpr,
 ):
     """dQ of one query block of one head (each program owns its rows: deterministic)."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    p_drop = tl.cast(p_drop, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     sqb, sqs, sqh = _su(sqb, SU), _su(sqs, SU), _su(sqh, SU)
     skb, sks, skh = _su(skb, SU), _su(sks, SU), _su(skh, SU)
     svb, svs, svh = _su(svb, SU), _su(svs, SU), _su(svh, SU)

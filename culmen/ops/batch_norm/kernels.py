@@ -42,6 +42,8 @@ def _count_ptr(P):
 @triton.jit
 def _bn_running_stats_kernel(RMEAN, RVAR, WS, o_off, C, eps, BLOCK_C: tl.constexpr):
     """Eval: ``[mean (C) | invstd (C)]`` at ``WS[o_off]`` from the running statistics (any float dtype)."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    eps = tl.cast(eps, tl.float32)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = cols < C
     rm = tl.load(RMEAN + cols, mask=ok, other=0.0).to(tl.float32)
@@ -140,6 +142,9 @@ def _bn_combine_kernel(WS, p_off, R, C, stride_p, o_off, RMEAN, RVAR, momentum, 
     ``invstd = 1/sqrt(M2/n + eps)``, and, with ``UPDATE_RUNNING``, blend the mean and the unbiased variance
     ``M2/(n-1)`` into ``RMEAN``/``RVAR`` (any float dtype) with ``momentum``.
     """
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    eps = tl.cast(eps, tl.float32)
+    momentum = tl.cast(momentum, tl.float32)
     PART = WS + p_off
     OUT = WS + o_off
     pid = tl.program_id(0)

@@ -130,6 +130,11 @@ def _cross_entropy_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Program ``(m, s)``: rows ``[m*BLOCK_M, (m+1)*BLOCK_M)`` of ``LOGITS``, columns of split ``s``."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    lse_square_scale = tl.cast(lse_square_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     # Rows past the end re-read the last row (always in bounds) and store nothing.
@@ -196,6 +201,11 @@ def _cross_entropy_combine_kernel(
 ):
     """Merge the per-split ``(max, sum exp, sum z)`` of a block of rows and finish their loss (logits of any
     ``(stride_row, stride_v)``: the vocab-major path of ``vocab_major.py`` shares it)."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    lse_square_scale = tl.cast(lse_square_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     rows_c = tl.minimum(rows, N - 1)
@@ -224,6 +234,11 @@ def _cross_entropy_bwd_kernel(
     """Program ``(m, v)`` writes the gradient of rows block ``m``, columns block ``v``. ``dloss`` of row ``r``
     is ``DLOSS[(row0 + r) * stride_dloss]`` (stride 0: the gradient of a reduced loss), times
     ``SCALE[scale_off]`` with ``HAS_SCALE`` (a mean's ``1 / #counted``)."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    lse_square_scale = tl.cast(lse_square_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     rows_c = tl.minimum(rows, N - 1)

@@ -39,6 +39,9 @@ def _vm_stats_kernel(LOGITS, PART, stride_t, stride_v, N, V, cols_per_split, log
                      HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
     """Partial ``(max, sum exp(z - max), sum z)`` of rows block ``m`` over the columns of split ``s``."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     # Rows are not clamped: a clamp would hide their contiguity from the vectorizer; masks instead.
@@ -77,6 +80,11 @@ def _vm_grad_kernel(X, DLOSS, LSE, LABELS, off, stride_t, stride_v, stride_label
     Logit ``(r, c)`` lives at ``X[off + r * stride_t + c * stride_v]``; it is column ``vocab_start + c`` of
     ``total_classes`` and row ``row0 + r`` of the per-row arrays (LSE, labels, ``DLOSS[dloss_off + (row0 + r)
     * stride_dloss]``: stride 0 for the scale of a reduced loss)."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    label_smoothing = tl.cast(label_smoothing, tl.float32)
+    logit_scale = tl.cast(logit_scale, tl.float32)
+    lse_square_scale = tl.cast(lse_square_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     g_rows = row0 + tl.minimum(rows, N - 1)

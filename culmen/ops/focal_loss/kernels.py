@@ -136,6 +136,10 @@ def _focal_loss_fwd_kernel(X, Y, PART, R, C, num_real, num_tiles, alpha, gamma, 
     The column loop advances pointers and a per-row ``label - c0`` instead of indexing with ``c0``: LLVM
     widens an induction variable used in 64-bit addresses, and every label compare with it.
     """
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    alpha = tl.cast(alpha, tl.float32)
+    gamma = tl.cast(gamma, tl.float32)
+    smoothing = tl.cast(smoothing, tl.float32)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     j = tl.arange(0, BLOCK_C)[None, :]
@@ -180,6 +184,10 @@ def _focal_loss_bwd_kernel(X, Y, DX, GRAD, NPOS, R, C, num_real, alpha, gamma, s
                            FAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """``DX = dloss/dx * GRAD[0] / NPOS[0]`` on row tile ``program_id``, every column (zeros where ignored or
     padded); without ``NORMALIZE`` the raw gradient of the summed loss (Apex's ``partial_grad``)."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    alpha = tl.cast(alpha, tl.float32)
+    gamma = tl.cast(gamma, tl.float32)
+    smoothing = tl.cast(smoothing, tl.float32)
     rows, y, counted = _row_tile(Y, tl.program_id(0), R, BLOCK_R)
     # Clamped rows past the end recompute the last row and store nothing.
     store_rows = (tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R) < R)[:, None]

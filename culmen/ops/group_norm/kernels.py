@@ -357,6 +357,8 @@ def _gn_fwd_rows_kernel(X, Y, W, B, MEAN, RSTD, roff, PART, poff, CNT, R, G, L, 
                         FOLD: tl.constexpr, BLOCK_M: tl.constexpr):
     """Forward, one row per group ``(n, g)``: statistics at ``MEAN[row]`` / ``RSTD[roff + row]``, partials at
     ``PART[poff + ...]`` (``R * S`` pairs), counters at ``CNT``."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    eps = tl.cast(eps, tl.float32)
     p = _ticket(CNT, (R + 1) * S)
     ARR = CNT + 2
     RS = RSTD + roff
@@ -566,6 +568,8 @@ def _gn_fwd_cl_kernel(X, Y, W, B, MEAN, RSTD, roff, PART, poff, CNT, N, G, C, L,
     """Forward, one row per sample, chunks of ``Lc`` positions x all channels. Partials: ``(mean, M2)`` per
     ``(n, chunk, g)`` at ``PART[poff + ...]``; without ``USE_GATHER`` each chunk also has a ``BLOCK_C`` scratch
     row after them."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    eps = tl.cast(eps, tl.float32)
     p = _ticket(CNT, (N + 1) * S)
     ARR = CNT + 2
     RS = RSTD + roff

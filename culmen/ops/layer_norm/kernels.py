@@ -99,6 +99,9 @@ def _layer_norm_fwd_kernel(
     ZERO_CENTERED: tl.constexpr, STORE_STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Row-resident forward: program ``pid`` normalizes rows ``[pid*BLOCK_M, (pid+1)*BLOCK_M)``."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     rows1 = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = rows1[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
@@ -139,6 +142,9 @@ def _layer_norm_fwd_chunked_kernel(
     ZERO_CENTERED: tl.constexpr, STORE_STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Forward for rows too long for registers: a statistics pass, then a normalize pass."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    eps = tl.cast(eps, tl.float32)
     rows1 = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = rows1[:, None]
     row_ok = rows < M
@@ -258,6 +264,8 @@ def _layer_norm_bwd_kernel(
     RECOMPUTE_FROM_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Row-resident persistent backward; writes dX and one row of fp32 dW/dB partials per program."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    dropout_p = tl.cast(dropout_p, tl.float32)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_ok = cols < N
@@ -364,6 +372,8 @@ def _layer_norm_bwd_chunked_kernel(
     RECOMPUTE_FROM_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dX for rows too long for registers: one pass for the two row sums, one to write dX."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    dropout_p = tl.cast(dropout_p, tl.float32)
     rows1 = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows1 = tl.where(rows1 < M, rows1, -1)
     rows = rows1[:, None]

@@ -81,6 +81,15 @@ if triton is not None:
                      Q_DT: tl.constexpr, L: tl.constexpr, MODE: tl.constexpr, LR_T: tl.constexpr,
                      STEP_T: tl.constexpr, STEP: tl.constexpr, INV: tl.constexpr, BIAS_CORR: tl.constexpr,
                      SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+        b1 = tl.cast(b1, tl.float32)
+        b2 = tl.cast(b2, tl.float32)
+        bc1 = tl.cast(bc1, tl.float32)
+        bc2 = tl.cast(bc2, tl.float32)
+        eps = tl.cast(eps, tl.float32)
+        inv = tl.cast(inv, tl.float32)
+        lr = tl.cast(lr, tl.float32)
+        wd = tl.cast(wd, tl.float32)
         go = tl.load(noop) == 0
         if STEP_T:
             s = tl.load(step_ptr)

@@ -50,6 +50,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T", "C"])
     def _scale_kernel(ptrs, geo, noop, T, C, scale, IN_DT: tl.constexpr, OUT_DT: tl.constexpr, SHIFT: tl.constexpr,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+        scale = tl.cast(scale, tl.float32)
         t, j, n = chunk_coords(geo, T, C)
         src = tensor_ptr(ptrs, T, t, 0, IN_DT, SHIFT)
         dst = tensor_ptr(ptrs, T, t, 1, OUT_DT, SHIFT)
@@ -82,6 +84,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T", "C"])
     def _axpby_kernel(ptrs, geo, noop, T, C, a, b, X_DT: tl.constexpr, Y_DT: tl.constexpr, OUT_DT: tl.constexpr,
                       CHECK: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+        a = tl.cast(a, tl.float32)
+        b = tl.cast(b, tl.float32)
         t, j, n = chunk_coords(geo, T, C)
         xp = tensor_ptr(ptrs, T, t, 0, X_DT, SHIFT)
         yp = tensor_ptr(ptrs, T, t, 1, Y_DT, SHIFT)

@@ -56,6 +56,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T", "C", "poff"])
     def _sumsq_kernel(ptrs, geo, noop, out, inv_scale, T, C, poff, scale, X_DT: tl.constexpr, OUT_DT: tl.constexpr,
                       MODE: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+        scale = tl.cast(scale, tl.float32)
         # Program c writes the sum of squares of chunk c to out[poff + c].
         c = tl.program_id(0)
         t, j, n = chunk_coords(geo, T, C)

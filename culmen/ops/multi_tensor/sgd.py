@@ -66,6 +66,12 @@ if triton is not None:
                     B_DT: tl.constexpr, C_DT: tl.constexpr, L: tl.constexpr, HAS_WD: tl.constexpr,
                     HAS_MOM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr, WD_AFTER: tl.constexpr,
                     SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+        dampening = tl.cast(dampening, tl.float32)
+        lr = tl.cast(lr, tl.float32)
+        momentum = tl.cast(momentum, tl.float32)
+        scale = tl.cast(scale, tl.float32)
+        wd = tl.cast(wd, tl.float32)
         if tl.load(noop) == 0:
             t, j, n = chunk_coords(geo, T, C)
             gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)

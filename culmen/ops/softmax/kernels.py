@@ -59,6 +59,8 @@ def _softmax_fwd_kernel(
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Row-resident forward: program ``pid`` computes rows ``[pid*BLOCK_M, (pid+1)*BLOCK_M)``."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    scale = tl.cast(scale, tl.float32)
     rows1 = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = rows1[:, None]
     b, h, q = _row_coords(rows, NP, SQ)
@@ -87,6 +89,8 @@ def _softmax_fwd_chunked_kernel(
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Forward for rows too long for registers: one program per row, online max/sum, then a write pass."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    scale = tl.cast(scale, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     b, h, q = _row_coords(row, NP, SQ)
     limit = SK
@@ -125,6 +129,8 @@ def _softmax_bwd_kernel(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Row-resident backward: ``dx = scale * y * (dy - sum(y * dy))``."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    scale = tl.cast(scale, tl.float32)
     rows1 = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = rows1[:, None]
     b, h, q = _row_coords(rows, NP, SQ)
@@ -149,6 +155,8 @@ def _softmax_bwd_chunked_kernel(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Backward for long rows: a pass for ``sum(y * dy)``, then a pass writing dx."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    scale = tl.cast(scale, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     b, h, q = _row_coords(row, NP, SQ)
     limit = SK
