@@ -434,8 +434,10 @@ def _profile(dev, args) -> dict[str, Any]:
     _sync(dev)
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
-    res["launchers"] = {k: dict(disabled=v.disabled, error=v.error, cached=len(v.cache))
-                        for k, v in vars(bn_launch).items() if type(v).__name__ == "FastLauncher"}
+    # Every bound launch of every cached SyncBN plan: did it take the direct path (and if not, why)?
+    res["launchers"] = {f"{getattr(la.fn, '__name__', la.fn)}#{i}": dict(direct=la._run is not None, error=la.error)
+                        for i, plan in enumerate(bn_launch.PLANS.values())
+                        for la in vars(plan).values() if type(la).__name__ == "Launch"}
     tables = [buf.getvalue()]
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda"
                                                       else [])

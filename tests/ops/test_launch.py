@@ -1,6 +1,5 @@
-"""The direct-launch protocol of ``culmen.ops.common.launch`` (``compile_entry`` / ``run_compiled`` /
-``BoundLaunch``) against a fake Triton kernel that records its calls, so the argument order that the
-GPU fast paths rely on is checked on CPU too."""
+"""The direct-launch protocol of ``culmen.ops.common.launch.Launch`` against a fake Triton kernel that
+records its calls, so the argument order that the GPU fast path relies on is checked on CPU too."""
 
 from __future__ import annotations
 
@@ -33,58 +32,6 @@ class _Kernel:
             self.log.append(("triton", grid, args, kw))
             return self.compiled
         return launch
-
-
-def test_compile_entry_orders_constexprs_by_signature():
-    k = _Kernel()
-    entry = L.compile_entry(k, (3,), ("X", 7), {"FLAG": True, "BLOCK": 64}, num_warps=4)
-    assert entry == (k.compiled, (64, True))
-    assert k.log == [("triton", (3,), ("X", 7), {"FLAG": True, "BLOCK": 64, "num_warps": 4, "num_stages": 3})]
-    assert L.compile_entry(k, (3,), ("X", 7), {"BLOCK": 64}, num_warps=4) is None  # FLAG unmapped
-
-
-def test_run_compiled_argument_order(monkeypatch):
-    k = _Kernel()
-    entry = (k.compiled, (64, True))
-    monkeypatch.setattr(L, "_launch_hooks", lambda: (None, None))
-    L.run_compiled(entry, (5,), 123, ("X", 7))
-    assert k.log == [("run", 5, 1, 1, 123, "fn-handle", "packed", None, None, None, "X", 7, 64, True)]
-    k.log.clear()
-    monkeypatch.setattr(L, "_launch_hooks", lambda: ("enter", "leave"))
-    L.run_compiled(entry, (5, 2), 9, ("Y", 1))
-    assert k.log[0] == ("metadata", (5, 2, 1), 9, ("Y", 1, 64, True))
-    assert k.log[1] == ("run", 5, 2, 1, 9, "fn-handle", "packed", "md", "enter", "leave", "Y", 1, 64, True)
-
-
-def test_bound_launch_compiles_once_then_runs_directly(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(L, "_launch_hooks", lambda: (None, None))
-    k = _Kernel()
-    bound = L.BoundLaunch(L.FastLauncher(k), (4,), {"BLOCK": 32, "FLAG": False}, num_warps=8)
-    bound(("A", 1), aligned=True, stream=77)
-    bound(("B", 2), aligned=True, stream=77)
-    assert [e[0] for e in k.log] == ["triton", "run"]
-    assert k.log[1] == ("run", 4, 1, 1, 77, "fn-handle", "packed", None, None, None, "B", 2, 32, False)
-
-
-def test_run_compiled_skips_empty_hook_chains(monkeypatch):
-    """Triton's ``HookChain`` objects are never ``None``: empty chains take the hook-free launch, a chain
-    with a hook gets the metadata and the chains."""
-
-    class Chain:
-        def __init__(self, calls):
-            self.calls = calls
-
-    k = _Kernel()
-    entry = (k.compiled, (64, True))
-    empty, used = Chain([]), Chain([print])
-    monkeypatch.setattr(L, "_launch_hooks", lambda: (empty, empty))
-    L.run_compiled(entry, (5,), 3, ("X", 7))
-    assert k.log == [("run", 5, 1, 1, 3, "fn-handle", "packed", None, None, None, "X", 7, 64, True)]
-    k.log.clear()
-    monkeypatch.setattr(L, "_launch_hooks", lambda: (used, empty))
-    L.run_compiled(entry, (5,), 3, ("X", 7))
-    assert k.log[0][0] == "metadata" and k.log[1][7:10] == ("md", used, empty)
 
 
 def test_plan_tuning_reports_every_change():

@@ -1,16 +1,12 @@
-"""Low-overhead Triton launches.
+"""Low-overhead Triton launches: the ``Launch`` every op plan binds, and small host helpers.
 
-``kernel[grid](*args, **constexprs)`` re-binds and re-specializes every argument on every call; with
-the 40-50 arguments of a fused kernel that costs tens of microseconds of host time, which on a slow
-host is more than a memory-bound kernel takes on the GPU. ``FastLauncher`` keeps the compiled kernel
-of each specialization and calls it directly.
-
-The cache key is a superset of what Triton specializes on (argument dtypes, 16-byte alignment of
-pointers, integers equal to 1 / divisible by 16 / fitting in 32 bits, which pointers are ``None``,
-constexpr values, warps, stages) plus the current device, so a cached kernel is only reused for
-arguments it was compiled for. Launch hooks (profilers) are passed on as Triton passes them. The
-first call of each key, the interpreter and any error take Triton's normal path;
-``CULMEN_FAST_LAUNCH=0`` turns the fast path off.
+``kernel[grid](*args, **constexprs)`` re-binds and re-specializes every argument on every call (about
+12 µs of host time on the GPU test machine, more than a memory-bound kernel takes on the GPU). A plan
+fixes everything Triton specializes on, so after the first call a ``Launch`` calls the compiled kernel's
+C launcher directly (~3 µs). Triton's own dispatch still runs the first call, calls under the CPU
+interpreter, calls while another device is current, calls with misaligned pointers, while a profiler's
+launch hooks are installed (at bind time), and everything after ``set_fast_launch(False)`` (starting
+value: ``CULMEN_FAST_LAUNCH``, read once).
 """
 
 from __future__ import annotations
@@ -174,16 +170,6 @@ def _zero():
 
 
 
-def _spec(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool) or a is None:
-        return a
-    if isinstance(a, int):
-        return (a == 1, a % 16 == 0, -_I32 <= a < _I32)
-    return type(a)
-
-
 @functools.cache
 def _hook_holder():
     try:
@@ -202,107 +188,10 @@ def _launch_hooks():
     return getattr(rt, "launch_enter_hook", None), getattr(rt, "launch_exit_hook", None)
 
 
-def compile_entry(kernel, grid, args: tuple, meta: dict, num_warps: int, num_stages: int = 3):
-    """Launch ``kernel`` through Triton once (compiling it if needed) and return ``(compiled, constexpr
-    values in signature order)`` for ``run_compiled``, or ``None`` when the kernel cannot be reused so
-    (the interpreter returns no compiled kernel; ``meta`` must name exactly the trailing constexprs)."""
-    compiled = kernel[grid](*args, **meta, num_warps=num_warps, num_stages=num_stages)
-    names = kernel.arg_names[len(args):]
-    if compiled is None or set(names) != set(meta):
-        return None
-    return compiled, tuple(meta[n] for n in names)
-
-
 def _no_hooks(enter, leave) -> bool:
     """Whether no launch hook is installed. Recent Triton keeps its hooks in ``HookChain`` objects that
     are never ``None`` (empty ``calls`` when unused); older Triton uses ``None``."""
     return not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave)
-
-
-def run_compiled(entry: tuple, grid: tuple, stream: int, args: tuple) -> None:
-    """Launch a ``compile_entry`` result directly on ``stream``. Triton's launch hooks are passed on when a
-    profiler installed some; without hooks the launch metadata (a Python dict per launch) is skipped."""
-    compiled, const_vals = entry
-    g = (*grid, 1, 1)
-    enter, leave = _launch_hooks()
-    if _no_hooks(enter, leave):
-        compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
-                     *const_vals)
-        return
-    metadata = compiled.launch_metadata(g[:3], stream, *args, *const_vals) if enter is not None else None
-    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *args,
-                 *const_vals)
-
-
-class FastLauncher:
-    """Launch ``kernel`` with its non-constexpr ``args`` (signature order) and constexpr ``meta``."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.cache: dict = {}
-        self.disabled = False
-        self.error: str | None = None  # why the fast path was turned off, for diagnosis
-
-    def _fast_ok(self) -> bool:
-        if self.disabled or os.environ.get("CULMEN_FAST_LAUNCH", "1") == "0":
-            return False
-        return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-    def __call__(self, grid, args: tuple, meta: dict, num_warps: int, num_stages: int = 3) -> None:
-        if not self._fast_ok():
-            self.kernel[grid](*args, **meta, num_warps=num_warps, num_stages=num_stages)
-            return
-        # A compiled kernel's function handle belongs to one device's context.
-        key = (torch.cuda.current_device(), tuple(meta.values()), num_warps, num_stages, *map(_spec, args))
-        entry = self.cache.get(key)
-        if entry is None:
-            entry = compile_entry(self.kernel, grid, args, meta, num_warps, num_stages)
-            if entry is not None:
-                self.cache[key] = entry
-            else:
-                self.error = f"cannot map constexprs {self.kernel.arg_names[len(args):]} to {list(meta)}"
-            return
-        try:
-            run_compiled(entry, grid, torch.cuda.current_stream().cuda_stream, args)
-        except Exception as e:
-            # An API change in Triton: fall back for good rather than guess.
-            self.disabled = True
-            self.error = f"{type(e).__name__}: {e}"
-            self.kernel[grid](*args, **meta, num_warps=num_warps, num_stages=num_stages)
-
-
-class BoundLaunch:
-    """One launch of a fixed plan (kernel, grid, constexprs, warps): after the first launch it calls the
-    compiled kernel directly, without even ``FastLauncher``'s per-call specialization key.
-
-    Every argument's Triton specialization (dtypes, integer values) is fixed by the plan key, except the
-    16-byte alignment of the pointers: the cached kernel runs only when all pointers are aligned (the
-    caller says so), anything else takes ``FastLauncher``'s checked path.
-    """
-
-    __slots__ = ("launcher", "grid", "meta", "num_warps", "compiled")
-
-    def __init__(self, launcher: FastLauncher, grid: tuple[int, ...], meta: dict, num_warps: int):
-        self.launcher = launcher
-        self.grid = (*grid, 1, 1)[:3]
-        self.meta = meta
-        self.num_warps = num_warps
-        self.compiled = None  # a compile_entry result
-
-    def __call__(self, args: tuple, aligned: bool, stream: int) -> None:
-        c = self.compiled
-        if c is not None and aligned:
-            try:
-                run_compiled(c, self.grid, stream, args)
-                return
-            except Exception as e:  # a Triton API change: the checked path from now on
-                self.launcher.disabled = True
-                self.launcher.error = f"{type(e).__name__}: {e}"
-                self.compiled = None
-        if aligned and stream is not None and not self.launcher.disabled and self.launcher._fast_ok():
-            self.compiled = compile_entry(self.launcher.kernel, self.grid, args, self.meta, self.num_warps)
-            return
-        self.launcher(self.grid, args, self.meta, num_warps=self.num_warps)
 
 
 class PlanTuning(dict):
@@ -353,12 +242,3 @@ def aligned_16(*ts: torch.Tensor) -> bool:
     for t in ts:
         bits |= t.data_ptr()
     return bits & 15 == 0
-
-
-def raw_stream(dev: torch.device):
-    """The raw current CUDA stream (``None`` off CUDA: the launch then takes Triton's normal path)."""
-    if dev.type != "cuda":
-        return None
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
