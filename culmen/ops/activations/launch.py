@@ -42,7 +42,7 @@ from culmen.ops.activations.kernels import (
 )
 from culmen.ops.activations.reference import act_bwd_ref, act_fwd_ref, glu_bwd_ref, glu_fwd_ref
 from culmen.ops.backend import choose_backend, num_programs_hint
-from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter, traceable_kernels
+from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, row_stride, stream_getter, traceable_kernels
 from culmen.ops.common.plans import PlanCache, clear_plans
 
 ACT_CODES: dict[str, int] = {
@@ -135,28 +135,6 @@ def _use_kernel(x: Tensor, traced: bool) -> bool:
     if traced:
         return ok and traceable_kernels()
     return ok and x.numel() > 0
-
-
-def row_stride(t: Tensor) -> int | None:
-    """The stride between consecutive rows when ``t (..., N)`` can be addressed as ``(M, N)`` rows with a
-    unit column stride and one row stride, else ``None`` (the caller then makes a contiguous copy)."""
-    shape, strides = t.shape, t.stride()
-    if not shape:
-        return 1
-    n = shape[-1]
-    if n != 1 and strides[-1] != 1:
-        return None
-    rs = expected = None
-    for size, st in zip(reversed(shape[:-1]), reversed(strides[:-1])):
-        if size == 1:
-            continue
-        if rs is None:
-            rs, expected = st, st * size
-        elif st != expected:
-            return None
-        else:
-            expected = st * size
-    return max(n, 1) if rs is None else rs
 
 
 def _geometry(tensors: list[Tensor], per_column: bool, traced: bool) -> tuple:

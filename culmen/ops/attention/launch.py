@@ -38,6 +38,7 @@ from culmen.ops.attention.reference import (
 )
 from culmen.ops.backend import check_values_on, choose_backend, deterministic_enabled
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter, traceable_kernels
+from culmen.ops.common.launch import aligned_16 as _aligned
 from culmen.ops.common.plans import clear_plans
 
 MAX_KERNEL_HEADDIM = 512
@@ -140,14 +141,6 @@ class TensorSpec:
 
     def is_contiguous(self) -> bool:
         return self._strides == _contiguous_strides(self.shape)
-
-
-def _aligned(*ts) -> bool:
-    bits = 0
-    for t in ts:
-        if t is not None:
-            bits |= t.data_ptr()
-    return bits & 15 == 0
 
 
 class AttnPlan:

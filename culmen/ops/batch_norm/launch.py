@@ -43,6 +43,8 @@ from culmen.ops.batch_norm.kernels import (
 )
 from culmen.ops.batch_norm.reference import stat_dtype
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter
+from culmen.ops.common.launch import aligned_16 as _aligned
+from culmen.ops.common.launch import size_hint as _hint
 from culmen.ops.common.plans import PlanCache, clear_plans
 
 TUNING = PlanTuning({
@@ -65,20 +67,6 @@ PLANS = PlanCache("batch_norm")
 _F32 = torch.float32
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
-def _hint(n, fallback: int = 64) -> int:
-    """A concrete value of a size that may be symbolic (``torch.compile``), without adding a guard: for
-    choosing block sizes only."""
-    if isinstance(n, int):
-        return n
-    from torch.fx.experimental import symbolic_shapes as ss
-
-    fn = getattr(ss, "optimization_hint", None) or getattr(ss, "hint_int", None)
-    try:
-        return int(fn(n, fallback=fallback))
-    except Exception:  # no hint (unbacked size): any positive value is correct
-        return fallback
 
 
 def _at_least_1(n):
@@ -166,14 +154,6 @@ def _elem_plan_nhwc(M: int, C: int):
 def _pad4(n):
     """``n`` fp32 elements rounded up to 16 bytes, so the next region of a workspace stays aligned."""
     return (n + 3) // 4 * 4
-
-
-def _aligned(*ts) -> bool:
-    bits = 0
-    for t in ts:
-        if t is not None:
-            bits |= t.data_ptr()
-    return bits & 15 == 0
 
 
 def group_size(process_group) -> int:

@@ -236,9 +236,47 @@ def warps_for(elems: int, elems_per_thread: int, max_warps: int) -> int:
     return max(1, min(max_warps, next_pow2(elems // (32 * elems_per_thread))))
 
 
-def aligned_16(*ts: torch.Tensor) -> bool:
-    """Whether every tensor's data pointer is 16-byte aligned."""
+def aligned_16(*ts: torch.Tensor | None) -> bool:
+    """Whether every given tensor's data pointer is 16-byte aligned (``None`` entries are skipped): the
+    ``aligned`` argument of ``Launch`` (Triton compiled the bound kernel for aligned pointers)."""
     bits = 0
     for t in ts:
-        bits |= t.data_ptr()
+        if t is not None:
+            bits |= t.data_ptr()
     return bits & 15 == 0
+
+
+def row_stride(t: torch.Tensor) -> int | None:
+    """The stride between consecutive rows when ``t (..., N)`` can be addressed as ``(M, N)`` rows with a
+    unit column stride and one row stride, else ``None`` (the caller then makes a contiguous copy)."""
+    shape, strides = t.shape, t.stride()
+    if not shape:
+        return 1
+    n = shape[-1]
+    if n != 1 and strides[-1] != 1:
+        return None
+    rs = expected = None
+    for size, st in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+        if size == 1:
+            continue
+        if rs is None:
+            rs, expected = st, st * size
+        elif st != expected:
+            return None
+        else:
+            expected = st * size
+    return max(n, 1) if rs is None else rs
+
+
+def size_hint(n, fallback: int = 64) -> int:
+    """A concrete value of a size that may be symbolic (``torch.compile``), without adding a guard: for
+    choosing block or chunk sizes only, never for anything a result depends on."""
+    if isinstance(n, int):
+        return n
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    fn = getattr(ss, "optimization_hint", None) or getattr(ss, "hint_int", None)
+    try:
+        return int(fn(n, fallback=fallback))
+    except Exception:  # no hint (unbacked size): any positive value is correct
+        return fallback

@@ -29,6 +29,8 @@ from torch import Tensor
 
 from culmen.ops.backend import choose_backend, num_programs_hint
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter
+from culmen.ops.common.launch import aligned_16 as _aligned
+from culmen.ops.common.launch import size_hint as _hint
 from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.group_norm.kernels import (
     _gn_bwd_cl_kernel,
@@ -88,20 +90,6 @@ def parse_act(act: str | None) -> bool:
         return _ACTS[key]
     except (KeyError, TypeError):
         raise ValueError(f"group_norm: act must be None, '', 'silu' or 'swish', got {act!r}") from None
-
-
-def _hint(n, fallback: int = 64) -> int:
-    """A concrete value of a size that may be symbolic (``torch.compile``), without adding a guard: for
-    choosing chunk sizes only, never for anything the result depends on."""
-    if isinstance(n, int):
-        return n
-    from torch.fx.experimental import symbolic_shapes as ss
-
-    fn = getattr(ss, "optimization_hint", None) or getattr(ss, "hint_int", None)
-    try:
-        return int(fn(n, fallback=fallback))
-    except Exception:  # no hint (unbacked size): any positive value is correct
-        return fallback
 
 
 def _acc(dtype: torch.dtype):
@@ -406,9 +394,3 @@ class _BwdPlan:
     __slots__ = ("launch", "ints", "sd", "fix_dy", "store_dw", "ws_numel", "cnt")
 
 
-def _aligned(*ts) -> bool:
-    bits = 0
-    for t in ts:
-        if t is not None:
-            bits |= t.data_ptr()
-    return bits & 15 == 0

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from culmen.ops.backend import choose_backend, num_programs_hint
-from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter, warps_for
+from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, row_stride, stream_getter, warps_for
+from culmen.ops.common.launch import aligned_16 as _aligned
 from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.layer_norm.kernels import (
     _layer_norm_bwd_chunked_kernel,
@@ -58,29 +59,6 @@ def _row_blocks(N: int, M, target: int) -> tuple[int, int]:
     block_n = next_pow2(N)
     cap = next_pow2(M) if isinstance(M, int) else 64  # a symbolic M (torch.compile) takes no part
     return max(1, min(target // block_n, 64, cap)), block_n
-
-
-def row_stride(t: Tensor) -> int | None:
-    """The stride between consecutive rows when ``t (..., N)`` can be addressed as ``(M, N)`` rows with a
-    unit column stride and one row stride, else ``None`` (the caller then makes a contiguous copy)."""
-    shape, strides = t.shape, t.stride()
-    n = shape[-1]
-    if n > 1 and strides[-1] != 1:
-        return None
-    rs = None
-    expected = None
-    for size, st in zip(reversed(shape[:-1]), reversed(strides[:-1])):
-        if size == 1:
-            continue
-        if rs is None:
-            rs, expected = st, st * size
-        elif st != expected:
-            return None
-        else:
-            expected = st * size
-    if rs is None:
-        return max(n, 1)
-    return rs
 
 
 def _check_float(name: str, t: Tensor | None) -> None:
@@ -344,9 +322,3 @@ class _BwdPlan:
     __slots__ = ("main", "dw", "finish", "rows", "rows_per", "n_params", "resident")
 
 
-def _aligned(*ts) -> bool:
-    bits = 0
-    for t in ts:
-        if t is not None:
-            bits |= t.data_ptr()
-    return bits & 15 == 0
