@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, "scripts")
-from host_probe import fwd_bwd, host_us  # noqa: E402
+from host_probe import fwd_bwd, host_us, ln_inputs  # noqa: E402
 
 from culmen.ops.common import launch as launch_mod  # noqa: E402
 from culmen.ops.layer_norm import launch as ln_launch  # noqa: E402
@@ -21,12 +21,8 @@ from culmen.ops.layer_norm import layer_norm  # noqa: E402
 
 
 def main() -> None:
-    bf = torch.bfloat16
-    M, N = 64, 1024
-    x = torch.randn(M, N, device="cuda", dtype=bf, requires_grad=True)
-    w = torch.randn(N, device="cuda", dtype=bf, requires_grad=True)
-    b = torch.randn(N, device="cuda", dtype=bf, requires_grad=True)
-    g = torch.randn(M, N, device="cuda", dtype=bf)
+    N = 1024
+    x, w, b, g = ln_inputs(64, N)
     rows = []
     fb_torch = fwd_bwd(lambda: F.layer_norm(x, (N,), w, b), [x, w, b], g)
     fb_culmen = fwd_bwd(lambda: layer_norm(x, w, b).y, [x, w, b], g)
@@ -63,8 +59,11 @@ def main() -> None:
                 t = cache[key] = real_empty(shape, dtype=dtype, device=device)
             return t
 
+        def cached_empty_like(t):
+            return cached_empty(t.shape, dtype=t.dtype, device=t.device)
+
         ln_launch.torch = type("T", (), {"empty": staticmethod(cached_empty), "float32": torch.float32,
-                                         "bool": torch.bool})
+                                         "empty_like": staticmethod(cached_empty_like), "bool": torch.bool})
         try:
             rows.append(("culmen fwd no-grad, launches+allocs stubbed", host_us(fwd_nograd_culmen)))
             rows.append(("culmen fwd grad, launches+allocs stubbed", host_us(fwd_grad_culmen)))

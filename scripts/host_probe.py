@@ -262,14 +262,19 @@ if __name__ == "__main__" and "--diagnose" not in sys.argv:
     main()
 
 
-def autograd_costs(rows):
-    """What a Python autograd node costs in a fwd+bwd, against PyTorch's C++ one."""
+def ln_inputs(M: int = 64, N: int = 1024):
+    """``(x, w, b, g)``: a LayerNorm problem at a tiny shape, bf16 on the GPU, leaves requiring grad."""
     bf = torch.bfloat16
-    M, N = 64, 1024
     x = torch.randn(M, N, device="cuda", dtype=bf, requires_grad=True)
     w = torch.randn(N, device="cuda", dtype=bf, requires_grad=True)
     b = torch.randn(N, device="cuda", dtype=bf, requires_grad=True)
-    g = torch.randn(M, N, device="cuda", dtype=bf)
+    return x, w, b, torch.randn(M, N, device="cuda", dtype=bf)
+
+
+def autograd_costs(rows):
+    """What a Python autograd node costs in a fwd+bwd, against PyTorch's C++ one."""
+    M, N = 64, 1024
+    x, w, b, g = ln_inputs(M, N)
 
     class PyLN(torch.autograd.Function):
         @staticmethod
@@ -307,11 +312,7 @@ def diagnose():
     from culmen.ops.layer_norm import layer_norm
     from culmen.ops.layer_norm.launch import PLANS
 
-    bf = torch.bfloat16
-    x = torch.randn(64, 1024, device="cuda", dtype=bf, requires_grad=True)
-    w = torch.randn(1024, device="cuda", dtype=bf, requires_grad=True)
-    b = torch.randn(1024, device="cuda", dtype=bf, requires_grad=True)
-    g = torch.randn(64, 1024, device="cuda", dtype=bf)
+    x, w, b, g = ln_inputs()
     run = fwd_bwd(lambda: layer_norm(x, w, b).y, [x, w, b], g)
     for _ in range(5):
         run()

@@ -228,6 +228,7 @@ class AttnPlan:
     def _plan_kernels(self, q, k, v, alibi, traced: bool) -> None:
         on_gpu = q.device.type == "cuda"
         self.copy = (_needs_copy(q), _needs_copy(k), _needs_copy(v))
+        self.fix_inputs = any(self.copy) or self.alibi_fix or self.cu_fix
         # Outputs shaped and typed like a contiguous input come from empty_like (cheaper on the host).
         self.q_like = q.is_contiguous() or self.copy[0]
         self.k_like = k.is_contiguous() or self.copy[1]
@@ -282,15 +283,9 @@ class AttnPlan:
         return la
 
     # ------------------------------------------------------------------------------------- forward
-    def forward(self, q, k, v, alibi, rng, cu_q=None, cu_k=None, store_lse: bool = True, k_start=None, k_end=None,
-                traced: bool = False):
-        """``(out, lse, probs)``: ``out`` like ``q``; ``lse`` fp32 ``(B, h, sq)`` / ``(h, total_q)`` or
-        ``None`` when not ``store_lse`` (the reference always gives it); ``probs`` only with
-        ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``)."""
-        if self.check_values:
-            self.check_cu(q, k, cu_q, cu_k)
-        if not self.use_kernel:
-            return self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end)
+    def _kernel_inputs(self, q, k, v, alibi, cu_q, cu_k):
+        """The inputs in the layouts the plan's kernels address (copies only where the plan found them
+        needed: a non-unit head-dim stride, ALiBi slopes or cu_seqlens in another dtype/device/layout)."""
         cq, ck, cv = self.copy
         if cq:
             q = q.contiguous()
@@ -303,6 +298,19 @@ class AttnPlan:
         if self.cu_fix:
             cu_q = cu_q.to(self.device).contiguous()
             cu_k = cu_k.to(self.device).contiguous()
+        return q, k, v, alibi, cu_q, cu_k
+
+    def forward(self, q, k, v, alibi, rng, cu_q=None, cu_k=None, store_lse: bool = True, k_start=None, k_end=None,
+                traced: bool = False):
+        """``(out, lse, probs)``: ``out`` like ``q``; ``lse`` fp32 ``(B, h, sq)`` / ``(h, total_q)`` or
+        ``None`` when not ``store_lse`` (the reference always gives it); ``probs`` only with
+        ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``)."""
+        if self.check_values:
+            self.check_cu(q, k, cu_q, cu_k)
+        if not self.use_kernel:
+            return self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end)
+        if self.fix_inputs:
+            q, k, v, alibi, cu_q, cu_k = self._kernel_inputs(q, k, v, alibi, cu_q, cu_k)
         out = torch.empty_like(q) if self.q_like else torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=_F32, device=self.device) if store_lse else None
         if self.fwd_empty:  # no query block to run (a varlen batch of empty sequences)
@@ -403,18 +411,8 @@ class AttnPlan:
                 self._bwd[dout.stride()] = b
         if b.copy_do:
             dout = dout.contiguous()
-        cq, ck, cv = self.copy
-        if cq:
-            q = q.contiguous()
-        if ck:
-            k = k.contiguous()
-        if cv:
-            v = v.contiguous()
-        if self.alibi_fix:
-            alibi = alibi.to(device=self.device, dtype=_F32).contiguous()
-        if self.cu_fix:
-            cu_q = cu_q.to(self.device).contiguous()
-            cu_k = cu_k.to(self.device).contiguous()
+        if self.fix_inputs:
+            q, k, v, alibi, cu_q, cu_k = self._kernel_inputs(q, k, v, alibi, cu_q, cu_k)
         dev = self.device
         dq = torch.empty_like(q) if self.q_like else torch.empty(self.q_shape, dtype=self.dtype, device=dev)
         dk = torch.empty_like(k) if self.k_like else torch.empty(self.k_shape, dtype=self.dtype, device=dev)

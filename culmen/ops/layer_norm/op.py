@@ -94,7 +94,7 @@ def _forward(plan, x, weight, bias, residual, x1, weight1, bias1, rowscale, seed
     return _forward_ref(plan, x, weight, bias, residual, x1, weight1, bias1, rowscale, seed, store_stats)
 
 
-def _grad_rows(g: Tensor | None, like: Tensor) -> Tensor | None:
+def _grad_rows(g: Tensor | None) -> Tensor | None:
     """An incoming gradient in the row layout of the output it belongs to (our outputs are contiguous)."""
     if g is None or g.is_contiguous():
         return g
@@ -129,7 +129,7 @@ class _LayerNormFn(torch.autograd.Function):
             dy1 = torch.zeros_like(dy)
         if not (plan.store_res and plan.return_residual):
             dres_out = None
-        dy, dy1, dres_out = _grad_rows(dy, xs), _grad_rows(dy1, xs), _grad_rows(dres_out, xs)
+        dy, dy1, dres_out = _grad_rows(dy), _grad_rows(dy1), _grad_rows(dres_out)
         if plan.use_kernel:
             g = plan.backward(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rowscale, seed, stats)
         else:
