@@ -60,7 +60,7 @@ def _jit(fn):
 @triton.jit
 def _su(stride, SU: tl.constexpr):
     """A stride passed divided by ``SU``, back in elements (int64, known to be a multiple of ``SU``)."""
-    return stride.to(tl.int64) * SU
+    return tl.cast(stride, tl.int64) * SU
 
 
 @triton.jit

@@ -69,7 +69,7 @@ def _bn_stats_nchw_kernel(X, WS, p_off, N, C, L, stride_p, rows_per_split, cols_
     rr = tl.arange(0, BLOCK_R)
     ll = tl.arange(0, BLOCK_L)
     base = X + c.to(tl.int64) * L
-    row_stride = C.to(tl.int64) * L
+    row_stride = tl.cast(C, tl.int64) * L
     # The shift K: the mean of the first tile.
     ok0 = ((r0 + rr) < r1)[:, None] & ((l0 + ll) < l1)[None, :]
     x0 = tl.load(base + (r0 + rr).to(tl.int64)[:, None] * row_stride + (l0 + ll)[None, :], mask=ok0,
@@ -279,7 +279,7 @@ def _bn_bwd_reduce_nchw_kernel(DY, X, Y, DZ, STATS, s_off, WS, p_off, N, C, L, r
     ll = tl.arange(0, BLOCK_L)
     mean = tl.load(MEAN + c)
     base = c.to(tl.int64) * L
-    row_stride = C.to(tl.int64) * L
+    row_stride = tl.cast(C, tl.int64) * L
     acc_dy = tl.zeros([BLOCK_R, BLOCK_L], dtype=tl.float32)
     acc_dyx = tl.zeros([BLOCK_R, BLOCK_L], dtype=tl.float32)
     for r in range(r0, r1, BLOCK_R):

@@ -326,15 +326,15 @@ class FLCEPlan:
             # The gradient kernels read a row's scale (1 / #counted, or 1) from rows[2N]: stride 0.
             call.dl, call.dl_off, call.dl_stride = call.rows, 2 * N, 0
             if self.use_kernel:
-                self.count_la(call.stream, call.aligned, call.rows, lab, None, None, N, N, 2 * N, self.stride_label,
-                              self.ignore_index)
+                self.count_la(call.stream, call.aligned, call.rows, call.rows, lab, None, None, N, N, 2 * N,
+                              self.stride_label, self.ignore_index)
             else:
                 self._scale_ref(call)
         self._run(sg, call)
         if self.reduce:
             if self.use_kernel:
-                self.finish_la(call.stream, call.aligned, call.rows, lab, loss, zl, N, N, 2 * N, self.stride_label,
-                               self.ignore_index)
+                self.finish_la(call.stream, call.aligned, call.rows, call.rows, lab, loss, zl, N, N, 2 * N,
+                               self.stride_label, self.ignore_index)
             else:
                 self._reduce_ref(call, loss, zl)
         return (loss, zl, call.lse) + self._finish_grads(call, w, b)

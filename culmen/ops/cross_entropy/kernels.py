@@ -211,7 +211,7 @@ def _cross_entropy_combine_kernel(
     rows_c = tl.minimum(rows, N - 1)
     sp = tl.arange(0, BLOCK_S)[None, :]
     sp_ok = sp < n_splits
-    plane = n_splits.to(tl.int64) * N
+    plane = tl.cast(n_splits, tl.int64) * N
     off = sp.to(tl.int64) * N + rows_c[:, None]
     m_p = tl.load(PART + off, mask=sp_ok, other=float("-inf"))
     m = tl.max(m_p, axis=1)
@@ -261,10 +261,10 @@ def _cross_entropy_bwd_kernel(
 
 @triton.jit(do_not_specialize=["N", "zl_off", "scale_off"])
 def _cross_entropy_reduce_kernel(
-    ROWS, LABELS, OUT_LOSS, OUT_ZLOSS, N, zl_off, scale_off, stride_label, ignore_index,
+    ROWS, ZROWS, LABELS, OUT_LOSS, OUT_ZLOSS, N, zl_off, scale_off, stride_label, ignore_index,
     MEAN: tl.constexpr, WRITE_SCALE: tl.constexpr, WRITE_LOSS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program: ``ROWS[0:N]`` (losses) and ``ROWS[zl_off:zl_off+N]`` (z-losses) summed in a fixed order
+    """One program: ``ROWS[0:N]`` (losses) and ``ZROWS[zl_off:zl_off+N]`` (z-losses) summed in a fixed order
     (deterministic) into ``OUT_LOSS`` / ``OUT_ZLOSS`` (divided by the number of rows whose label is not
     ``ignore_index`` with ``MEAN``: 0 / 0 = NaN when every row is ignored, as PyTorch's mean); with
     ``WRITE_SCALE`` the gradient scale of a row, ``1 / max(#counted, 1)`` (mean) or 1 (sum), goes to
@@ -281,7 +281,7 @@ def _cross_entropy_reduce_kernel(
             cnt += (m & (lab != ignore_index)).to(tl.int32)
         if WRITE_LOSS:
             acc_l += tl.load(ROWS + r, mask=m, other=0.0)
-            acc_z += tl.load(ROWS + zl_off + r, mask=m, other=0.0)
+            acc_z += tl.load(ZROWS + zl_off + r, mask=m, other=0.0)
     n = tl.sum(cnt, axis=0).to(tl.float32)
     if WRITE_SCALE:
         if MEAN:
