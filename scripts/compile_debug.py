@@ -9,7 +9,7 @@ import sys
 import torch
 
 PIECES = ("act_bias", "act_glu", "act_fm", "act_am", "attn_packed", "rotary_attn", "llama_1", "llama_1_fwd",
-          "gpt2_1")
+          "gpt2_1", "llama_2", "llama_8", "llama_8_fwd", "llama_8_train", "llama_1_train")
 
 
 def _inputs(piece: str):
@@ -50,13 +50,45 @@ def _inputs(piece: str):
     from culmen.bench.models import build_model, make_batch, model_config, with_overrides
 
     style = "gpt2" if piece.startswith("gpt2") else "llama"
-    cfg = with_overrides(model_config(style, "d512"), layers=1)
+    cfg = with_overrides(model_config(style, "d512"), layers=int(piece.split("_")[1]))
     model = build_model(cfg, "culmen", torch.device(dev), bf)
     tokens, labels = make_batch(cfg, torch.device(dev))
     return (lambda t, y: model(t, y)), (tokens, labels), list(model.parameters())
 
 
+def train(piece: str) -> None:
+    """A few steps of train_step's loop (compiled model, culmen's FusedAdam), synchronizing after each."""
+    from culmen.bench.models import (
+        build_model,
+        build_optimizer,
+        compile_model,
+        make_batch,
+        model_config,
+        with_overrides,
+    )
+
+    cfg = with_overrides(model_config("llama", "d512"), layers=int(piece.split("_")[1]))
+    dev = torch.device("cuda")
+    model = build_model(cfg, "culmen", dev, torch.bfloat16)
+    opt = build_optimizer(model, "culmen")
+    fn = compile_model(model, "model")
+    tokens, labels = make_batch(cfg, dev)
+    for i in range(4):
+        loss = fn(tokens, labels)
+        torch.cuda.synchronize()
+        print(piece, "step", i, "forward ok", float(loss), flush=True)
+        loss.backward()
+        torch.cuda.synchronize()
+        print(piece, "step", i, "backward ok", flush=True)
+        opt.step()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        print(piece, "step", i, "optimizer ok", flush=True)
+
+
 def run(piece: str) -> None:
+    if piece.endswith("_train"):
+        return train(piece)
     fn, args, params = _inputs(piece)
     diff = [a for a in args if a.is_floating_point() and a.requires_grad] + params
     c = torch.compile(fn, fullgraph=True)
@@ -67,9 +99,9 @@ def run(piece: str) -> None:
             res.append([out.float()])
             continue
         loss = out.float().square().mean() if out.dim() else out
-        g = torch.autograd.grad(loss, diff)
+        g = torch.autograd.grad(loss, diff, allow_unused=True)
         torch.cuda.synchronize()
-        res.append([out.float(), *[t.float() for t in g]])
+        res.append([out.float(), *[t.float() for t in g if t is not None]])
     errs = [float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(res[1], res[0])]
     print(piece, "max rel err per output:", " ".join(f"{e:.2e}" for e in errs), flush=True)
 
