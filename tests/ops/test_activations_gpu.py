@@ -21,7 +21,12 @@ DEV = torch.device("cuda")
 
 
 @pytest.fixture(autouse=True)
-def poisoned():
+def poisoned(request):
+    # Compiled graphs would trace the poisoning (empty + fill_), which Inductor rejects as an in-place op
+    # on a graph intermediate: the torch.compile tests compare against eager instead.
+    if request.node.name.startswith("test_torch_compile"):
+        yield
+        return
     with poisoned_allocations():
         yield
 
