@@ -1,0 +1,62 @@
+"""Where the host time of one eager ``train_step`` goes (GPU machine): the culmen and PyTorch LLaMA models at
+``d512`` (host-bound there), a few steps each under ``cProfile`` (culmen's Python, by own time) and under
+``torch.profiler`` (aten ops and autograd nodes, by CPU time).
+
+``python scripts/train_step_profile.py [style] [size]``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+from culmen.bench.models import build_model, build_optimizer, make_batch, model_config
+
+
+def main() -> None:
+    style = sys.argv[1] if len(sys.argv) > 1 else "llama"
+    size = sys.argv[2] if len(sys.argv) > 2 else "d512"
+    cfg = model_config(style, size)
+    dev = torch.device("cuda")
+    tokens, labels = make_batch(cfg, dev)
+    for impl in ("torch", "culmen"):
+        model = build_model(cfg, impl, dev, torch.bfloat16)
+        opt = build_optimizer(model, impl)
+
+        def step(model=model, opt=opt):
+            model(tokens, labels).backward()
+            opt.step()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            step()
+        host = (time.perf_counter() - t0) / 5 * 1e3
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 5 * 1e3
+        print(f"== {impl} {style} {size}: host {host:.2f} ms/step (enqueue), wall {wall:.2f} ms/step", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+        torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60), flush=True)
+        if impl == "culmen":
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(3):
+                step()
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        del model, opt, step
+
+
+if __name__ == "__main__":
+    main()
