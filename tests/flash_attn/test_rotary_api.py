@@ -181,3 +181,83 @@ def test_bad_input():
         RotaryEmbedding(7)
     with pytest.raises(ValueError, match="rotary_dim"):
         apply_rotary_emb(randn((1, 4, 1, 6)), cos, sin)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("form", ["x", "x-view", "qkv", "qkv-view", "gqa", "kv", "module"])
+def test_inplace_on_leaf_that_requires_grad(form, backend, request):
+    """In place on a leaf that requires grad (or a view of one) works as in flash_attn: the leaf's memory
+    holds the rotation and the returned tensor carries the gradient back to the leaf."""
+    request.getfixturevalue(f"{backend}_backend")
+    b, s, h, d = 2, 5, 2, 8
+    cos, sin = _tables(s, d // 2)
+    cos64, sin64 = cos.to(F64), sin.to(F64)
+    shapes = {"x": (b, s, h, d), "x-view": (b, s, h + 1, d), "qkv": (b, s, 3, h, d), "qkv-view": (b, s, 4, h, d),
+              "gqa": (b, s, 3 + 2 * 1, d), "kv": (b, s, 2, h, d), "module": (b, s, 3, h, d)}
+    leaf = randn(shapes[form], requires_grad=True)
+    src = leaf.detach().to(F64)
+    if form == "x":
+        out = apply_rotary_emb(leaf, cos, sin, inplace=True)
+        ref = apply_rotary_emb_torch(src, cos64, sin64)
+    elif form == "x-view":
+        out = apply_rotary_emb(leaf[:, :, 1:], cos, sin, inplace=True)
+        ref = apply_rotary_emb_torch(src[:, :, 1:], cos64, sin64)
+    elif form in ("qkv", "qkv-view"):
+        qkv = leaf if form == "qkv" else leaf[:, :, 1:]
+        out = apply_rotary_emb_qkv_(qkv, cos, sin)
+        ref = _packed_reference(src if form == "qkv" else src[:, :, 1:], cos64, sin64, cos64, sin64, False)
+    elif form == "gqa":
+        out = apply_rotary_emb_qkv_(leaf, cos, sin, interleaved=True, num_heads_q=3)
+        ref = _packed_reference(src, cos64, sin64, cos64, sin64, True, 3)
+    elif form == "kv":
+        out = apply_rotary_emb_kv_(leaf, cos, sin)
+        ref = torch.cat((apply_rotary_emb_torch(src[:, :, :1].squeeze(2), cos64, sin64)[:, :, None], src[:, :, 1:]), 2)
+    else:
+        out = RotaryEmbedding(d)(leaf)
+        c, s_, _, _ = _expected_tables(d, 10000.0, s)
+        ref = _packed_reference(src, c, s_, c, s_, False)
+    assert_close_tolerance(out, ref, None, name="out")
+    g = randn(out.shape)
+    out.backward(g)
+    # The gradient of a rotation is the rotation back: check it through the oracle's own autograd.
+    src_g = src.clone().requires_grad_()
+    if form == "x":
+        ref_g = apply_rotary_emb_torch(src_g, cos64, sin64)
+    elif form == "x-view":
+        ref_g = apply_rotary_emb_torch(src_g[:, :, 1:], cos64, sin64)
+    elif form in ("qkv", "qkv-view"):
+        ref_g = _packed_reference(src_g if form == "qkv" else src_g[:, :, 1:], cos64, sin64, cos64, sin64, False)
+    elif form == "gqa":
+        ref_g = _packed_reference(src_g, cos64, sin64, cos64, sin64, True, 3)
+    elif form == "kv":
+        k = apply_rotary_emb_torch(src_g[:, :, :1].squeeze(2), cos64, sin64)[:, :, None]
+        ref_g = torch.cat((k, src_g[:, :, 1:]), 2)
+    else:
+        ref_g = _packed_reference(src_g, c, s_, c, s_, False)
+    (dref,) = torch.autograd.grad(ref_g, src_g, g.to(F64))
+    assert_close_tolerance(leaf.grad, dref, None, name="dleaf")
+    # The leaf's own memory holds the rotation (flash_attn rotates in place).
+    view = {"x-view": (slice(None), slice(None), slice(1, None)), "qkv-view": (slice(None), slice(None), slice(1, None))}
+    torch.testing.assert_close(leaf.detach()[view.get(form, ())].to(F64), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_inplace_on_leaf_under_compile(reference_backend):
+    """The same under torch.compile (fullgraph): no error, and gradients as in eager mode."""
+    torch._dynamo.reset()
+    b, s, h, d = 2, 5, 2, 8
+    cos, sin = _tables(s, d // 2)
+
+    def fn(x, qkv):
+        return apply_rotary_emb(x, cos, sin, inplace=True), apply_rotary_emb_qkv_(qkv, cos, sin)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    x0, qkv0 = randn((b, s, h, d)), randn((b, s, 3, h, d))
+    gx, gq = randn(x0.shape), randn(qkv0.shape)
+    res = []
+    for f in (fn, compiled):
+        x, qkv = x0.clone().requires_grad_(), qkv0.clone().requires_grad_()
+        ox, oq = f(x, qkv)
+        torch.autograd.backward((ox, oq), (gx, gq))
+        res.append((ox.detach(), oq.detach(), x.grad, qkv.grad, x.detach().clone()))
+    for i, (e, c) in enumerate(zip(*res)):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"result {i}: {m}")

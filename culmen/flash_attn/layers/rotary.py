@@ -15,6 +15,7 @@ from torch import Tensor
 
 from culmen.ops.rotary import rotary, rotary_emb_ref
 from culmen.ops.rotary import rotate_half as _rotate_half
+from culmen.ops.rotary.op import _dirty_ok
 
 __all__ = [
     "RotaryEmbedding",
@@ -69,6 +70,50 @@ def apply_rotary_emb(
 apply_rotary_emb_func = apply_rotary_emb
 
 
+class _PackedInPlace(torch.autograd.Function):
+    """flash_attn's autograd for an in-place rotation of part of a packed tensor that autograd cannot mark
+    as modified (a leaf that requires grad, or a view of one): the part ``view(whole)`` is rotated in
+    ``whole``'s memory and ``whole`` comes back carrying the gradient (the rotated part's gradient
+    rotated back, the rest passed through). Elsewhere the parts are rotated with a true in-place op."""
+
+    @staticmethod
+    def forward(ctx, whole, view, kw):
+        rotary(view(whole), **kw, inplace=True)
+        ctx.view, ctx.kw = view, kw
+        return whole
+
+    @staticmethod
+    def backward(ctx, dy):
+        d = dy.clone(memory_format=torch.contiguous_format)
+        rotary(ctx.view(d), **ctx.kw, conjugate=True, inplace=True)
+        return d, None, None
+
+
+def _q_and_k(qkv: Tensor) -> Tensor:
+    return qkv.narrow(2, 0, 2)
+
+
+def _k_of_kv(kv: Tensor) -> Tensor:
+    return kv.select(2, 0)
+
+
+class _Heads:
+    """The first ``n`` heads of a ``(b, s, heads, d)`` tensor (a picklable view function)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, t: Tensor) -> Tensor:
+        return t.narrow(2, 0, self.n)
+
+
+def _leaf_part(whole: Tensor) -> bool:
+    """Whether rotating part of ``whole`` in place needs ``_PackedInPlace``: ``whole`` (or its base) is a
+    leaf that requires grad and autograd records. Inline in the callers: ``_base`` / ``is_leaf`` are
+    attribute reads, this function is a Python call per rotation."""
+    return whole.requires_grad and not _dirty_ok(whole) and torch.is_grad_enabled()
+
+
 def apply_rotary_emb_qkv_(
     qkv: Tensor,
     cos: Tensor,
@@ -99,6 +144,9 @@ def apply_rotary_emb_qkv_(
         if shape[2] != 3:
             raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got shape {tuple(shape)}")
         # Q and K as the two head groups of one (b, s, 2, h, d) view.
+        if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and _leaf_part(qkv):
+            return _PackedInPlace.apply(qkv, _q_and_k, dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k,
+                                                             seqlen_offsets=seqlen_offsets, interleaved=interleaved))
         rotary(qkv.narrow(2, 0, 2), cos, sin, cos_k=cos_k, sin_k=sin_k, seqlen_offsets=seqlen_offsets,
                interleaved=interleaved, inplace=True)
         return qkv
@@ -113,8 +161,11 @@ def apply_rotary_emb_qkv_(
                          f"num_heads_q = {num_heads_q}")
     # Q and K heads are adjacent: one (b, s, hq + hk, d) view; K's own tables start at head nq.
     split = nq if (cos_k is not None and nk) else None
-    rotary(qkv.narrow(2, 0, nq + nk), cos, sin, cos_k=cos_k, sin_k=sin_k, nheads_q=split,
-           seqlen_offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
+    kw = dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k, nheads_q=split, seqlen_offsets=seqlen_offsets,
+              interleaved=interleaved)
+    if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and _leaf_part(qkv):
+        return _PackedInPlace.apply(qkv, _Heads(nq + nk), kw)
+    rotary(qkv.narrow(2, 0, nq + nk), **kw, inplace=True)
     return qkv
 
 
@@ -130,7 +181,10 @@ def apply_rotary_emb_kv_(
     if not isinstance(kv, Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must be (batch, seqlen, 2, nheads, headdim), got "
                          f"{tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
-    rotary(kv.select(2, 0), cos, sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
+    kw = dict(cos=cos, sin=sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved)
+    if kv.requires_grad and (kv._base if kv._base is not None else kv).is_leaf and _leaf_part(kv):
+        return _PackedInPlace.apply(kv, _k_of_kv, kw)
+    rotary(kv.select(2, 0), **kw, inplace=True)
     return kv
 
 

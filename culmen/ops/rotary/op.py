@@ -33,16 +33,32 @@ _bump_version = torch._C._increment_version
 # ------------------------------------------------------------------------------------- eager
 
 
+def _dirty_ok(x: Tensor) -> bool:
+    """Whether autograd lets ``x`` be marked as modified in place: not a leaf that requires grad, nor a
+    view of one."""
+    base = x._base if x._base is not None else x
+    return not (base.is_leaf and base.requires_grad)
+
+
 class _RotaryFn(torch.autograd.Function):
-    """Eager autograd: the plan's kernel called directly, with a true in-place forward (``mark_dirty``)
-    that the functional custom op cannot express. Few arguments: ``apply`` costs host time per argument
-    (the tables travel in one tuple: they get no gradient)."""
+    """Eager autograd: the plan's kernel called directly. Few arguments: ``apply`` costs host time per
+    argument (the tables travel in one tuple: they get no gradient).
+
+    In place, ``x`` is marked dirty where autograd allows it (a true in-place op: later uses of ``x`` or
+    of its base see the rotation in their gradients too). A leaf that requires grad, or a view of one,
+    cannot be: there the rotation happens in ``x``'s memory and the returned tensor carries the gradient
+    back to ``x``, as flash_attn's functions do; ``x``'s version is bumped, so an op that saved ``x``
+    earlier raises instead of computing a wrong gradient."""
 
     @staticmethod
     def forward(ctx, plan, x, tabs, offset):
         out = plan.forward(x, tabs, offset)
         if plan.inplace:
-            ctx.mark_dirty(x)
+            base = x._base if x._base is not None else x  # (inline _dirty_ok: this is the per-call path)
+            if base.is_leaf and base.requires_grad:
+                _bump_version((x,))
+            else:
+                ctx.mark_dirty(x)
         ctx.plan, ctx.offset = plan, offset
         ctx.save_for_backward(*tabs)
         return out
@@ -224,8 +240,14 @@ def _rotary_compiled(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_se
         return rotary_op(x, *args, out_layout, bool(seq_first), nq)
     if torch.is_grad_enabled() and x.requires_grad:
         # Autograd cannot differentiate a mutating custom op: rotate out of place and copy back (the
-        # copy is tracked; Inductor may re-inplace it).
-        x.copy_(rotary_op(x, *args, "like", bool(seq_first), nq))
-        return x
+        # copy is tracked; Inductor may re-inplace it). A leaf that requires grad (or a view of one) takes
+        # the untracked copy and returns the rotation itself, as in eager mode (see ``_RotaryFn``).
+        out = rotary_op(x, *args, "like", bool(seq_first), nq)
+        if _dirty_ok(x):
+            x.copy_(out)
+            return x
+        with torch.no_grad():
+            x.copy_(out)
+        return out
     rotary_inplace_op(x, *args, bool(seq_first), nq)
     return x
