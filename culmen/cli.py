@@ -85,7 +85,7 @@ def cmd_info(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run (or ``--list``) the registered benchmarks."""
+    """Run (or ``--list``) the registered benchmarks, or redraw a saved run (``--from-json``)."""
     out = out or sys.stdout
     from culmen.bench import load_benchmarks, registered_benchmarks, run_benchmarks
 
@@ -93,13 +93,21 @@ def cmd_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
         for mod, err in load_benchmarks().items():
             print(f"warning: benchmark module {mod} failed to import: {err}", file=out)
         for b in registered_benchmarks():
-            print(f"{b.name:<20} {b.family:<16} {b.description}{'' if b.default else ' (run by name only)'}",
+            print(f"{b.name:<26} {b.family:<14} {b.description}{'' if b.default else ' (run by name only)'}",
                   file=out)
         return 0
+    if args.from_json:
+        return _replot(args, out)
+    from culmen.bench.runner import bench_device
     from culmen.bench.train_step import TrainOptionsError, options_from_args
 
     try:
-        run_benchmarks(args.names, device=args.device, quick=args.quick, json_path=args.json, graph=not args.no_graph,
+        device = bench_device(args.device)
+    except ValueError as exc:
+        print(f"culmen bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_benchmarks(args.names, device=device, quick=args.quick, json_path=args.json, graph=not args.no_graph,
                        plot_path=args.plot, out=out, options=options_from_args(args))
     except KeyError as exc:
         print(f"culmen bench: {exc.args[0]}", file=sys.stderr)
@@ -108,6 +116,24 @@ def cmd_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"culmen bench: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _replot(args: argparse.Namespace, out: TextIO) -> int:
+    """``culmen bench --from-json RUN.json --plot OUT.png``: draw a saved run again, running nothing."""
+    from culmen.bench.plot import load_report, write_plot
+
+    if not args.plot:
+        print("culmen bench: --from-json draws a saved run; give --plot PATH too", file=sys.stderr)
+        return 2
+    if args.names or args.json:
+        print("culmen bench: --from-json runs nothing; drop the benchmark names and --json", file=sys.stderr)
+        return 2
+    try:
+        report = load_report(args.from_json)
+    except (OSError, ValueError, TypeError) as exc:  # unreadable, not JSON, or not a bench report
+        print(f"culmen bench: --from-json {args.from_json}: {exc}", file=sys.stderr)
+        return 2
+    return 0 if write_plot(report, args.plot, out) else 1
 
 
 def cmd_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -119,10 +145,12 @@ def cmd_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``culmen`` command."""
+    import culmen
     from culmen.bench.train_step import add_arguments as add_train_step_arguments
     from culmen.demo import add_arguments as add_demo_arguments
 
     parser = argparse.ArgumentParser(prog="culmen", description="culmen: Apex and FlashAttention in Python + Triton")
+    parser.add_argument("--version", action="version", version=f"culmen {culmen.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{info,bench,demo}")
     sub.required = True
 
@@ -137,10 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="NAME",
                    help="benchmark names or families (default: all but train_step)")
     p.add_argument("--json", metavar="PATH", help="write records and metadata as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    p.add_argument("--plot", metavar="PATH",
+                   help="draw PNGs (needs matplotlib): PATH gets an overview (one bar per benchmark), and "
+                        "<stem>-<family>.png beside it one figure per family, each case's speed relative to "
+                        "its best peer")
+    p.add_argument("--from-json", metavar="JSON",
+                   help="with --plot: draw the figures of a saved run (a --json file) instead of running")
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds on CPU): checks the harness")
     p.add_argument("--list", action="store_true", help="list the registered benchmarks and exit")
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--no-graph", action="store_true",
                    help="skip the CUDA-graph (device time) column; ratios always use the eager wall time")
     add_train_step_arguments(p)

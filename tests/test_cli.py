@@ -129,19 +129,157 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     report = BenchReport({"roofline": {"gbps": 1.0}}, [Record("b", "f", "c", "culmen", ms=1.0, gbps=1.0)])
-    assert write_plot(report, tmp_path / "x.png") is False
+    assert write_plot(report, tmp_path / "x.png") == []
     assert "matplotlib is not installed" in capsys.readouterr().out
-    assert not (tmp_path / "x.png").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_plot_writes_png(tmp_path):
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _toy_records():
+    from culmen.bench.runner import Record
+
+    return [
+        Record("ln", "normalization", "a fwd", "culmen", ms=1.0, best_peer="torch"),
+        Record("ln", "normalization", "a fwd", "torch", ms=2.0),
+        Record("ln", "normalization", "a fwd", "compile", error="RuntimeError: inductor"),
+        Record("ln", "normalization", "b fwd", "culmen", error="RuntimeError: kernel exploded"),
+        Record("ln", "normalization", "b fwd", "torch", ms=1.0),
+        Record("ln", "normalization", "b fwd", "compile", ms=0.5),
+        Record("relu", "activations", "c", "culmen", ms=4.0, best_peer="torch"),
+        Record("relu", "activations", "c", "torch", ms=1.0),
+        Record("relu", "activations", "c", "liger", ms=2.0),
+    ]
+
+
+def test_case_ratios_are_relative_to_the_best_peer():
+    from culmen.bench.plot import case_ratios
+
+    fam = case_ratios(_toy_records())
+    assert list(fam) == ["normalization", "activations"]
+    a, b = fam["normalization"]
+    assert a.best_peer == "torch" and a.ratios == {"culmen": 2.0, "torch": 1.0} and a.culmen == 2.0
+    assert set(a.failed) == {"compile"}
+    # culmen failed: the fastest other provider is the best peer; culmen has no ratio, only its error.
+    assert b.best_peer == "compile" and b.culmen is None and b.ratios == {"torch": 0.5, "compile": 1.0}
+    assert b.failed["culmen"] == "RuntimeError: kernel exploded"
+    (c,) = fam["activations"]
+    assert c.ratios == {"culmen": 0.25, "torch": 1.0, "liger": 0.5}
+
+
+def test_plot_writes_one_png_per_family_and_an_overview(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from culmen.bench.plot import ROW_IN, family_path
+    from culmen.bench.runner import BenchReport, write_plot
+
+    path = tmp_path / "figs" / "run.png"
+    written = write_plot(BenchReport({"gpu": "cpu", "roofline": {"gbps": 3.0}}, _toy_records()), path)
+    expected = [tmp_path / "figs" / "run-normalization.png", tmp_path / "figs" / "run-activations.png", path]
+    assert written == expected
+    assert family_path(path, "normalization") == expected[0]
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == sorted(p.name for p in expected)
+    sizes = {p.name: _png_size(p) for p in expected}
+    # One row per case (+ a header per benchmark): a family of 3 lines is a small figure, not a tall strip.
+    w, h = sizes["run-normalization.png"]
+    assert w == 1200 and h < 100 * (2.5 + ROW_IN * 3) + 1
+    assert sizes["run-activations.png"][1] < h
+    out = capsys.readouterr().out
+    assert all(f"plot written to {p}" in out for p in expected)
+
+
+def test_plot_height_grows_per_case_not_per_benchmark_panel(tmp_path):
+    """33 benchmarks of 4 cases in 3 families: three figures of readable height (no 15,000-pixel strip)."""
     pytest.importorskip("matplotlib")
     from culmen.bench.runner import BenchReport, Record, write_plot
 
-    recs = [Record("b", "f", "c1", p, ms=1.0, gbps=g) for p, g in (("culmen", 2.0), ("torch", 1.0))]
-    path = tmp_path / "x.png"
-    assert write_plot(BenchReport({"roofline": {"gbps": 3.0}, "gpu": "cpu"}, recs), path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    recs = []
+    for i in range(33):
+        for c in range(4):
+            for prov, ms in (("culmen", 1.0 + 0.1 * c), ("torch", 1.2), ("compile", 0.9 + 0.05 * i)):
+                recs.append(Record(f"bench{i}", f"family{i % 3}", f"case {c}", prov, ms=ms,
+                                   best_peer="compile" if prov == "culmen" else None))
+    written = write_plot(BenchReport({"gpu": "cpu"}, recs), tmp_path / "b.png")
+    assert [p.name for p in written] == ["b-family0.png", "b-family1.png", "b-family2.png", "b.png"]
+    for p in written:
+        w, h = _png_size(p)
+        assert 900 <= w <= 1200 and 300 < h < 2000, (p.name, w, h)
+
+
+def test_plot_from_saved_json(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from culmen.bench.runner import BenchReport, _write_json
+
+    src = tmp_path / "run.json"
+    _write_json(BenchReport({"gpu": "cpu"}, _toy_records()), src)
+    assert main(["bench", "--from-json", str(src), "--plot", str(tmp_path / "p.png")]) == 0
+    assert sorted(p.name for p in tmp_path.glob("p*.png")) == ["p-activations.png", "p-normalization.png", "p.png"]
+    assert main(["bench", "--from-json", str(src)]) == 2
+    assert "give --plot PATH too" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"metadata": {}}')
+    assert main(["bench", "--from-json", str(bad), "--plot", str(tmp_path / "q.png")]) == 2
+    assert "not a culmen bench JSON report" in capsys.readouterr().err
+
+
+def test_bench_quick_cpu_run_plots_each_family(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.delenv("CULMEN_BACKEND", raising=False)
+    path = tmp_path / "bench.png"
+    assert main(["bench", "--quick", "layer_norm", "relu", "--device", "cpu", "--plot", str(path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench-activations.png", "bench-normalization.png",
+                                                          "bench.png"]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("cuda", "no CUDA/ROCm GPU is available here"),
+    ("cuda:0", "no CUDA/ROCm GPU is available here"),
+    ("bogus", "is not a device name"),
+    ("meta", "the benchmarks time cpu and cuda"),
+])
+def test_bench_bad_device_is_one_plain_line(spec, message, capsys):
+    if spec.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("a CUDA device exists here")
+    assert main(["bench", "--quick", "layer_norm", "--device", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("culmen bench: --device") and message in err
+    assert "Traceback" not in err
+
+
+def test_bench_device_without_gpu_exits_nonzero_without_traceback():
+    """The whole command, as a user runs it: one line on stderr, exit status 2."""
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device exists here")
+    proc = subprocess.run([sys.executable, "-m", "culmen", "bench", "--quick", "layer_norm", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120, env=_env_with_repo())
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "no CUDA/ROCm GPU" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_version(capsys):
+    import culmen
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"culmen {culmen.__version__}"
+
+
+def test_version_matches_the_package_metadata():
+    from importlib.metadata import PackageNotFoundError, version
+
+    import culmen
+
+    try:
+        assert version("culmen") == culmen.__version__
+    except PackageNotFoundError:
+        pytest.skip("culmen is not installed (run from a source tree)")
 
 
 def test_demo_subcommand_rejects_missing_cuda(capsys):
@@ -157,6 +295,9 @@ def test_python_dash_m_culmen_runs():
     proc = subprocess.run([sys.executable, "-m", "culmen", "--help"], capture_output=True, text=True, timeout=120,
                           env=_env_with_repo())
     assert proc.returncode == 0 and "info" in proc.stdout and "bench" in proc.stdout and "demo" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "culmen", "--version"], capture_output=True, text=True, timeout=120,
+                          env=_env_with_repo())
+    assert proc.returncode == 0 and proc.stdout.startswith("culmen ")
 
 
 def _env_with_repo():

@@ -489,62 +489,47 @@ def summarize(records: list[Record]) -> list[str]:
     return lines
 
 
-def write_plot(report: BenchReport, path: str | os.PathLike, out: TextIO | None = None) -> bool:
-    """Bar chart (GB/s per case, one bar per provider, one panel per benchmark) as PNG at ``path``.
+def write_plot(report: BenchReport, path: str | os.PathLike, out: TextIO | None = None) -> list[Path]:
+    """Draw ``report``: one PNG per benchmark family beside ``path`` and an overview at ``path``
+    (see ``culmen.bench.plot.write_plot``). Returns the paths written (empty when nothing was drawn)."""
+    from culmen.bench.plot import write_plot as _write_plot
 
-    Returns False, with a message, when matplotlib is missing.
-    """
-    out = out or sys.stdout
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"plot: matplotlib is not installed; not writing {path} (pip install matplotlib)", file=out)
-        return False
-    benches: dict[str, list[Record]] = {}
-    for r in report.records:
-        benches.setdefault(r.benchmark, []).append(r)
-    # Bandwidth panels only (train_step records have no GB/s; its table is in the log and the JSON).
-    benches = {k: v for k, v in benches.items() if any(r.gbps is not None for r in v)}
-    if not benches:
-        print(f"plot: no GB/s records to draw; not writing {path}", file=out)
-        return False
-    n = max(1, len(benches))
-    fig, axes = plt.subplots(n, 1, figsize=(14, 4.2 * n), squeeze=False)
-    roof = report.metadata.get("roofline", {}).get("gbps")
-    for ax, (name, recs) in zip(axes[:, 0], benches.items()):
-        cases = list(dict.fromkeys(r.case for r in recs))
-        providers = sorted({r.provider for r in recs}, key=lambda p: (p != CULMEN, p))
-        width = 0.8 / max(1, len(providers))
-        for j, prov in enumerate(providers):
-            vals = []
-            for c in cases:
-                rec = next((r for r in recs if r.case == c and r.provider == prov), None)
-                vals.append(rec.gbps if rec is not None and rec.gbps is not None else 0.0)
-            ax.bar([i + (j - (len(providers) - 1) / 2) * width for i in range(len(cases))], vals, width,
-                   label=prov)
-        if roof:
-            ax.axhline(roof, color="k", linestyle="--", linewidth=1, label=f"copy roofline {roof:.0f} GB/s")
-        ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("GB/s (higher is better)")
-        ax.set_title(f"{name} on {report.metadata.get('gpu')}")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"culmen bench  {report.metadata.get('date')}  torch {report.metadata.get('torch')}  "
-                 f"triton {report.metadata.get('triton')}  commit {str(report.metadata.get('git_commit'))[:10]}",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot written to {path}", file=out)
-    return True
+    return _write_plot(report, path, out)
 
 
 def default_device() -> torch.device:
     """CUDA device 0 when available, else CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def bench_device(spec: str | torch.device | None) -> torch.device:
+    """The device a benchmark run uses for ``spec`` (``culmen bench --device SPEC``); ``None``: CUDA device 0
+    when there is one, else CPU.
+
+    Raises ``ValueError`` with a one-line reason for a malformed name, a device type the harness does not
+    time (only ``cpu`` and ``cuda``, which is also ROCm), a GPU this machine lacks, or an index past the
+    GPUs it has.
+    """
+    if spec is None:
+        return default_device()
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {str(spec)!r} is not a device name (use cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {str(spec)!r}: the benchmarks time cpu and cuda (ROCm too) devices only")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else (
+                f"ROCm {torch.version.hip}" if torch.version.hip else "CPU only")
+            raise ValueError(f"--device {str(spec)!r}: no CUDA/ROCm GPU is available here (torch {torch.__version__}, "
+                             f"built for {build}); use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {str(spec)!r}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _write_json(report: BenchReport, json_path: str | os.PathLike) -> None:
@@ -571,16 +556,18 @@ def run_benchmarks(
     and report.
 
     Prints the roofline, one table block per case and a summary to ``out``; writes JSON to
-    ``json_path`` (rewritten after every case) and a PNG to ``plot_path`` when given. ``graph=False``
+    ``json_path`` (rewritten after every case) and figures at ``plot_path`` when given (one PNG per
+    family beside it, the overview at it: ``culmen.bench.plot``). ``graph=False``
     skips the CUDA-graph column; ``options`` reach the benchmarks as ``BenchConfig.options``
-    (``train_step``'s sizes, modes, steps ...). Raises ``KeyError`` for unknown names.
+    (``train_step``'s sizes, modes, steps ...). Raises ``KeyError`` for unknown names and ``ValueError``
+    for a device this machine lacks (``bench_device``).
     """
     out = out or sys.stdout
     failed = load_benchmarks()
     for mod, err in failed.items():
         print(f"warning: benchmark module {mod} failed to import: {err}", file=out)
     benches = select_benchmarks(names)
-    dev = torch.device(device) if device is not None else default_device()
+    dev = bench_device(device)
     roofline = measure_roofline(dev, quick)
     meta = _metadata(dev, quick, roofline, graph)
     meta["options"] = dict(options or {})
@@ -619,6 +606,5 @@ def run_benchmarks(
         _write_json(report, json_path)
         print(f"json written to {json_path}", file=out)
     if plot_path:
-        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         write_plot(report, plot_path, out)
     return report
