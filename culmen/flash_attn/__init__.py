@@ -5,7 +5,10 @@ Today it holds the normalization ops (``culmen.flash_attn.ops.triton.layer_norm`
 ``flash_attn_interface`` (``flash_attn_func`` and its packed / varlen forms, exported here as
 flash_attn exports them, plus ``flash_attn_with_kvcache``) with the modules
 ``culmen.flash_attn.modules.mha``, and ``bert_padding`` (``unpad_input`` / ``pad_input``). ``__version__`` is
-the flash_attn release whose API this package follows.
+the flash_attn release whose API this package follows. ``flash_attn_interface`` also holds the internals
+other libraries import (``_flash_attn_forward`` / ``_flash_attn_backward`` and their varlen forms, the
+``FlashAttn*Func`` autograd classes, ``flash_attn_gpu``: the extension ``flash_attn_2_cuda`` of this
+package), and ``ops.triton.rotary.rotary_kernel`` is the rotary Triton kernel.
 """
 
 __version__ = "2.8.3"

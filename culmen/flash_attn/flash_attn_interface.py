@@ -6,18 +6,44 @@ Differences from flash_attn (all supersets): fp32 (and fp64) inputs are accepted
 512 with no padding requirement; ``softcap`` can be combined with dropout; ``S_dmask`` holds the
 normalized probabilities (dropped entries negated) whenever ``return_attn_probs`` is set, also
 without dropout (flash_attn returns an empty tensor then).
+
+``window_size`` may be any two-element sequence of integers, as flash_attn indexes it: a tuple, a list,
+a 1-D integer tensor or numpy array, or a sequence of int-like scalars (numpy integers, 0-d integer
+tensors); it is normalized to a tuple of two Python ints here, before the cached call plans see it.
+
+The internals other libraries import (ring / context-parallel attention, flash_attn's test utilities)
+are here too, with flash_attn 2.8's signatures: ``_flash_attn_forward`` / ``_flash_attn_backward`` and
+their varlen forms (``torch.library`` custom ops ``culmen::fa_*`` underneath, reachable as
+``_wrapped_flash_attn_*``, so ``torch.compile`` sees them as opaque ops with fake implementations), the
+autograd classes ``FlashAttn*Func`` (``apply`` takes flash_attn's positional arguments), the extension
+object ``flash_attn_gpu`` (``culmen.flash_attn.flash_attn_2_cuda``) and ``USE_TRITON_ROCM``. The public
+functions above do not go through those classes: they call culmen's cached attention plans directly
+(a few microseconds of host time less per call); the numbers are the same.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
+from culmen.flash_attn import flash_attn_2_cuda as flash_attn_gpu
+from culmen.flash_attn.flash_attn_2_cuda import gather_keys
 from culmen.ops.attention.kvcache import attention_kvcache
 from culmen.ops.attention.op import attention, attention_varlen
 
 __all__ = [
+    "FlashAttnFunc",
+    "FlashAttnKVPackedFunc",
+    "FlashAttnQKVPackedFunc",
+    "FlashAttnVarlenFunc",
+    "FlashAttnVarlenKVPackedFunc",
+    "FlashAttnVarlenQKVPackedFunc",
+    "USE_TRITON_ROCM",
     "flash_attn_func",
+    "flash_attn_gpu",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
@@ -25,6 +51,34 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
+
+USE_TRITON_ROCM = False
+"""flash_attn sets this when it runs AMD's Triton backend (``FLASH_ATTENTION_TRITON_AMD_ENABLE``), whose
+feature set is smaller. culmen's Triton kernels implement every feature on every GPU, so code that
+branches on it takes flash_attn's full-feature path."""
+
+
+def _window_pair(window_size) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)`` Python ints, from any two-element sequence flash_attn accepts:
+    a tuple or list, a 1-D integer tensor or numpy array, or a sequence of int-like scalars (numpy
+    integers, 0-d integer tensors; anything with ``__index__``). Raises ``ValueError`` naming
+    ``window_size`` and the value for another length, a float or bool entry, or a non-sequence."""
+    w = window_size
+    if hasattr(w, "ndim") and hasattr(w, "tolist"):  # torch.Tensor, numpy.ndarray (or numpy scalar)
+        if w.ndim != 1:
+            raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+        w = w.tolist()  # Python ints for integer dtypes; floats / bools are refused below
+    if isinstance(w, (str, bytes)) or not (hasattr(w, "__len__") and hasattr(w, "__getitem__")) or len(w) != 2:
+        raise ValueError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    pair = []
+    for x in (w[0], w[1]):
+        if isinstance(x, bool) or (isinstance(x, Tensor) and x.dtype == torch.bool):
+            raise ValueError(f"window_size entries must be integers, got {window_size!r}")
+        try:
+            pair.append(operator.index(x))
+        except TypeError:
+            raise ValueError(f"window_size entries must be integers, got {window_size!r}") from None
+    return pair[0], pair[1]
 
 
 def _check_packed(name: str, t, rank: int, n: int, dim: int) -> None:
@@ -39,7 +93,7 @@ def flash_attn_qkvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | Sequence[int] | Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
@@ -60,6 +114,11 @@ def flash_attn_qkvpacked_func(
     Returns:
         ``out`` ``(batch, seqlen, nheads, headdim)`` in qkv's dtype (or the tuple).
     """
+    match window_size:  # a plain tuple of ints passes with no call (the cached path stays as it is)
+        case tuple((int(), int())):
+            pass
+        case _:
+            window_size = _window_pair(window_size)
     _check_packed("qkv", qkv, 5, 3, 2)
     q, k, v = qkv.unbind(dim=2)
     return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -72,7 +131,7 @@ def flash_attn_kvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | Sequence[int] | Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
@@ -81,6 +140,11 @@ def flash_attn_kvpacked_func(
     """Attention with ``q`` ``(batch, seqlen_q, nheads, headdim)`` and packed ``kv``
     ``(batch, seqlen_k, 2, nheads_k, headdim)``; MQA/GQA when ``nheads_k < nheads``. Other
     arguments and the return as ``flash_attn_qkvpacked_func``."""
+    match window_size:  # see flash_attn_qkvpacked_func
+        case tuple((int(), int())):
+            pass
+        case _:
+            window_size = _window_pair(window_size)
     _check_packed("kv", kv, 5, 2, 2)
     k, v = kv.unbind(dim=2)
     return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -94,7 +158,7 @@ def flash_attn_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | Sequence[int] | Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
@@ -111,6 +175,11 @@ def flash_attn_func(
     A call with the signature (shapes, strides, dtypes, options) of an earlier one reuses its cached
     plan: the checks and launch geometry are not redone.
     """
+    match window_size:  # see flash_attn_qkvpacked_func
+        case tuple((int(), int())):
+            pass
+        case _:
+            window_size = _window_pair(window_size)
     return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                      return_attn_probs, return_attn_probs)
 
@@ -122,7 +191,7 @@ def flash_attn_varlen_qkvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | Sequence[int] | Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
@@ -131,6 +200,11 @@ def flash_attn_varlen_qkvpacked_func(
     """Varlen attention on packed ``qkv`` ``(total, 3, nheads, headdim)`` with int32 ``cu_seqlens``
     ``(batch + 1,)`` and ``max_seqlen``. Returns ``out`` ``(total, nheads, headdim)`` or
     ``(out, softmax_lse (nheads, total) fp32, S_dmask)``."""
+    match window_size:  # see flash_attn_qkvpacked_func
+        case tuple((int(), int())):
+            pass
+        case _:
+            window_size = _window_pair(window_size)
     _check_packed("qkv", qkv, 4, 3, 1)
     q, k, v = qkv.unbind(dim=1)
     return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
@@ -147,7 +221,7 @@ def flash_attn_varlen_kvpacked_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | Sequence[int] | Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
@@ -155,6 +229,11 @@ def flash_attn_varlen_kvpacked_func(
 ):
     """Varlen attention with ``q`` ``(total_q, nheads, headdim)`` and packed ``kv``
     ``(total_k, 2, nheads_k, headdim)``; see ``flash_attn_varlen_func``."""
+    match window_size:  # see flash_attn_qkvpacked_func
+        case tuple((int(), int())):
+            pass
+        case _:
+            window_size = _window_pair(window_size)
     _check_packed("kv", kv, 4, 2, 1)
     k, v = kv.unbind(dim=1)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -173,7 +252,7 @@ def flash_attn_varlen_func(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | Sequence[int] | Tensor = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
@@ -188,6 +267,11 @@ def flash_attn_varlen_func(
     cache ``(num_blocks, page_block_size, nheads_k, headdim)``: sequence ``b``'s keys are its pages in
     order (gathered into packed form first; meant for inference, as in flash_attn).
     """
+    match window_size:  # see flash_attn_qkvpacked_func
+        case tuple((int(), int())):
+            pass
+        case _:
+            window_size = _window_pair(window_size)
     if block_table is not None:
         k, v = _unpage(k, v, cu_seqlens_k, block_table)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -197,28 +281,10 @@ def flash_attn_varlen_func(
 
 def _unpage(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, block_table: Tensor) -> tuple[Tensor, Tensor]:
     """Packed ``(total_k, hk, d)`` keys/values of the sequences whose pages ``block_table`` lists (page
-    numbers are checked on CPU tensors, and on GPUs under ``set_check_values(True)``; a bad one is an
-    indexing error either way)."""
-    from culmen.ops.backend import check_values_on
-
-    if not isinstance(block_table, Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise TypeError(f"block_table must be a 2-D int32 tensor (batch, max_blocks), got {block_table!r}")
-    if k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"with block_table, k/v must be paged (num_blocks, page_block_size, nheads_k, headdim), "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, nb = block_table.shape
-    if cu_seqlens_k.shape[0] != B + 1:
-        raise ValueError(f"block_table has {B} rows but cu_seqlens_k describes {cu_seqlens_k.shape[0] - 1} sequences")
-    if (block_table.device.type == "cpu" or check_values_on()) and not torch.compiler.is_compiling():
-        lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-        if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= k.shape[0]):
-            raise ValueError(f"block_table entries must index the {k.shape[0]} pages of k/v")
-        if max(lens, default=0) > nb * k.shape[1]:
-            raise ValueError(f"a sequence of cu_seqlens_k ({max(lens)} keys) is longer than its {nb} pages hold")
-    blocks = block_table.to(torch.int64)
-    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
-    keep = torch.arange(nb * k.shape[1], device=k.device)[None, :] < lens[:, None]
-    return tuple(t[blocks].reshape(B, nb * t.shape[1], *t.shape[2:])[keep] for t in (k, v))
+    numbers are checked on CPU tensors, and on GPUs under ``set_check_values(True)``; unchecked bad ones
+    are clamped into the pages: wrong numbers, never an access outside ``k``/``v``)."""
+    k, v, _ = gather_keys(k, v, cu_seqlens_k, block_table)
+    return k, v
 
 
 def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) -> int:
@@ -241,7 +307,7 @@ def flash_attn_with_kvcache(
     block_table: Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
+    window_size: tuple[int, int] | Sequence[int] | Tensor = (-1, -1),
     softcap: float = 0.0,
     rotary_interleaved: bool = True,
     alibi_slopes: Tensor | None = None,
@@ -259,6 +325,379 @@ def flash_attn_with_kvcache(
     is where each row's keys start. ``num_splits`` is accepted (the kernel needs no split-KV pass).
     Returns ``out`` or ``(out, softmax_lse (B, h, sq) fp32)``.
     """
+    match window_size:  # see flash_attn_qkvpacked_func
+        case tuple((int(), int())):
+            pass
+        case _:
+            window_size = _window_pair(window_size)
     return attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                              rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+
+
+# ------------------------------------------------------------------- internals other libraries import
+
+
+def maybe_contiguous(x: Tensor | None) -> Tensor | None:
+    """``x`` with a unit-stride last dim (a copy only when it has none); ``None`` stays ``None``."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def round_multiple(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m``."""
+    return (x + m - 1) // m * m
+
+
+def _fresh(t: Tensor) -> Tensor:
+    """Custom-op outputs are contiguous (as their fake implementations say)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+@torch.library.custom_op("culmen::fa_forward", mutates_args=())
+def _fa_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: float | None, causal: bool,
+                window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Tensor | None,
+                return_softmax: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, lse, S, rng = flash_attn_gpu.fwd(q, k, v, None, alibi_slopes, dropout_p, softmax_scale, causal,
+                                          window_size_left, window_size_right, softcap, return_softmax, None)
+    return _fresh(out), _fresh(lse), S, rng
+
+
+@_fa_forward.register_fake
+def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+      return_softmax):
+    B, sq, h, _ = q.shape
+    S = (q.new_empty(B, h, round_multiple(sq, 128), round_multiple(k.shape[1], 128)) if return_softmax
+         else q.new_empty(0))
+    return (q.new_empty(q.shape), q.new_empty((B, h, sq), dtype=torch.float32), S,
+            q.new_empty(2, dtype=torch.int64))
+
+
+@torch.library.custom_op("culmen::fa_varlen_forward", mutates_args=())
+def _fa_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                       max_seqlen_k: int, dropout_p: float, softmax_scale: float | None, causal: bool,
+                       window_size_left: int = -1, window_size_right: int = -1, softcap: float = 0.0,
+                       alibi_slopes: Tensor | None = None, return_softmax: bool = False,
+                       block_table: Tensor | None = None, leftpad_k: Tensor | None = None,
+                       seqused_k: Tensor | None = None,
+                       zero_tensors: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, lse, S, rng = flash_attn_gpu.varlen_fwd(
+        q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, alibi_slopes, max_seqlen_q,
+        max_seqlen_k, dropout_p, softmax_scale, zero_tensors, causal, window_size_left, window_size_right, softcap,
+        return_softmax, None)
+    return _fresh(out), _fresh(lse), S, rng
+
+
+@_fa_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+      window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+      block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False):
+    total_q, h, _ = q.shape
+    B = cu_seqlens_q.shape[0] - 1
+    S = (q.new_empty(B, h, round_multiple(max_seqlen_q, 128), round_multiple(max_seqlen_k, 128))
+         if return_softmax else q.new_empty(0))
+    return (q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32), S,
+            q.new_empty(2, dtype=torch.int64))
+
+
+@torch.library.custom_op("culmen::fa_backward", mutates_args=("dq", "dk", "dv"))
+def _fa_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dq: Tensor | None,
+                 dk: Tensor | None, dv: Tensor | None, dropout_p: float, softmax_scale: float | None, causal: bool,
+                 window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Tensor | None,
+                 deterministic: bool, rng_state: Tensor | None = None) -> Tensor:
+    return flash_attn_gpu.bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p, softmax_scale,
+                              causal, window_size_left, window_size_right, softcap, deterministic, None,
+                              rng_state)[3]
+
+
+@_fa_backward.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+      window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    B, sq, h, _ = q.shape
+    return q.new_empty((B, h, round_multiple(sq, 128)), dtype=torch.float32)
+
+
+@torch.library.custom_op("culmen::fa_varlen_backward", mutates_args=("dq", "dk", "dv"))
+def _fa_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                        dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, cu_seqlens_q: Tensor,
+                        cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                        softmax_scale: float | None, causal: bool, window_size_left: int, window_size_right: int,
+                        softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+                        rng_state: Tensor | None = None, zero_tensors: bool = False) -> Tensor:
+    return flash_attn_gpu.varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                     alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors,
+                                     causal, window_size_left, window_size_right, softcap, deterministic, None,
+                                     rng_state)[3]
+
+
+@_fa_varlen_backward.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+      softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+      rng_state=None, zero_tensors=False):
+    total_q, h, _ = q.shape
+    return q.new_empty((h, total_q + 128 * (cu_seqlens_q.shape[0] - 1)), dtype=torch.float32)
+
+
+_wrapped_flash_attn_forward = torch.ops.culmen.fa_forward
+_wrapped_flash_attn_varlen_forward = torch.ops.culmen.fa_varlen_forward
+_wrapped_flash_attn_backward = torch.ops.culmen.fa_backward
+_wrapped_flash_attn_varlen_backward = torch.ops.culmen.fa_varlen_backward
+
+
+def _flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, softmax_scale: float, causal: bool,
+                        window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Tensor | None,
+                        return_softmax: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Dense forward (flash_attn 2.8's internal; not differentiable): ``q (B, sq, h, d)``, ``k``/``v``
+    ``(B, sk, hk, d)`` -> ``(out (B, sq, h, d), softmax_lse (B, h, sq) fp32, S_dmask (B, h, round128(sq),
+    round128(sk)) or empty, rng_state int64 (2,))``. Pass ``out``, ``softmax_lse`` and ``rng_state`` to
+    ``_flash_attn_backward``. ``softmax_scale=None`` means ``headdim ** -0.5``."""
+    return _wrapped_flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                                       window_size_right, softcap, alibi_slopes, return_softmax)
+
+
+def _flash_attn_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                               max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float,
+                               causal: bool, window_size_left: int = -1, window_size_right: int = -1,
+                               softcap: float = 0.0, alibi_slopes: Tensor | None = None, return_softmax: bool = False,
+                               block_table: Tensor | None = None, leftpad_k: Tensor | None = None,
+                               seqused_k: Tensor | None = None,
+                               zero_tensors: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Varlen forward (flash_attn 2.8's internal): packed ``q (total_q, h, d)``, ``k``/``v`` ``(total_k, hk,
+    d)`` (pages with ``block_table``), int32 ``cu_seqlens`` ``(B + 1,)`` -> ``(out (total_q, h, d),
+    softmax_lse (h, total_q) fp32, S_dmask, rng_state)``. ``leftpad_k`` / ``seqused_k`` ``(B,)``: sequence
+    ``b`` uses keys ``[leftpad_k[b], seqused_k[b])`` of its own (see ``flash_attn_2_cuda.gather_keys``)."""
+    return _wrapped_flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                              softcap, alibi_slopes, return_softmax, block_table, leftpad_k,
+                                              seqused_k, zero_tensors)
+
+
+def _flash_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                         dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, dropout_p: float,
+                         softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+                         softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+                         rng_state: Tensor | None = None) -> Tensor:
+    """Dense backward (flash_attn 2.8's internal) from ``out`` and ``softmax_lse`` as given (a ring step
+    passes the combined ones): writes the gradients into ``dq (B, sq, h, d)``, ``dk``/``dv`` ``(B, sk, hk,
+    d)`` and returns ``softmax_d (B, h, round128(sq))`` fp32 (``(1 - dropout_p) * rowsum(dout * out)``).
+    ``rng_state`` is the forward's (needed when ``dropout_p > 0``)."""
+    return _wrapped_flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                                        causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                                        deterministic, rng_state)
+
+
+def _flash_attn_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+                                dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, cu_seqlens_q: Tensor,
+                                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                                softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+                                softcap: float, alibi_slopes: Tensor | None, deterministic: bool,
+                                rng_state: Tensor | None = None, zero_tensors: bool = False) -> Tensor:
+    """Varlen backward (flash_attn 2.8's internal): gradients into ``dq``/``dk``/``dv`` (packed like ``q``,
+    ``k``, ``v``); returns ``softmax_d (h, total_q + 128 * B)`` fp32."""
+    return _wrapped_flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                                               causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                                               deterministic, rng_state, zero_tensors)
+
+
+# ---------------------------------------------------------------------------- the autograd classes
+
+
+def _options(ctx, inputs, is_grad_enabled, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+             deterministic, head_dim: int) -> tuple:
+    """Normalize the shared options onto ``ctx``; returns ``(dropout_p, scale, causal, left, right, softcap,
+    alibi_slopes)`` in the internals' argument order."""
+    ctx.is_grad = bool(is_grad_enabled) and any(t.requires_grad for t in inputs)
+    ctx.deterministic = bool(deterministic)
+    ctx.set_materialize_grads(False)
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    left, right = _window_pair(window_size)
+    ctx.opts = (dropout_p, scale, causal, left, right, softcap, alibi_slopes)
+    return ctx.opts
+
+
+def _result(ctx, out, lse, S, return_softmax):
+    if not return_softmax:
+        return out
+    ctx.mark_non_differentiable(lse, S)
+    return out, lse, S
+
+
+def _dense_bwd(ctx, dout, q, k, v, out, lse, rng, dq, dk, dv) -> None:
+    p, scale, causal, left, right, softcap, alibi = ctx.opts
+    _wrapped_flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, p, scale, causal, left, right, softcap, alibi,
+                                 ctx.deterministic, rng)
+
+
+def _varlen_bwd(ctx, dout, q, k, v, out, lse, rng, cu_q, cu_k, dq, dk, dv) -> None:
+    p, scale, causal, left, right, softcap, alibi = ctx.opts
+    _wrapped_flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, ctx.max_q, ctx.max_k, p, scale,
+                                        causal, left, right, softcap, alibi, ctx.deterministic, rng)
+
+
+class FlashAttnQKVPackedFunc(torch.autograd.Function):
+    """flash_attn's autograd function of ``flash_attn_qkvpacked_func``: ``apply(qkv, dropout_p, softmax_scale,
+    causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=True)`` with
+    ``qkv (B, S, 3, h, d)``; returns ``out`` or ``(out, softmax_lse, S_dmask)``. The backward writes one
+    ``dqkv`` buffer."""
+
+    @staticmethod
+    def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax, is_grad_enabled=True):
+        o = _options(ctx, (qkv,), is_grad_enabled, dropout_p, softmax_scale, causal, window_size, softcap,
+                     alibi_slopes, deterministic, qkv.shape[-1])
+        out, lse, S, rng = _wrapped_flash_attn_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], *o, return_softmax)
+        if ctx.is_grad:
+            ctx.save_for_backward(qkv, out, lse, rng)
+        return _result(ctx, out, lse, S, return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if dout is None:
+            return (None,) * 10
+        qkv, out, lse, rng = ctx.saved_tensors
+        dqkv = torch.empty_like(qkv)
+        _dense_bwd(ctx, dout, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], out, lse, rng, dqkv[:, :, 0], dqkv[:, :, 1],
+                   dqkv[:, :, 2])
+        return (dqkv,) + (None,) * 9
+
+
+class FlashAttnKVPackedFunc(torch.autograd.Function):
+    """flash_attn's autograd function of ``flash_attn_kvpacked_func``: ``apply(q, kv, dropout_p, ...,
+    return_softmax, is_grad_enabled=True)`` with ``q (B, sq, h, d)``, ``kv (B, sk, 2, hk, d)``."""
+
+    @staticmethod
+    def forward(ctx, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax, is_grad_enabled=True):
+        o = _options(ctx, (q, kv), is_grad_enabled, dropout_p, softmax_scale, causal, window_size, softcap,
+                     alibi_slopes, deterministic, q.shape[-1])
+        out, lse, S, rng = _wrapped_flash_attn_forward(q, kv[:, :, 0], kv[:, :, 1], *o, return_softmax)
+        if ctx.is_grad:
+            ctx.save_for_backward(q, kv, out, lse, rng)
+        return _result(ctx, out, lse, S, return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if dout is None:
+            return (None,) * 11
+        q, kv, out, lse, rng = ctx.saved_tensors
+        dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+        _dense_bwd(ctx, dout, q, kv[:, :, 0], kv[:, :, 1], out, lse, rng, dq, dkv[:, :, 0], dkv[:, :, 1])
+        return (dq, dkv) + (None,) * 9
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    """flash_attn's autograd function of ``flash_attn_func``: ``apply(q, k, v, dropout_p, softmax_scale, causal,
+    window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=True)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax, is_grad_enabled=True):
+        o = _options(ctx, (q, k, v), is_grad_enabled, dropout_p, softmax_scale, causal, window_size, softcap,
+                     alibi_slopes, deterministic, q.shape[-1])
+        out, lse, S, rng = _wrapped_flash_attn_forward(q, k, v, *o, return_softmax)
+        if ctx.is_grad:
+            ctx.save_for_backward(q, k, v, out, lse, rng)
+        return _result(ctx, out, lse, S, return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if dout is None:
+            return (None,) * 12
+        q, k, v, out, lse, rng = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _dense_bwd(ctx, dout, q, k, v, out, lse, rng, dq, dk, dv)
+        return (dq, dk, dv) + (None,) * 9
+
+
+class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
+    """flash_attn's autograd function of ``flash_attn_varlen_qkvpacked_func``: ``apply(qkv, cu_seqlens,
+    max_seqlen, dropout_p, ..., return_softmax, is_grad_enabled=True)`` with ``qkv (total, 3, h, d)``."""
+
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, deterministic, return_softmax, is_grad_enabled=True):
+        o = _options(ctx, (qkv,), is_grad_enabled, dropout_p, softmax_scale, causal, window_size, softcap,
+                     alibi_slopes, deterministic, qkv.shape[-1])
+        ctx.max_q = ctx.max_k = max_seqlen
+        out, lse, S, rng = _wrapped_flash_attn_varlen_forward(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
+                                                              max_seqlen, max_seqlen, *o, return_softmax)
+        if ctx.is_grad:
+            ctx.save_for_backward(qkv, out, lse, rng, cu_seqlens)
+        return _result(ctx, out, lse, S, return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if dout is None:
+            return (None,) * 12
+        qkv, out, lse, rng, cu = ctx.saved_tensors
+        dqkv = torch.empty_like(qkv)
+        _varlen_bwd(ctx, dout, qkv[:, 0], qkv[:, 1], qkv[:, 2], out, lse, rng, cu, cu, dqkv[:, 0], dqkv[:, 1],
+                    dqkv[:, 2])
+        return (dqkv,) + (None,) * 11
+
+
+class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
+    """flash_attn's autograd function of ``flash_attn_varlen_kvpacked_func``: ``apply(q, kv, cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, ..., return_softmax, is_grad_enabled=True)``."""
+
+    @staticmethod
+    def forward(ctx, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=True):
+        o = _options(ctx, (q, kv), is_grad_enabled, dropout_p, softmax_scale, causal, window_size, softcap,
+                     alibi_slopes, deterministic, q.shape[-1])
+        ctx.max_q, ctx.max_k = max_seqlen_q, max_seqlen_k
+        out, lse, S, rng = _wrapped_flash_attn_varlen_forward(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k,
+                                                              max_seqlen_q, max_seqlen_k, *o, return_softmax)
+        if ctx.is_grad:
+            ctx.save_for_backward(q, kv, out, lse, rng, cu_seqlens_q, cu_seqlens_k)
+        return _result(ctx, out, lse, S, return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if dout is None:
+            return (None,) * 15
+        q, kv, out, lse, rng, cu_q, cu_k = ctx.saved_tensors
+        dq, dkv = torch.empty_like(q), torch.empty_like(kv)
+        _varlen_bwd(ctx, dout, q, kv[:, 0], kv[:, 1], out, lse, rng, cu_q, cu_k, dq, dkv[:, 0], dkv[:, 1])
+        return (dq, dkv) + (None,) * 13
+
+
+class FlashAttnVarlenFunc(torch.autograd.Function):
+    """flash_attn's autograd function of ``flash_attn_varlen_func``: ``apply(q, k, v, cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+    alibi_slopes, deterministic, return_softmax, block_table, is_grad_enabled=True)``. With ``block_table``
+    (paged ``k``/``v``) the used pages are gathered first and their gradients scattered back (flash_attn
+    has no backward there)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table=None,
+                is_grad_enabled=True):
+        o = _options(ctx, (q, k, v), is_grad_enabled, dropout_p, softmax_scale, causal, window_size, softcap,
+                     alibi_slopes, deterministic, q.shape[-1])
+        ctx.max_q, ctx.max_k = max_seqlen_q, max_seqlen_k
+        ctx.paged_shape = None
+        kp, vp, cu_k = k, v, cu_seqlens_k
+        if block_table is not None:
+            kp, vp, cu_k, rows = gather_keys(k, v, cu_seqlens_k, block_table, return_rows=True)
+            ctx.paged_shape = k.shape
+        out, lse, S, rng = _wrapped_flash_attn_varlen_forward(q, kp, vp, cu_seqlens_q, cu_k, max_seqlen_q,
+                                                              max_seqlen_k, *o, return_softmax)
+        if ctx.is_grad:
+            extra = (rows,) if block_table is not None else ()
+            ctx.save_for_backward(q, kp, vp, out, lse, rng, cu_seqlens_q, cu_k, *extra)
+        return _result(ctx, out, lse, S, return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if dout is None:
+            return (None,) * 17
+        q, k, v, out, lse, rng, cu_q, cu_k, *rows = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _varlen_bwd(ctx, dout, q, k, v, out, lse, rng, cu_q, cu_k, dq, dk, dv)
+        if rows:  # back onto the pages: a page row used twice gets both gradients
+            shape = ctx.paged_shape
+            flat = (shape[0] * shape[1], *shape[2:])
+            dk = dk.new_zeros(flat).index_add_(0, rows[0], dk).view(shape)
+            dv = dv.new_zeros(flat).index_add_(0, rows[0], dv).view(shape)
+        return (dq, dk, dv) + (None,) * 14

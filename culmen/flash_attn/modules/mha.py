@@ -8,6 +8,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from culmen.flash_attn.flash_attn_interface import (
+    _window_pair,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
     flash_attn_varlen_kvpacked_func,
@@ -24,7 +25,8 @@ class FlashSelfAttention(nn.Module):
         causal: bottom-right aligned causal mask (overridable per call).
         softmax_scale: default ``headdim ** -0.5``.
         attention_dropout: dropout on the attention probabilities (training mode only).
-        window_size: ``(left, right)`` sliding window, -1 = unbounded.
+        window_size: ``(left, right)`` sliding window, -1 = unbounded; any two-element sequence of ints
+            (tuple, list, 1-D integer tensor or numpy array).
         alibi_slopes: fp32 ``(nheads,)`` or ``(batch, nheads)``, or ``None``.
         deterministic: bitwise reproducible backward.
     """
@@ -37,8 +39,9 @@ class FlashSelfAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-        # A list would make every call miss the plan cache (keys must be hashable).
-        self.window_size = tuple(window_size) if isinstance(window_size, list) else window_size
+        # Any pair flash_attn takes (list, tensor, numpy array), stored as a tuple of ints: plan-cache keys
+        # must be hashable, and a plain tuple passes the interface with no normalization call.
+        self.window_size = _window_pair(window_size)
         self.deterministic = deterministic
 
     def forward(self, qkv: Tensor, causal: bool | None = None, cu_seqlens: Tensor | None = None,
@@ -70,8 +73,9 @@ class FlashCrossAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
         self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
-        # A list would make every call miss the plan cache (keys must be hashable).
-        self.window_size = tuple(window_size) if isinstance(window_size, list) else window_size
+        # Any pair flash_attn takes (list, tensor, numpy array), stored as a tuple of ints: plan-cache keys
+        # must be hashable, and a plain tuple passes the interface with no normalization call.
+        self.window_size = _window_pair(window_size)
         self.deterministic = deterministic
 
     def forward(self, q: Tensor, kv: Tensor, causal: bool | None = None, cu_seqlens: Tensor | None = None,

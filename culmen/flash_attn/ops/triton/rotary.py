@@ -1,12 +1,23 @@
-"""``flash_attn.ops.triton.rotary``: ``apply_rotary``, the kernel entry point of flash_attn's rotary layers."""
+"""``flash_attn.ops.triton.rotary``: ``apply_rotary``, the kernel entry point of flash_attn's rotary layers,
+and ``rotary_kernel``, the Triton kernel behind them.
+
+``rotary_kernel`` is culmen's one rotary kernel (``culmen.ops.rotary.kernels._rotary_kernel``, a Triton
+``JITFunction``; an ``InterpretedFunction`` under ``TRITON_INTERPRET=1``): every rotary layer of
+``culmen.flash_attn`` (and of the Apex API) launches it, the backward as the same kernel with
+``CONJUGATE=True``. Code that watches its compilations (flash_attn's rotary test clears its cache and
+counts Triton's compile hook) sees one compilation per direction and configuration: sequence lengths,
+batch sizes and position offsets are not specialized on. Its arguments are culmen's, not flash_attn's:
+launch it through ``apply_rotary``.
+"""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from culmen.ops.rotary import rotary
+from culmen.ops.rotary.kernels import _rotary_kernel as rotary_kernel
 
-__all__ = ["apply_rotary"]
+__all__ = ["apply_rotary", "rotary_kernel"]
 
 
 def apply_rotary(
