@@ -19,7 +19,10 @@ unrotated. ``TWO_D`` (Apex's 2-D RoPE for images) rotates columns ``[0, D/2)`` a
 ``COS2``/``SIN2``. ``HEAD_GROUPS``: the heads form two groups (Q and K of a packed qkv), the second
 ``stride_xg`` elements after the first, with ``nheads`` and ``nheads2`` heads; with ``SPLIT_TABLES``
 the second group is rotated with ``COS2``/``SIN2`` (XPos keys). ``COPY_REST`` copies the columns
-after the rotary ones (partial rotary, out of place). All arithmetic is fp32; offsets are int64.
+after the rotary ones (partial rotary, out of place). Arithmetic is fp32 (flash_attn's numerics);
+with ``ROUND`` it is that of Apex's fused RoPE for 16-bit ``x``: the table values are rounded to x's
+dtype, and so is each product and the sum (what Apex's CUDA kernel and its unfused PyTorch formula
+``t * cos.to(t.dtype) + rotate_half(t) * sin.to(t.dtype)`` compute). Offsets are int64.
 
 Sizes that change from batch to batch (sequence length, table rows, the position offset) are not
 specialized on, so a new size never compiles a new kernel.
@@ -36,9 +39,23 @@ def _load_table(T, row, ok, idx, idx_ok, other):
 
 
 @triton.jit
+def _round_to(v, DT: tl.constexpr):
+    """fp32 ``v`` rounded to the nearest ``DT`` value (ties to even), returned as fp32. bf16 is rounded on
+    the bits: Triton's CPU interpreter truncates fp32 -> bf16 casts, so a cast would not give the GPU's
+    (and PyTorch's) rounding there; the bit form is exact on both."""
+    if DT == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = b + (0x7FFF + ((b >> 16) & 1))
+        r = ((b >> 16) << 16).to(tl.float32, bitcast=True)
+        return tl.where(v != v, v, r)  # NaN stays NaN (the carry could turn it into inf or -0)
+    else:
+        return v.to(DT).to(tl.float32)
+
+
+@triton.jit
 def _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos, row_ok, col0, half, seqlen_ro, stride_xd, stride_od,
                    stride_t, INTERLEAVED: tl.constexpr, FULL_TABLE: tl.constexpr, CONJUGATE: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                   ROUND: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rotate the ``2 * half`` columns from ``col0`` of every row of the tile.
 
     ``x_off``/``o_off``: ``[BLOCK_S, BLOCK_H, 1]`` int64 offsets of the rows; ``pos``: ``[BLOCK_S, 1, 1]``
@@ -78,7 +95,24 @@ def _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos, row_ok, col0, half, seql
         else:
             c_hi = c_lo
             s_hi = s_lo
-    if CONJUGATE:
+    if ROUND:
+        # Apex's numerics: tables in x's dtype, every product and sum rounded to it. A product of two
+        # 16-bit values is exact in fp32, so rounding the fp32 product is the 16-bit multiply; the sum
+        # is rounded from fp32 as PyTorch's and Apex's 16-bit adds are.
+        dt: tl.constexpr = X.dtype.element_ty
+        c_lo = _round_to(c_lo, dt)
+        c_hi = _round_to(c_hi, dt)
+        s_lo = _round_to(s_lo, dt)
+        s_hi = _round_to(s_hi, dt)
+        p_lo = _round_to(x_lo * c_lo, dt)
+        p_hi = _round_to(x_hi * c_hi, dt)
+        if CONJUGATE:
+            y_lo = _round_to(p_lo + _round_to(x_hi * s_hi, dt), dt)
+            y_hi = _round_to(p_hi - _round_to(x_lo * s_lo, dt), dt)
+        else:
+            y_lo = _round_to(p_lo - _round_to(x_hi * s_lo, dt), dt)
+            y_hi = _round_to(p_hi + _round_to(x_lo * s_hi, dt), dt)
+    elif CONJUGATE:
         y_lo = x_lo * c_lo + x_hi * s_hi
         y_hi = x_hi * c_hi - x_lo * s_lo
     else:
@@ -99,7 +133,8 @@ def _rotary_kernel(
     stride_xb, stride_xs, stride_xg, stride_xh, stride_xd,
     stride_ob, stride_os, stride_og, stride_oh, stride_od,
     stride_t, stride_t2, offset,
-    INTERLEAVED: tl.constexpr, FULL_TABLE: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    INTERLEAVED: tl.constexpr, FULL_TABLE: tl.constexpr, CONJUGATE: tl.constexpr, ROUND: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, TWO_D: tl.constexpr, HEAD_GROUPS: tl.constexpr, SPLIT_TABLES: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -145,9 +180,11 @@ def _rotary_kernel(
     if TWO_D:
         s3 = s[:, None, None]
         _rotate_region(X, OUT, COS, SIN, x_off, o_off, s3 // img_w, row_ok, 0, half, seqlen_ro,
-                       stride_xd, stride_od, stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+                       stride_xd, stride_od, stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, ROUND, BLOCK_S, BLOCK_H,
+                       BLOCK_K)
         _rotate_region(X, OUT, COS2, SIN2, x_off, o_off, s3 % img_w, row_ok, 2 * half, half, seqlen_ro2,
-                       stride_xd, stride_od, stride_t2, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+                       stride_xd, stride_od, stride_t2, INTERLEAVED, FULL_TABLE, CONJUGATE, ROUND, BLOCK_S, BLOCK_H,
+                       BLOCK_K)
     else:
         if HAS_OFFSETS:
             pos = s.to(tl.int64) + tl.load(OFFSETS + b).to(tl.int64)
@@ -158,13 +195,15 @@ def _rotary_kernel(
             # A scalar branch per program (a program's heads all belong to one group).
             if group == 1:
                 _rotate_region(X, OUT, COS2, SIN2, x_off, o_off, pos3, row_ok, 0, half, seqlen_ro2, stride_xd,
-                               stride_od, stride_t2, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+                               stride_od, stride_t2, INTERLEAVED, FULL_TABLE, CONJUGATE, ROUND, BLOCK_S, BLOCK_H,
+                               BLOCK_K)
             else:
                 _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos3, row_ok, 0, half, seqlen_ro, stride_xd,
-                               stride_od, stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+                               stride_od, stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, ROUND, BLOCK_S, BLOCK_H,
+                               BLOCK_K)
         else:
             _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos3, row_ok, 0, half, seqlen_ro, stride_xd, stride_od,
-                           stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, BLOCK_S, BLOCK_H, BLOCK_K)
+                           stride_t, INTERLEAVED, FULL_TABLE, CONJUGATE, ROUND, BLOCK_S, BLOCK_H, BLOCK_K)
         if COPY_REST:
             # Partial rotary out of place: the columns after the rotary ones pass through unchanged.
             p = tl.arange(0, BLOCK_P)[None, None, :]

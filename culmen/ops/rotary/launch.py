@@ -110,12 +110,14 @@ class RotaryPlan:
     sizes may be symbolic); valid for every call with the same signature. Arguments as ``rotary``;
     ``cos2``/``sin2`` are the column tables of the 2-D form (``img_w > 0``) or else the tables of the
     K heads (group 1 of a 5-D x, or the heads from ``nheads_q`` on); ``table_dim`` is the dim of the
-    tables that indexes positions (all their other dims but the last have size 1).
+    tables that indexes positions (all their other dims but the last have size 1); ``round_ops`` rounds
+    the tables, each product and the sum to x's dtype when it is fp16/bf16 (Apex's numerics; the
+    default is fp32 math, flash_attn's).
     """
 
     def __init__(self, x, cos, sin, cos2=None, sin2=None, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None,
                  interleaved=False, inplace=False, conjugate=False, full_table=False, img_w=0, out_layout="like",
-                 seq_first=False, nheads_q=None, table_dim=0) -> None:
+                 seq_first=False, nheads_q=None, table_dim=0, round_ops=False) -> None:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _FLOATS:
@@ -195,6 +197,7 @@ class RotaryPlan:
         self.x_shape, self.dtype, self.device = x.shape, x.dtype, x.device
         self.B, self.S, self.table_dim = B, S, table_dim
         self.interleaved, self.conjugate, self.full_table = bool(interleaved), bool(conjugate), full_table
+        self.round_ops = bool(round_ops) and x.dtype in (torch.float16, torch.bfloat16)
         self.inplace, self.layout, self.seq_first = bool(inplace), out_layout, bool(seq_first)
         self.img_w, self.varlen, self.groups = img_w, varlen, groups
         self.nheads = (H, H2)
@@ -280,7 +283,8 @@ class RotaryPlan:
         ints = (self.S, H, H2, D, half, rows, rows2, self.img_w, n_s, n_h, n_h2, *self._strides(x),
                 *self._strides(out), st, st2)
         meta = dict(INTERLEAVED=self.interleaved, FULL_TABLE=self.full_table, CONJUGATE=conjugate,
-                    IS_VARLEN=self.varlen, HAS_OFFSETS=self.has_offsets, TWO_D=two_d, HEAD_GROUPS=self.groups,
+                    ROUND=self.round_ops, IS_VARLEN=self.varlen, HAS_OFFSETS=self.has_offsets, TWO_D=two_d,
+                    HEAD_GROUPS=self.groups,
                     SPLIT_TABLES=self.groups and rows2 != 0, COPY_REST=rest > 0, BLOCK_S=bs, BLOCK_H=bh,
                     BLOCK_K=bk, BLOCK_P=bp)
         return Launch(_rotary_kernel, (self.B * n_s * (n_h + n_h2),), meta, warps, device=self.device), ints
@@ -359,7 +363,8 @@ class RotaryPlan:
         S = self.S
         flags = (self.interleaved, conjugate, self.full_table)
         if not self.groups:
-            rotary_fwd_ref(x, out, cos, sin, cos2, sin2, offs, cu, offset, S, *flags, self.img_w, copy_rest)
+            rotary_fwd_ref(x, out, cos, sin, cos2, sin2, offs, cu, offset, S, *flags, self.img_w, copy_rest,
+                           self.round_ops)
             return
         if x.dim() == 5:
             parts = [(x[:, :, g], out[:, :, g]) for g in range(2)]
@@ -368,4 +373,4 @@ class RotaryPlan:
             parts = [(x[:, :, :hq], out[:, :, :hq]), (x[:, :, hq:], out[:, :, hq:])]
         for (xg, og), (c, s) in zip(parts, ((cos, sin), (cos2 if cos2 is not None else cos,
                                                         sin2 if sin2 is not None else sin))):
-            rotary_fwd_ref(xg, og, c, s, None, None, offs, cu, offset, S, *flags, 0, copy_rest)
+            rotary_fwd_ref(xg, og, c, s, None, None, offs, cu, offset, S, *flags, 0, copy_rest, self.round_ops)

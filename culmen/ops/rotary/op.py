@@ -108,6 +108,7 @@ def rotary(
     img_w: int = 0,
     out_layout: str = "like",
     seq_first: bool = False,
+    round_ops: bool = False,
 ) -> Tensor:
     """Rotary position embedding of the first ``rotary_dim`` columns of ``x``; differentiable in ``x``.
 
@@ -129,9 +130,11 @@ def rotary(
         conjugate: apply the inverse (transposed) rotation.
         out_layout: memory layout of a new output, one of ``LAYOUTS`` (in ``x``'s own dim order).
         seq_first: ``x`` is ``(S, B, H, D)`` (Apex's sbhd) instead of ``(B, S, H, D)``.
+        round_ops: for fp16/bf16 ``x``, round the table values, each product and the sum to x's dtype,
+            as Apex's fused RoPE (and its PyTorch formula) computes; the default is flash_attn's fp32 math.
 
-    Math in fp32 (fp64 for fp64 input); the result has ``x``'s dtype and shape. The tables get no
-    gradient (as in flash_attn and Apex).
+    Math in fp32 (fp64 for fp64 input) unless ``round_ops``; the result has ``x``'s dtype and shape. The
+    tables get no gradient (as in flash_attn and Apex).
 
     Host cost: the checks and the launch geometry are computed once per call signature (shapes,
     strides, dtypes, devices, flags) and cached; a repeated call only allocates and launches.
@@ -142,7 +145,7 @@ def rotary(
         cos2, sin2 = cos_k, sin_k
     if torch.compiler.is_compiling():
         return _rotary_compiled(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace,
-                                conjugate, full_table, img_w, out_layout, seq_first, nheads_q)
+                                conjugate, full_table, img_w, out_layout, seq_first, nheads_q, round_ops)
     offs_t = seqlen_offsets if type(seqlen_offsets) is not int else None
     try:
         key = (x.shape, x.stride(), x.dtype, x.device, cos.shape, cos.stride(), cos.dtype, cos.device,
@@ -152,13 +155,14 @@ def rotary(
                None if offs_t is None else (type(offs_t), offs_t.shape, offs_t.stride(), offs_t.dtype, offs_t.device),
                None if cu_seqlens is None else (cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype,
                                                 cu_seqlens.device),
-               max_seqlen, interleaved, inplace, conjugate, full_table, img_w, out_layout, seq_first, nheads_q)
+               max_seqlen, interleaved, inplace, conjugate, full_table, img_w, out_layout, seq_first, nheads_q,
+               round_ops)
         plan = PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable arguments: the plan names the problem
         key, plan = None, None
     if plan is None:
         plan = RotaryPlan(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace,
-                          conjugate, full_table, img_w, out_layout, seq_first, nheads_q)
+                          conjugate, full_table, img_w, out_layout, seq_first, nheads_q, round_ops=round_ops)
         if key is not None:
             PLANS.put(key, plan)
     if plan.has_offsets:
@@ -170,12 +174,13 @@ def rotary(
 
 
 def _plan_from(x, cos, sin, cos2, sin2, offsets, cu_seqlens, offset, max_seqlen, interleaved, inplace, conjugate,
-               full_table, img_w, out_layout, seq_first, nheads_q) -> RotaryPlan:
+               full_table, round_ops, img_w, out_layout, seq_first, nheads_q) -> RotaryPlan:
     """An uncached plan for traced code (sizes may be symbolic). Triton's CPU interpreter cannot be
     traced, so there the compiled graph takes the (traceable) reference path."""
     plan = RotaryPlan(x, cos, sin, cos2, sin2, offsets if offsets is not None else offset,
                       cu_seqlens, max_seqlen if cu_seqlens is not None else None, interleaved, inplace, conjugate,
-                      full_table, img_w, out_layout, seq_first, nheads_q if nheads_q > 0 else None)
+                      full_table, img_w, out_layout, seq_first, nheads_q if nheads_q > 0 else None,
+                      round_ops=round_ops)
     plan.use_kernel = plan.use_kernel and traceable_kernels()
     return plan
 
@@ -184,12 +189,12 @@ def _plan_from(x, cos, sin, cos2, sin2, offsets, cu_seqlens, offset, max_seqlen,
 def rotary_op(
     x: Tensor, cos: Tensor, sin: Tensor, cos2: Tensor | None, sin2: Tensor | None, offsets: Tensor | None,
     cu_seqlens: Tensor | None, offset: int, max_seqlen: int, interleaved: bool, conjugate: bool, full_table: bool,
-    img_w: int, out_layout: str, seq_first: bool, nheads_q: int,
+    round_ops: bool, img_w: int, out_layout: str, seq_first: bool, nheads_q: int,
 ) -> Tensor:
     """Out-of-place rotation for ``torch.compile`` (arguments as ``rotary``; ``offsets`` is the tensor form
     of ``seqlen_offsets``, else ``offset``; ``nheads_q`` 0 for none). Returns a new tensor like ``x``."""
     plan = _plan_from(x, cos, sin, cos2, sin2, offsets, cu_seqlens, offset, max_seqlen, interleaved, False,
-                      conjugate, full_table, img_w, out_layout, seq_first, nheads_q)
+                      conjugate, full_table, round_ops, img_w, out_layout, seq_first, nheads_q)
     if plan.check_rows:
         plan.check_offset(offset)
     return plan.forward(x, (cos, sin, cos2, sin2, offsets, cu_seqlens), offset, traced=True)
@@ -199,11 +204,11 @@ def rotary_op(
 def rotary_inplace_op(
     x: Tensor, cos: Tensor, sin: Tensor, cos2: Tensor | None, sin2: Tensor | None, offsets: Tensor | None,
     cu_seqlens: Tensor | None, offset: int, max_seqlen: int, interleaved: bool, conjugate: bool, full_table: bool,
-    img_w: int, seq_first: bool, nheads_q: int,
+    round_ops: bool, img_w: int, seq_first: bool, nheads_q: int,
 ) -> None:
     """In-place rotation of ``x``'s rotary columns (the others are untouched), for ``torch.compile``."""
     plan = _plan_from(x, cos, sin, cos2, sin2, offsets, cu_seqlens, offset, max_seqlen, interleaved, True,
-                      conjugate, full_table, img_w, "like", seq_first, nheads_q)
+                      conjugate, full_table, round_ops, img_w, "like", seq_first, nheads_q)
     if plan.check_rows:
         plan.check_offset(offset)
     plan.forward(x, (cos, sin, cos2, sin2, offsets, cu_seqlens), offset, traced=True)
@@ -217,24 +222,24 @@ def _setup_context(ctx, inputs, output):
 
 def _compiled_backward(ctx, dy):
     cos, sin, cos2, sin2, offsets, cu = ctx.saved_tensors
-    offset, max_seqlen, interleaved, conjugate, full_table, img_w, _, seq_first, nheads_q = ctx.args
+    offset, max_seqlen, interleaved, conjugate, full_table, round_ops, img_w, _, seq_first, nheads_q = ctx.args
     dx = rotary_op(dy, cos, sin, cos2, sin2, offsets, cu, offset, max_seqlen, interleaved, not conjugate, full_table,
-                   img_w, "like", seq_first, nheads_q)
-    return (dx,) + (None,) * 15
+                   round_ops, img_w, "like", seq_first, nheads_q)
+    return (dx,) + (None,) * 16
 
 
 torch.library.register_autograd("culmen::rotary", _compiled_backward, setup_context=_setup_context)
 
 
 def _rotary_compiled(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace,
-                     conjugate, full_table, img_w, out_layout, seq_first, nheads_q):
+                     conjugate, full_table, img_w, out_layout, seq_first, nheads_q, round_ops):
     """``rotary`` while ``torch.compile`` traces: the ``triton_op``s (checked when they are traced)."""
     if isinstance(seqlen_offsets, Tensor):
         offsets, offset = seqlen_offsets, 0
     else:
         offsets, offset = None, seqlen_offsets
     args = (cos, sin, cos2, sin2, offsets, cu_seqlens, offset, 0 if max_seqlen is None else max_seqlen,
-            bool(interleaved), bool(conjugate), bool(full_table), int(img_w))
+            bool(interleaved), bool(conjugate), bool(full_table), bool(round_ops), int(img_w))
     nq = 0 if nheads_q is None else nheads_q
     if not inplace:
         return rotary_op(x, *args, out_layout, bool(seq_first), nq)

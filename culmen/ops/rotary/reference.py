@@ -58,8 +58,9 @@ def _gather(table: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _rotate(xr: Tensor, c: Tensor, s: Tensor, ok: Tensor, interleaved: bool, full_table: bool,
-            conjugate: bool) -> Tensor:
-    """``xr`` ``(N, H, 2*half)`` fp32, tables ``(N, W)``; rows with ``ok`` False pass through."""
+            conjugate: bool, round_dtype: torch.dtype | None = None) -> Tensor:
+    """``xr`` ``(N, H, 2*half)`` fp32, tables ``(N, W)``; rows with ``ok`` False pass through. With
+    ``round_dtype`` every product is rounded to it (the tables already are): Apex's numerics."""
     c = expand_table(c, interleaved, full_table)[:, None, :]
     s = expand_table(s, interleaved, full_table)[:, None, :]
     c = torch.where(ok[:, None, None], c, 1.0)
@@ -71,10 +72,13 @@ def _rotate(xr: Tensor, c: Tensor, s: Tensor, ok: Tensor, interleaved: bool, ful
         h = xr.shape[-1] // 2
         x_lo, x_hi = xr[..., :h], xr[..., h:]
         c_lo, c_hi, s_lo, s_hi = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+    def r(t: Tensor) -> Tensor:
+        return t if round_dtype is None else t.to(round_dtype).to(t.dtype)
+
     if conjugate:  # the transpose of the forward matrix
-        y_lo, y_hi = x_lo * c_lo + x_hi * s_hi, x_hi * c_hi - x_lo * s_lo
+        y_lo, y_hi = r(x_lo * c_lo) + r(x_hi * s_hi), r(x_hi * c_hi) - r(x_lo * s_lo)
     else:
-        y_lo, y_hi = x_lo * c_lo - x_hi * s_lo, x_hi * c_hi + x_lo * s_hi
+        y_lo, y_hi = r(x_lo * c_lo) - r(x_hi * s_lo), r(x_hi * c_hi) + r(x_lo * s_hi)
     if interleaved:
         return torch.stack((y_lo, y_hi), dim=-1).flatten(-2)
     return torch.cat((y_lo, y_hi), dim=-1)
@@ -104,8 +108,10 @@ def _token_positions(x: Tensor, seqlen_offsets: Tensor | None, cu_seqlens: Tenso
 
 def rotary_fwd_ref(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor, cos2: Tensor | None, sin2: Tensor | None,
                    seqlen_offsets: Tensor | None, cu_seqlens: Tensor | None, offset: int, max_seqlen: int,
-                   interleaved: bool, conjugate: bool, full_table: bool, img_w: int, copy_rest: bool) -> None:
-    """Rotate ``x`` into ``out`` in fp32 (fp64 for fp64), as the kernel does.
+                   interleaved: bool, conjugate: bool, full_table: bool, img_w: int, copy_rest: bool,
+                   round_ops: bool = False) -> None:
+    """Rotate ``x`` into ``out`` in fp32 (fp64 for fp64), as the kernel does; with ``round_ops`` and a
+    16-bit ``x``, the tables, each product and the sum are rounded to x's dtype (the kernel's ``ROUND``).
 
     Shapes: ``x``/``out`` ``(B, S, H, D)`` (any strides), or ``(T, H, D)`` packed with ``cu_seqlens``
     ``(B + 1,)`` and ``max_seqlen``; ``cos``/``sin`` ``(rows, W)``, ``W = half`` (``full_table=False``) or
@@ -123,13 +129,16 @@ def rotary_fwd_ref(x: Tensor, out: Tensor, cos: Tensor, sin: Tensor, cos2: Tenso
     else:
         regions = [(0, cos, sin, pos)]
         end = D if copy_rest else 2 * half
+    rd = x.dtype if round_ops and x.dtype in (torch.float16, torch.bfloat16) else None
     res = xf.clone()
     for col0, tc, ts, p in regions:
         c, ok = _gather(tc, p)
         sn, _ = _gather(ts, p)
+        if rd is not None:
+            c, sn = c.to(rd), sn.to(rd)
         c, sn = c.to(xf.dtype), sn.to(xf.dtype)
         res[..., col0:col0 + 2 * half] = _rotate(xf[..., col0:col0 + 2 * half], c, sn, ok, interleaved, full_table,
-                                                 conjugate)
+                                                 conjugate, rd)
     # What the kernel does not write (unvisited tokens, the copied columns unless asked) keeps out's
     # content, which is x's when rotating in place (a select, not a boolean index: traceable).
     res = res[..., :end].to(out.dtype)

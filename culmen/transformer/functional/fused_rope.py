@@ -2,9 +2,14 @@
 
 The rotation is GPT-NeoX style over the first ``d2`` columns (``d2 = freqs.size(-1) <= d``; the rest
 passes through) with *full* tables: one angle / cos / sin per rotated column, so the two members of
-a pair may differ, exactly as Apex's kernels index them. Differences from Apex: the math is fp32 for
-every input dtype (Apex's cached form computes in the input dtype), fp64 inputs work, and bad
-arguments raise ``ValueError`` / ``TypeError`` naming them instead of failing a C++ check.
+a pair may differ, exactly as Apex's kernels index them.
+
+Numerics are Apex's: cos/sin of ``freqs`` are computed in fp32 (cached tables are taken as given), then
+rounded to ``t``'s dtype, and for fp16/bf16 ``t`` every product and the sum is rounded to that dtype,
+which is what Apex's CUDA kernels and its unfused formula ``t * cos(freqs).to(t.dtype) +
+rotate_half(t) * sin(freqs).to(t.dtype)`` compute (the rotary op's ``round_ops``); the backward
+likewise. Differences from Apex: fp64 inputs work, and bad arguments raise ``ValueError`` /
+``TypeError`` naming them instead of failing a C++ check.
 
 Host cost: every function keeps its checks and the rotary plan per call signature (``_PLANS``); the
 kernel reads Apex's ``[s, 1, 1, d2]`` / ``[1, N, 1, d/2]`` tables and the sbhd layout as they are (no
@@ -28,6 +33,9 @@ __all__ = [
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_APEX = {"full_table": True, "round_ops": True}
+"""Apex's tables (one value per rotated column) and numerics (see the module docstring)."""
 
 _PLANS = PlanCache("apex_rope")
 """Call signature of an Apex function -> its ``RotaryPlan`` (the Apex checks passed)."""
@@ -99,7 +107,7 @@ def sbhd_freqs(t: Tensor, freqs: Tensor, transpose_output: bool, conjugate: bool
     if torch.compiler.is_compiling():
         _check_t(t, 4, "[s, b, h, d]")
         _table("freqs", freqs, t.size(0), t, t.size(3))
-        return rotary(t, *_fresh_cos_sin(freqs), full_table=True, conjugate=conjugate, out_layout=layout,
+        return rotary(t, *_fresh_cos_sin(freqs), **_APEX, conjugate=conjugate, out_layout=layout,
                       seq_first=True)
     try:
         key = (0, t.shape, t.stride(), t.dtype, t.device, freqs.shape, freqs.stride(), freqs.dtype, freqs.device,
@@ -111,7 +119,7 @@ def sbhd_freqs(t: Tensor, freqs: Tensor, transpose_output: bool, conjugate: bool
         _check_t(t, 4, "[s, b, h, d]")
         _table("freqs", freqs, t.size(0), t, t.size(3))
         cos, sin = _cos_sin(freqs)
-        plan = _put(key, RotaryPlan(t, cos, sin, full_table=True, conjugate=conjugate, out_layout=layout,
+        plan = _put(key, RotaryPlan(t, cos, sin, **_APEX, conjugate=conjugate, out_layout=layout,
                                     seq_first=True))
     else:
         cos, sin = _cos_sin(freqs)
@@ -131,7 +139,7 @@ def sbhd_cached(t: Tensor, cos_: Tensor, sin_: Tensor, transpose_output: bool, c
     layout = "swap01" if transpose_output else "contiguous"
     if torch.compiler.is_compiling():
         _check_cached(t, cos_, sin_)
-        return rotary(t, cos_, sin_, full_table=True, conjugate=conjugate, out_layout=layout, seq_first=True)
+        return rotary(t, cos_, sin_, **_APEX, conjugate=conjugate, out_layout=layout, seq_first=True)
     try:
         key = (1, t.shape, t.stride(), t.dtype, t.device, cos_.shape, cos_.stride(), cos_.dtype, cos_.device,
                sin_.shape, sin_.stride(), sin_.dtype, sin_.device, transpose_output, conjugate)
@@ -140,7 +148,7 @@ def sbhd_cached(t: Tensor, cos_: Tensor, sin_: Tensor, transpose_output: bool, c
         key, plan = None, None
     if plan is None:
         _check_cached(t, cos_, sin_)
-        plan = _put(key, RotaryPlan(t, cos_, sin_, full_table=True, conjugate=conjugate, out_layout=layout,
+        plan = _put(key, RotaryPlan(t, cos_, sin_, **_APEX, conjugate=conjugate, out_layout=layout,
                                     seq_first=True))
     return rotary_planned(plan, t, (cos_, sin_, None, None, None, None), 0, grad)
 
@@ -169,7 +177,7 @@ def thd_freqs(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, conjugate: bool, gra
     if torch.compiler.is_compiling():
         _check_t(t, 3, "[total, h, d]")
         _table("freqs", freqs, None, t, t.size(2))
-        return rotary(t, *_fresh_cos_sin(freqs), cu_seqlens=cu_seqlens, max_seqlen=freqs.size(0), full_table=True,
+        return rotary(t, *_fresh_cos_sin(freqs), cu_seqlens=cu_seqlens, max_seqlen=freqs.size(0), **_APEX,
                       conjugate=conjugate)
     try:
         key = (2, t.shape, t.stride(), t.dtype, t.device, cu_seqlens.shape, cu_seqlens.stride(), cu_seqlens.dtype,
@@ -181,7 +189,7 @@ def thd_freqs(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, conjugate: bool, gra
         _check_t(t, 3, "[total, h, d]")
         _table("freqs", freqs, None, t, t.size(2))
         cos, sin = _cos_sin(freqs)
-        plan = _put(key, RotaryPlan(t, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=freqs.size(0), full_table=True,
+        plan = _put(key, RotaryPlan(t, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=freqs.size(0), **_APEX,
                                     conjugate=conjugate))
     else:
         cos, sin = _cos_sin(freqs)
@@ -228,7 +236,7 @@ def two_d(t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tensor, cos_w
     if torch.compiler.is_compiling():
         _check_2d(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w)
         tabs = [f.transpose(0, 1) for f in (cos_h, sin_h, cos_w, sin_w)]
-        return rotary(t, tabs[0], tabs[1], cos2=tabs[2], sin2=tabs[3], full_table=True, img_w=img_w,
+        return rotary(t, tabs[0], tabs[1], cos2=tabs[2], sin2=tabs[3], **_APEX, img_w=img_w,
                       conjugate=conjugate, out_layout="contiguous")
     try:
         key = (3, t.shape, t.stride(), t.dtype, t.device, img_h, img_w, conjugate,
@@ -238,7 +246,7 @@ def two_d(t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tensor, cos_w
         key, plan = None, None
     if plan is None:
         _check_2d(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w)
-        plan = _put(key, RotaryPlan(t, cos_h, sin_h, cos_w, sin_w, full_table=True, img_w=img_w, conjugate=conjugate,
+        plan = _put(key, RotaryPlan(t, cos_h, sin_h, cos_w, sin_w, **_APEX, img_w=img_w, conjugate=conjugate,
                                     out_layout="contiguous", table_dim=1))
     return rotary_planned(plan, t, (cos_h, sin_h, cos_w, sin_w, None, None), 0, grad)
 
