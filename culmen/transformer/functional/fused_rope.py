@@ -8,7 +8,8 @@ Numerics are Apex's: cos/sin of ``freqs`` are computed in fp32 (cached tables ar
 rounded to ``t``'s dtype, and for fp16/bf16 ``t`` every product and the sum is rounded to that dtype,
 which is what Apex's CUDA kernels and its unfused formula ``t * cos(freqs).to(t.dtype) +
 rotate_half(t) * sin(freqs).to(t.dtype)`` compute (the rotary op's ``round_ops``); the backward
-likewise. Differences from Apex: fp64 inputs work, and bad arguments raise ``ValueError`` /
+likewise (under ``torch.compile`` on CPU the traced reference's casts are Inductor's to fuse, as it
+fuses those of the plain formula; GPU kernels keep them). Differences from Apex: fp64 inputs work, and bad arguments raise ``ValueError`` /
 ``TypeError`` naming them instead of failing a C++ check.
 
 Host cost: every function keeps its checks and the rotary plan per call signature (``_PLANS``); the
