@@ -234,7 +234,7 @@ class LossScaler:
         if device.type == "cuda":
             host = self._pinned.get(device)
             if host is None:
-                host = self._pinned[device] = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+                host = self._pinned[device] = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True)
             host.copy_(flag, non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))

@@ -62,9 +62,10 @@ class FusedAdam(FusedOptimizer):
     device tensor when ``capturable`` or once a GradScaler drove a step), as in Apex.
 
     GradScaler: ``_step_supports_amp_scaling`` is True; with ``torch.amp.GradScaler`` the gradients are
-    unscaled inside the kernel (by ``1 / grad_scale``), and a step whose gradients hold inf/NaN changes
-    nothing (params, moments and ``step`` stay), with no host sync. ``step(grad_scaler=...)`` (the older
-    contract) works too.
+    unscaled inside the kernel (by ``1 / grad_scale``) and written back unscaled, so after
+    ``scaler.step(opt)`` every ``.grad`` holds what ``scaler.unscale_`` would have left, as with torch's
+    optimizers (skipped steps included). A step whose gradients hold inf/NaN changes nothing else (params,
+    moments and ``step`` stay), with no host sync. ``step(grad_scaler=...)`` (the older contract) works too.
     """
 
     def __init__(self, params: Iterable, lr: float | Tensor = 1e-3, bias_correction: bool = True,
@@ -159,7 +160,7 @@ class FusedAdam(FusedOptimizer):
         kw = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=step,
                   mode=ADAM_MODE_ADAMW if self.adam_w_mode else ADAM_MODE_L2,
                   bias_correction=bool(group["bias_correction"]), weight_decay=group["weight_decay"], noop_flag=noop,
-                  inv_scale=self._inv_scale(grad_scale), op="FusedAdam")
+                  inv_scale=self._inv_scale(grad_scale), unscale_skipped=True, op="FusedAdam")
         grads = plan.live_grads
         for idx, static, _ in plan.calls:
             adam_update([grads if idx is None else [grads[i] for i in idx], *static], **kw)
@@ -217,7 +218,8 @@ class FusedAdam(FusedOptimizer):
             lists = [grads if idx is None else [grads[i] for i in idx], *static]
             step_mode = (STEP_NEXT if k != last else STEP_ADVANCE) if on_device else STEP_AS_IS
             ap = AdamPlan("FusedAdam", lists, noop, mode=mode, lr_t=lr_t, step_t=on_device, inv=inv,
-                          bias_correction=bc, step_mode=step_mode, static=tuple(range(1, len(lists))))
+                          bias_correction=bc, step_mode=step_mode, static=tuple(range(1, len(lists))),
+                          unscale_skipped=True)
             out.append(ap)
         if on_device and out[-1].tables.groups[-1].C == 0:
             # Nothing to launch last: the counter is advanced by _step_fast and every launch reads it as is.

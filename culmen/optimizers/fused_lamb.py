@@ -108,5 +108,5 @@ class FusedLAMB(FusedOptimizer):
                         bias_correction=bool(group["bias_correction"]), weight_decay=group["weight_decay"],
                         grad_averaging=bool(group["grad_averaging"]), mode=self.adam_w_mode, global_grad_norm=gnorm,
                         max_grad_norm=max_norm_arg(group.get("max_grad_norm")), use_nvlamb=self.use_nvlamb,
-                        noop_flag=noop, found_inf=None, inv_scale=inv_scale, op="FusedLAMB")
+                        noop_flag=noop, found_inf=None, inv_scale=inv_scale, unscale_skipped=True, op="FusedLAMB")
         return loss

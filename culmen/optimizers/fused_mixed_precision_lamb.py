@@ -54,9 +54,11 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
         if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(f"reduced_precision_dtype must be None, torch.float16 or torch.bfloat16, "
                              f"got {reduced_precision_dtype}")
+        # Host tensors (named: the default device may be another), moved to each group's device by _to_device.
         lr_t = lr.detach().to(torch.float32).reshape(()) if isinstance(lr, Tensor) else \
-            torch.tensor(float(lr), dtype=torch.float32)
-        defaults = dict(lr=lr_t, step=torch.tensor([int(step)], dtype=torch.int32), bias_correction=bias_correction,
+            torch.tensor(float(lr), dtype=torch.float32, device="cpu")
+        step_t = torch.tensor([int(step)], dtype=torch.int32, device="cpu")
+        defaults = dict(lr=lr_t, step=step_t, bias_correction=bias_correction,
                         betas=tuple(betas), eps=eps, weight_decay=weight_decay, grad_averaging=grad_averaging,
                         max_grad_norm=max_grad_norm)
         self.reduced_precision_dtype = reduced_precision_dtype
@@ -118,7 +120,8 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
                       bias_correction=bool(group["bias_correction"]), weight_decay=group["weight_decay"],
                       grad_averaging=bool(group["grad_averaging"]), mode=self.adam_w_mode, global_grad_norm=gnorm,
                       max_grad_norm=max_norm_arg(group.get("max_grad_norm")), use_nvlamb=self.use_nvlamb,
-                      noop_flag=noop, found_inf=None, inv_scale=inv_scale, op="FusedMixedPrecisionLamb")
+                      noop_flag=noop, found_inf=None, inv_scale=inv_scale, unscale_skipped=True,
+                      op="FusedMixedPrecisionLamb")
             for idx, static in entries:
                 gs = grads if idx is None else [grads[i] for i in idx]
                 lamb_update([gs, *static], **kw)

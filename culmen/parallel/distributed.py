@@ -486,7 +486,7 @@ class DistributedDataParallel(Module):
         n = len(self._params)
         order = torch.full((n,), -1, dtype=torch.int64, device=self._device)
         if self._order:
-            order[:len(self._order)] = torch.tensor(self._order, dtype=torch.int64)
+            order[:len(self._order)] = torch.tensor(self._order, dtype=torch.int64, device=order.device)
         dist.broadcast(order, _first_rank(self.process_group), group=self.process_group)
         ordered = [i for i in order.tolist() if i >= 0]
         if self.find_unused_parameters:

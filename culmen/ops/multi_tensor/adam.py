@@ -54,6 +54,7 @@ if triton is not None:
             g = load_f32(gp, offs, n, MASKED)
             if HAS_INV:
                 g = g * inv
+                store(gp, offs, n, g, MASKED)  # the gradient is left unscaled, as GradScaler.unscale_ leaves it
             if MASTER:
                 p = load_f32(qp, offs, n, MASKED)
             else:
@@ -75,12 +76,18 @@ if triton is not None:
                 store(qp, offs, n, p, MASKED)
             store(pp, offs, n, p, MASKED)
 
+    @triton.jit
+    def _unscale_range(gp, start, n, inv, MASKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        for i in range(0, CHUNK, BLOCK):
+            offs = block_offsets(start, i, BLOCK)
+            store(gp, offs, n, load_f32(gp, offs, n, MASKED) * inv, MASKED)
+
     @triton.jit(do_not_specialize=["T", "C"])
     def _adam_kernel(ptrs, geo, noop, lr_ptr, step_ptr, inv_ptr, ticket, T, C, lr, b1, b2, eps, bc1, bc2, wd, inv,
                      G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                      Q_DT: tl.constexpr, L: tl.constexpr, MODE: tl.constexpr, LR_T: tl.constexpr,
                      STEP_T: tl.constexpr, STEP: tl.constexpr, INV: tl.constexpr, BIAS_CORR: tl.constexpr,
-                     SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                     UNSCALE_SKIPPED: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
         b1 = tl.cast(b1, tl.float32)
         b2 = tl.cast(b2, tl.float32)
@@ -122,6 +129,20 @@ if triton is not None:
             else:
                 _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv, MODE, L == 5,
                             INV != 0, True, CHUNK, BLOCK)
+        elif UNSCALE_SKIPPED:
+            # A skipped step (inf/NaN found) still unscales the gradients, as torch's GradScaler.unscale_ does
+            # before any optimizer reads them (FusedAdam's contract; amp_C's capturable ops leave them as Apex).
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
+            if INV == 2:
+                inv = tl.load(inv_ptr).to(tl.float32)
+            if INV == 3:
+                inv = tl.div_rn(1.0, tl.load(inv_ptr).to(tl.float32))
+            start = j * CHUNK
+            if start + CHUNK <= n:
+                _unscale_range(gp, start, n, inv, False, CHUNK, BLOCK)
+            else:
+                _unscale_range(gp, start, n, inv, True, CHUNK, BLOCK)
         if STEP == 2:
             # Every program read the step above; the last one to get here advances it (and re-arms the
             # ticket), so the counter moves once per launch, and only on a step that was not skipped.
@@ -133,7 +154,8 @@ if triton is not None:
 
 
 def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, mode: int, bias_correction: bool,
-             weight_decay: float, noop_flag: torch.Tensor, inv_scale=None, scale_divides: bool = False) -> None:
+             weight_decay: float, noop_flag: torch.Tensor, inv_scale=None, scale_divides: bool = False,
+             unscale_skipped: bool = False) -> None:
     """Reference of :func:`adam_update` (fp32 math, one tensor at a time, no host sync on device flags)."""
     masters = tensor_lists[4] if len(tensor_lists) == 5 else [None] * len(tensor_lists[0])
     for g, p, m, v, q in zip(*tensor_lists[:4], masters):
@@ -148,6 +170,8 @@ def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, 
         if inv_scale is not None:
             inv = scalar_f32(inv_scale, dev)
             gf = gf * (torch.reciprocal(inv) if scale_divides else inv)
+            # The unscaled gradient is stored back (also on a skipped step with ``unscale_skipped``).
+            g.copy_(gf.to(g.dtype) if unscale_skipped else torch.where(skip, g, gf.to(g.dtype)))
         pf = (q if q is not None else p).float()
         mf, vf = m.float(), v.float()
         if mode == ADAM_MODE_L2:
@@ -168,16 +192,19 @@ class AdamPlan(ListPlan):
 
     ``lr_t`` / ``step_t``: lr and step are device tensors; ``inv``: an ``INV_*`` mode; ``step_mode``: a
     ``STEP_*`` mode (the optimizer's in-kernel counter; amp_C callers pass the step already advanced).
-    ``static``: lists whose addresses stay fixed (an optimizer's params and states).
+    ``static``: lists whose addresses stay fixed (an optimizer's params and states). ``unscale_skipped``:
+    a skipped step still unscales the gradients (FusedAdam under a GradScaler).
     """
 
     def __init__(self, op: str, tensor_lists, noop_flag, *, mode: int, lr_t: bool, step_t: bool, inv: int,
-                 bias_correction: bool, step_mode: int = STEP_AS_IS, static: tuple[int, ...] = ()) -> None:
+                 bias_correction: bool, step_mode: int = STEP_AS_IS, static: tuple[int, ...] = (),
+                 unscale_skipped: bool = False) -> None:
         noop_pointer(noop_flag, op)
         if mode not in (0, 1):
             raise ValueError(f"{op}: mode must be 0 (Adam, L2) or 1 (AdamW), got {mode!r}")
         self.mode, self.lr_t, self.step_t, self.inv = mode, lr_t, step_t, inv
         self.bias_correction, self.step_mode = bool(bias_correction), step_mode
+        self.unscale_skipped = bool(unscale_skipped) and inv != INV_NONE
         self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
         super().__init__(op, tensor_lists, (4, 5), tuple(range(1, len(tensor_lists))), static)
         self.ticket = None
@@ -188,7 +215,8 @@ class AdamPlan(ListPlan):
         dts = [TL_DTYPE[d] for d in g.dtypes]
         return dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], Q_DT=dts[4] if len(dts) == 5 else dts[1],
                     L=len(dts), MODE=self.mode, LR_T=self.lr_t, STEP_T=self.step_t, STEP=variant, INV=self.inv,
-                    BIAS_CORR=self.bias_correction, CHUNK=self.chunk, BLOCK=self.block)
+                    BIAS_CORR=self.bias_correction, UNSCALE_SKIPPED=self.unscale_skipped, CHUNK=self.chunk,
+                    BLOCK=self.block)
 
     def run(self, tabs, noop, lr, step, inv, b1: float, b2: float, eps: float, wd: float,
             only: int | None = None) -> None:
@@ -226,12 +254,14 @@ def _inv_mode(inv_scale) -> int:
 
 def adam_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, mode: int,
                 bias_correction: bool, weight_decay: float, noop_flag: torch.Tensor, inv_scale=None,
-                op: str = "adam_update") -> None:
+                unscale_skipped: bool = False, op: str = "adam_update") -> None:
     """One Adam (``mode=0``, L2) or AdamW (``mode=1``, decoupled) step over ``[g, p, m, v(, p_master)]``.
 
     ``lr`` and ``step`` are numbers or 1-element device tensors (capturable: no host sync), ``inv_scale``
     ``None``, a number or a device tensor multiplying the gradients. With five lists the fp32 masters
     are updated and copied into the (16-bit) params. Nothing happens where ``noop_flag`` is non-zero.
+    With ``inv_scale`` the unscaled gradients are written back (as Apex's capturable kernels do); with
+    ``unscale_skipped`` too when the step is skipped (torch's GradScaler contract: ``.grad`` is unscaled).
     Math in fp32: ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``;
     ``p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + [AdamW] wd p)``.
     """
@@ -240,21 +270,24 @@ def adam_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, ste
 
         return adam_via_op(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, mode=mode,
                            bias_correction=bias_correction, weight_decay=weight_decay, noop_flag=noop_flag,
-                           inv_scale=inv_scale)
+                           inv_scale=inv_scale, unscale_skipped=unscale_skipped)
     lr_t, step_t, inv = isinstance(lr, torch.Tensor), isinstance(step, torch.Tensor), _inv_mode(inv_scale)
+    unscale_skipped = bool(unscale_skipped)
     try:
         flat, sig = signature(tensor_lists)
-        key = ("adam", op, mode, lr_t, step_t, inv, bool(bias_correction), noop_flag.dtype, noop_flag.device, sig)
+        key = ("adam", op, mode, lr_t, step_t, inv, bool(bias_correction), unscale_skipped, noop_flag.dtype,
+               noop_flag.device, sig)
     except (TypeError, AttributeError, IndexError):
         flat, key = None, None
     plan = cached_plan(key, lambda: AdamPlan(op, tensor_lists, noop_flag, mode=mode, lr_t=lr_t, step_t=step_t,
-                                             inv=inv, bias_correction=bias_correction))
+                                             inv=inv, bias_correction=bias_correction,
+                                             unscale_skipped=unscale_skipped))
     if not plan.n:
         return
     if not plan.use_kernel:
         return adam_ref(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step, mode=mode,
                         bias_correction=bias_correction, weight_decay=weight_decay, noop_flag=noop_flag,
-                        inv_scale=inv_scale)
+                        inv_scale=inv_scale, unscale_skipped=unscale_skipped)
     tabs, copy_back = plan.pointers(tensor_lists, flat)
     if plan.single_group(noop_flag.device) and (not lr_t or lr.device == noop_flag.device) and \
             (not step_t or step.device == noop_flag.device) and (inv != INV_DEVICE or inv_scale.device ==

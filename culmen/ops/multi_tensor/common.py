@@ -310,7 +310,9 @@ class ListPlan:
             check_sizes(tensor_lists, op)
         from culmen.ops.backend import choose_backend
 
-        self.use_kernel = self.n > 0 and choose_backend(tensor_lists[0][0].device) == "triton"
+        # The kernels only where every device of the lists runs them (a list mixing CUDA and CPU tensors
+        # takes the reference path: a Triton launch cannot address host memory).
+        self.use_kernel = self.n > 0 and all(choose_backend(d) == "triton" for d in {x.device for x in tensor_lists[0]})
         self.contiguous = all(all(map(CONTIG, lst)) for lst in tensor_lists)
         self.tables = Tables(tensor_lists, self.chunk, static) if self.use_kernel else None
         self._la: dict = {}
@@ -349,7 +351,15 @@ class ListPlan:
         if key not in self.tables._ptrs and not self.tables.same_devices(tensor_lists):
             # Plan keys name the first tensor's device only: the same sizes on other devices
             check_sizes(tensor_lists, self.op)
-            self.tables = Tables(tensor_lists, self.chunk, self.static)
+            tables = Tables(tensor_lists, self.chunk, self.static)
+            from culmen.ops.backend import choose_backend
+
+            bad = [g.device for g in tables.groups if choose_backend(g.device) != "triton"]
+            if bad:
+                raise RuntimeError(f"{self.op}: the tensors are on {bad[0]} (with others on "
+                                   f"{tables.groups[0].device}), where these same tensor sizes ran the Triton "
+                                   "kernels before; call the op once per device")
+            self.tables = tables
             self._la.clear()
         return self.tables.ptrs(key), ()
 

@@ -96,7 +96,8 @@ if triton is not None:
                             U_DT: tl.constexpr, L: tl.constexpr, U_IDX: tl.constexpr, MODE: tl.constexpr,
                             HAS_WD: tl.constexpr, WD_T: tl.constexpr, NEED_P: tl.constexpr, NORMS: tl.constexpr,
                             FOUND: tl.constexpr, MAXN_T: tl.constexpr, STEP_T: tl.constexpr, INV: tl.constexpr,
-                            IDX: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                            UNSCALE_SKIPPED: tl.constexpr, IDX: tl.constexpr, SHIFT: tl.constexpr,
+                            CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         c = tl.program_id(0)
         accp = tl.zeros([BLOCK], dtype=tl.float32)
         accu = tl.zeros([BLOCK], dtype=tl.float32)
@@ -132,6 +133,16 @@ if triton is not None:
             else:
                 accp, accu = _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, eps, bc1, bc2, wd, clip, inv, accp,
                                        accu, MODE, HAS_WD, NEED_P, NORMS, INV, True, CHUNK, BLOCK)
+        elif UNSCALE_SKIPPED:
+            # A skipped step leaves the gradients unscaled (not overwritten by updates), as torch's
+            # GradScaler.unscale_ would have left them (the fused LAMB optimizers' GradScaler contract).
+            t, j, n = chunk_coords(geo, T, C)
+            gp = tensor_ptr(ptrs, T, t, 0, G_DT, SHIFT)
+            inv = tl.load(inv_ptr).to(tl.float32)
+            start = j * CHUNK
+            for i in range(0, CHUNK, BLOCK):
+                offs = block_offsets(start, i, BLOCK)
+                store(gp, offs, n, load_f32(gp, offs, n, True) * inv, True)
         if NORMS:
             tl.store(partial + poff + c, tl.sum(accp, axis=0))
             tl.store(partial + poff + C + c, tl.sum(accu, axis=0))
@@ -214,7 +225,8 @@ def _put(dst: torch.Tensor, val: torch.Tensor, skip: torch.Tensor) -> None:
 
 
 def lamb_ref(tensor_lists, *, lr, beta1, beta2, eps, step, bias_correction, weight_decay, grad_averaging, mode,
-             global_grad_norm, max_grad_norm, use_nvlamb, noop_flag, found_inf=None, inv_scale=None) -> None:
+             global_grad_norm, max_grad_norm, use_nvlamb, noop_flag, found_inf=None, inv_scale=None,
+             unscale_skipped: bool = False) -> None:
     """Reference of :func:`lamb_update` (fp32 math, one tensor at a time, no host sync on device flags)."""
     beta3 = 1.0 - beta1 if grad_averaging else 1.0
     outs = tensor_lists[4] if len(tensor_lists) == 5 else [None] * len(tensor_lists[0])
@@ -245,6 +257,9 @@ def lamb_ref(tensor_lists, *, lr, beta1, beta2, eps, step, bias_correction, weig
             pn, un = torch.linalg.vector_norm(pf), torch.linalg.vector_norm(u)
             ratio = torch.where((pn != 0) & (un != 0), lr_t * (pn / un), lr_t)
         pf = pf - ratio * u
+        if unscale_skipped and inv_scale is not None:  # a skipped step leaves the unscaled gradient
+            g.copy_(torch.where(skip, (g.float() * scalar_f32(inv_scale, dev)).to(g.dtype), u.to(g.dtype)))
+            g = None
         for dst, val in ((m, mf), (v, vf), (g, u), (p, pf), (out, pf)):
             if dst is not None:
                 _put(dst, val, skip)
@@ -302,13 +317,15 @@ class LambPlan(ListPlan):
     """``lamb_update``'s plan: ``[g, p, m, v(, p_model)]``, one variant (see ``lamb_update``)."""
 
     def __init__(self, op: str, tensor_lists, noop_flag, global_grad_norm, *, mode: int, has_wd: bool, trust: bool,
-                 found: bool, maxn_t: bool, step_t: bool, inv: bool, lr_t: bool, static: tuple[int, ...] = ()):
+                 found: bool, maxn_t: bool, step_t: bool, inv: bool, lr_t: bool, static: tuple[int, ...] = (),
+                 unscale_skipped: bool = False):
         noop_pointer(noop_flag, op)
         if mode not in (0, 1):
             raise ValueError(f"{op}: mode must be 0 (L2) or 1 (decoupled weight decay), got {mode!r}")
         _tensor_arg("global_grad_norm", global_grad_norm, op)
         self.mode, self.has_wd, self.trust, self.found = int(mode), bool(has_wd), bool(trust), bool(found)
         self.maxn_t, self.step_t, self.inv, self.lr_t = maxn_t, step_t, inv, lr_t
+        self.unscale_skipped = bool(unscale_skipped) and bool(inv)
         self.chunk, self.num_warps, self.block = TUNING["chunk"], TUNING["num_warps"], TUNING["block"]
         self.final_block = TUNING["final_block"]
         super().__init__(op, tensor_lists, (4, 5), tuple(range(len(tensor_lists))), static)
@@ -319,8 +336,8 @@ class LambPlan(ListPlan):
         if kernel is _lamb_stage1_kernel:
             return dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], U_DT=dts[0], L=L, U_IDX=0, MODE=self.mode,
                         HAS_WD=self.has_wd, WD_T=False, NEED_P=self.trust, NORMS=self.trust, FOUND=self.found,
-                        MAXN_T=self.maxn_t, STEP_T=self.step_t, INV=self.inv, IDX=False, CHUNK=self.chunk,
-                        BLOCK=self.block)
+                        MAXN_T=self.maxn_t, STEP_T=self.step_t, INV=self.inv,
+                        UNSCALE_SKIPPED=self.unscale_skipped, IDX=False, CHUNK=self.chunk, BLOCK=self.block)
         if kernel is _lamb_finalize_kernel:
             return dict(BLOCK=self.final_block)
         return dict(U_DT=dts[0], P_DT=dts[1], O_DT=dts[4] if L == 5 else dts[1], L=L, U_IDX=0, P_IDX=1,
@@ -371,18 +388,19 @@ class LambPlan(ListPlan):
 def lamb_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, bias_correction: bool,
                 weight_decay: float, grad_averaging: bool, mode: int, global_grad_norm: torch.Tensor, max_grad_norm,
                 use_nvlamb: bool, noop_flag: torch.Tensor, found_inf=None, inv_scale=None,
-                op: str = "lamb_update") -> None:
+                unscale_skipped: bool = False, op: str = "lamb_update") -> None:
     """One LAMB step over ``[g, p, m, v(, p_model)]`` in three launches per group (module docstring).
 
     ``lr``, ``step``, ``max_grad_norm`` and ``inv_scale`` are numbers or 1-element device tensors;
     ``global_grad_norm`` a 1-element device tensor. The gradients are overwritten with the updates.
-    With five lists, ``p`` are fp32 masters and ``p_model`` receives their new values.
+    With five lists, ``p`` are fp32 masters and ``p_model`` receives their new values. ``unscale_skipped``:
+    a skipped step multiplies the gradients by ``inv_scale`` (the optimizers' GradScaler contract).
     """
     trust = bool(use_nvlamb) or weight_decay != 0
     step_t = isinstance(step, torch.Tensor) and bool(bias_correction)
     variant = dict(mode=mode, has_wd=weight_decay != 0, trust=trust, found=found_inf is not None,
                    maxn_t=isinstance(max_grad_norm, torch.Tensor), step_t=step_t, inv=inv_scale is not None,
-                   lr_t=isinstance(lr, torch.Tensor))
+                   lr_t=isinstance(lr, torch.Tensor), unscale_skipped=bool(unscale_skipped) and inv_scale is not None)
     try:
         flat, sig = signature(tensor_lists)
         key = ("lamb", op, tuple(variant.values()), noop_flag.dtype, noop_flag.device, global_grad_norm.dtype,
@@ -396,7 +414,8 @@ def lamb_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, ste
         return lamb_ref(tensor_lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps, step=step,
                         bias_correction=bias_correction, weight_decay=weight_decay, grad_averaging=grad_averaging,
                         mode=mode, global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
-                        use_nvlamb=use_nvlamb, noop_flag=noop_flag, found_inf=found_inf, inv_scale=inv_scale)
+                        use_nvlamb=use_nvlamb, noop_flag=noop_flag, found_inf=found_inf, inv_scale=inv_scale,
+                        unscale_skipped=variant["unscale_skipped"])
     tabs, copy_back = plan.pointers(tensor_lists, flat)
     beta3 = 1.0 - beta1 if grad_averaging else 1.0
     scal = (float(beta1), float(beta2), float(beta3), float(eps), float(weight_decay), bool(bias_correction))
@@ -502,7 +521,8 @@ class _StagePlan(ListPlan):
         if self.stage == 1:
             return dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], U_DT=dts[4], L=5, U_IDX=4,
                         MODE=LAMB_MODE_DECOUPLED, HAS_WD=True, WD_T=True, NEED_P=True, NORMS=False, FOUND=False,
-                        MAXN_T=False, STEP_T=False, INV=False, IDX=g.pos is not None, CHUNK=self.chunk,
+                        MAXN_T=False, STEP_T=False, INV=False, UNSCALE_SKIPPED=False, IDX=g.pos is not None,
+                        CHUNK=self.chunk,
                         BLOCK=self.block)
         return dict(U_DT=dts[1], P_DT=dts[0], O_DT=dts[0], L=2, U_IDX=1, P_IDX=0, HAS_OUT=False, TRUST=self.trust,
                     LR_T=False, FOUND=False, IDX=g.pos is not None, CHUNK=self.chunk, BLOCK=self.block)

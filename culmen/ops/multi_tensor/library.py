@@ -53,16 +53,18 @@ def _(xs, outs, noop_flag, per_tensor, norm_mode, scale, inv_scale):
             torch.empty(len(xs) if per_tensor else 0, dtype=torch.float32, device=dev))
 
 
-@torch.library.custom_op(f"{_NS}::adam_update", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "masters"))
+# ``grads``: the unscaled gradients are written back when an inverse scale is given.
+@torch.library.custom_op(f"{_NS}::adam_update",
+                         mutates_args=("grads", "params", "exp_avgs", "exp_avg_sqs", "masters"))
 def adam_op(grads: list[Tensor], params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
             masters: list[Tensor], noop_flag: Tensor, lr: float, lr_t: Tensor | None, beta1: float, beta2: float,
             eps: float, step: int, step_t: Tensor | None, adam_mode: int, bias_correction: bool, weight_decay: float,
-            inv_scale: float, inv_scale_t: Tensor | None, has_inv_scale: bool) -> None:
+            inv_scale: float, inv_scale_t: Tensor | None, has_inv_scale: bool, unscale_skipped: bool = False) -> None:
     lists = [grads, params, exp_avgs, exp_avg_sqs] + ([masters] if masters else [])
     inv = inv_scale_t if inv_scale_t is not None else (inv_scale if has_inv_scale else None)
     adam.adam_update(lists, lr=lr_t if lr_t is not None else lr, beta1=beta1, beta2=beta2, eps=eps,
                      step=step_t if step_t is not None else step, mode=adam_mode, bias_correction=bias_correction,
-                     weight_decay=weight_decay, noop_flag=noop_flag, inv_scale=inv)
+                     weight_decay=weight_decay, noop_flag=noop_flag, inv_scale=inv, unscale_skipped=unscale_skipped)
 
 
 @adam_op.register_fake
@@ -85,7 +87,7 @@ def _(*args):
 
 
 def adam_via_op(tensor_lists, *, lr, beta1, beta2, eps, step, mode, bias_correction, weight_decay, noop_flag,
-                inv_scale) -> None:
+                inv_scale, unscale_skipped: bool = False) -> None:
     """``adam_update`` through the custom op (the arguments split into number / tensor forms)."""
     masters = list(tensor_lists[4]) if len(tensor_lists) == 5 else []
     lr_t = lr if isinstance(lr, Tensor) else None
@@ -94,7 +96,8 @@ def adam_via_op(tensor_lists, *, lr, beta1, beta2, eps, step, mode, bias_correct
     adam_op(list(tensor_lists[0]), list(tensor_lists[1]), list(tensor_lists[2]), list(tensor_lists[3]), masters,
             noop_flag, 0.0 if lr_t is not None else float(lr), lr_t, float(beta1), float(beta2), float(eps),
             0 if step_t is not None else int(step), step_t, int(mode), bool(bias_correction), float(weight_decay),
-            float(inv_scale) if (inv_scale is not None and inv_t is None) else 1.0, inv_t, inv_scale is not None)
+            float(inv_scale) if (inv_scale is not None and inv_t is None) else 1.0, inv_t, inv_scale is not None,
+            bool(unscale_skipped))
 
 
 # The layer-wise optimizer ops share one generic op: their scalar arguments are encoded as a kinds
