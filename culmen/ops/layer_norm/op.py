@@ -20,6 +20,7 @@ from torch import Tensor
 from culmen.ops.backend import register_op
 from culmen.ops.common.function import raw_apply
 from culmen.ops.common.launch import traceable_kernels
+from culmen.ops.layer_norm.export import ONNX_TS, layer_norm_export
 from culmen.ops.layer_norm.launch import PLANS, NormPlan
 from culmen.ops.layer_norm.reference import layer_norm_bwd_ref, layer_norm_fwd_ref
 
@@ -179,9 +180,17 @@ def layer_norm(
     Statistics are fp32; returns a ``LayerNormOutput``. Any layout of ``x`` works; outputs are contiguous.
     """
     if torch.compiler.is_compiling():
+        if torch.onnx.is_in_onnx_export():  # torch.onnx.export(dynamo=True): plain ops (export.py)
+            return LayerNormOutput(*layer_norm_export(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p,
+                                                      rowscale, is_rms_norm, zero_centered_weight, residual_in_fp32,
+                                                      out_dtype, return_residual, return_dropout_mask))
         return _layer_norm_compiled(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale,
                                     is_rms_norm, zero_centered_weight, residual_in_fp32, out_dtype, return_residual,
                                     return_dropout_mask, memory_efficient)
+    if ONNX_TS.in_onnx_export:  # torch.onnx.export(dynamo=False) traces this path: plain ops (export.py)
+        return LayerNormOutput(*layer_norm_export(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p,
+                                                  rowscale, is_rms_norm, zero_centered_weight, residual_in_fp32,
+                                                  out_dtype, return_residual, return_dropout_mask))
     try:
         key = (x.shape, x.stride(), x.dtype, x.device,
                None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device),

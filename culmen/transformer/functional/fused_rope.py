@@ -9,8 +9,8 @@ rounded to ``t``'s dtype, and for fp16/bf16 ``t`` every product and the sum is r
 which is what Apex's CUDA kernels and its unfused formula ``t * cos(freqs).to(t.dtype) +
 rotate_half(t) * sin(freqs).to(t.dtype)`` compute (the rotary op's ``round_ops``); the backward
 likewise (under ``torch.compile`` on CPU the traced reference's casts are Inductor's to fuse, as it
-fuses those of the plain formula; GPU kernels keep them). Differences from Apex: fp64 inputs work, and bad arguments raise ``ValueError`` /
-``TypeError`` naming them instead of failing a C++ check.
+fuses those of the plain formula; GPU kernels keep them). Differences from Apex: fp64 inputs work,
+and bad arguments raise ``ValueError`` / ``TypeError`` naming them instead of failing a C++ check.
 
 Host cost: every function keeps its checks and the rotary plan per call signature (``_PLANS``); the
 kernel reads Apex's ``[s, 1, 1, d2]`` / ``[1, N, 1, d/2]`` tables and the sbhd layout as they are (no
