@@ -114,9 +114,11 @@ def flash_attn_qkvpacked_func(
     Returns:
         ``out`` ``(batch, seqlen, nheads, headdim)`` in qkv's dtype (or the tuple).
     """
-    match window_size:  # a plain tuple of ints passes with no call (the cached path stays as it is)
+    match window_size:  # a tuple or list of two ints costs no call (the cached path stays as it is)
         case tuple((int(), int())):
             pass
+        case [int() as left, int() as right]:
+            window_size = (left, right)
         case _:
             window_size = _window_pair(window_size)
     _check_packed("qkv", qkv, 5, 3, 2)
@@ -143,6 +145,8 @@ def flash_attn_kvpacked_func(
     match window_size:  # see flash_attn_qkvpacked_func
         case tuple((int(), int())):
             pass
+        case [int() as left, int() as right]:
+            window_size = (left, right)
         case _:
             window_size = _window_pair(window_size)
     _check_packed("kv", kv, 5, 2, 2)
@@ -178,6 +182,8 @@ def flash_attn_func(
     match window_size:  # see flash_attn_qkvpacked_func
         case tuple((int(), int())):
             pass
+        case [int() as left, int() as right]:
+            window_size = (left, right)
         case _:
             window_size = _window_pair(window_size)
     return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -203,6 +209,8 @@ def flash_attn_varlen_qkvpacked_func(
     match window_size:  # see flash_attn_qkvpacked_func
         case tuple((int(), int())):
             pass
+        case [int() as left, int() as right]:
+            window_size = (left, right)
         case _:
             window_size = _window_pair(window_size)
     _check_packed("qkv", qkv, 4, 3, 1)
@@ -232,6 +240,8 @@ def flash_attn_varlen_kvpacked_func(
     match window_size:  # see flash_attn_qkvpacked_func
         case tuple((int(), int())):
             pass
+        case [int() as left, int() as right]:
+            window_size = (left, right)
         case _:
             window_size = _window_pair(window_size)
     _check_packed("kv", kv, 4, 2, 1)
@@ -270,6 +280,8 @@ def flash_attn_varlen_func(
     match window_size:  # see flash_attn_qkvpacked_func
         case tuple((int(), int())):
             pass
+        case [int() as left, int() as right]:
+            window_size = (left, right)
         case _:
             window_size = _window_pair(window_size)
     if block_table is not None:
@@ -328,6 +340,8 @@ def flash_attn_with_kvcache(
     match window_size:  # see flash_attn_qkvpacked_func
         case tuple((int(), int())):
             pass
+        case [int() as left, int() as right]:
+            window_size = (left, right)
         case _:
             window_size = _window_pair(window_size)
     return attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

@@ -143,14 +143,16 @@ def test_non_tuple_forms_share_the_cached_plan():
     assert len(attn_op.PLANS) == n == 1
 
 
-def test_plain_tuple_makes_no_normalization_call():
+def test_tuple_or_list_makes_no_normalization_call():
+    """A tuple or list of two ints is matched in place (no call); other forms cost one ``_window_pair``."""
     q, k, v = _dense()
     fa.flash_attn_func(q, k, v, window_size=(2, 1))
     tup = count_calls(lambda: fa.flash_attn_func(q, k, v, window_size=(2, 1)))
     lst = count_calls(lambda: fa.flash_attn_func(q, k, v, window_size=[2, 1]))
-    assert "_window_pair" not in tup.py_names
-    assert lst.py_names["_window_pair"] == 1
-    assert lst.python == tup.python + 1  # the list costs exactly the normalization
+    ten = count_calls(lambda: fa.flash_attn_func(q, k, v, window_size=torch.tensor([2, 1])))
+    assert "_window_pair" not in tup.py_names and "_window_pair" not in lst.py_names
+    assert (lst.python, lst.c) == (tup.python, tup.c)
+    assert ten.py_names["_window_pair"] == 1 and ten.python == tup.python + 1
 
 
 def test_module_stores_a_tuple_of_ints():
