@@ -119,3 +119,62 @@ def test_import_aliases_of_the_contrib_ops():
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
+def test_apex_kernel_tables_and_selection(monkeypatch):
+    """Apex's class attributes, ``get_cc_and_sm_count`` and its v1 (one/two pass) / v2 / fallback choice."""
+    assert GroupNorm.GN_V2_SUPPORTED_LOWER_BOUND_SM_COUNT == {(10, 0): 148}
+    assert GroupNorm.SUPPORTED_GROUPS == {16, 32} and 640 in GroupNorm.SUPPORTED_CHANNELS
+    assert 600 not in GroupNorm.SUPPORTED_CHANNELS and len(GroupNorm.SUPPORTED_DTYPES) == 9
+    assert (32 * 32, 640) in GroupNorm.GN_V2_SUPPORTED_CHANNELS and (16, True) in GroupNorm.GN_V2_SUPPORTED_GROUPS_SWISH
+    assert (torch.float32, torch.float32) not in GroupNorm.GN_V2_SUPPORTED_DTYPES
+    if not torch.cuda.is_available():
+        assert gn_mod.get_cc_and_sm_count(None) == ((0, 0), 0)
+    assert gn_mod.get_cc_and_sm_count(0) is gn_mod.get_cc_and_sm_count(0)  # cached
+
+    gn = GroupNorm(16, 640, act="swish", dtype=torch.float16)
+    assert gn.sm == (0 if not torch.cuda.is_available() else gn.sm)
+    cl = torch.empty(8, 640, 32, 32, dtype=torch.float16).to(memory_format=torch.channels_last)
+    assert gn._check_legality(cl) and not gn._check_v2_legality(cl)  # no Blackwell GPU with >= 148 SMs here
+    assert not gn._check_legality(torch.empty(8, 640, 32, 32, dtype=torch.float16))  # NCHW
+    assert not gn._check_legality(cl.double())
+    assert not GroupNorm(20, 640, dtype=torch.float16)._check_legality(cl)  # groups
+    assert not GroupNorm(16, 640, affine=False)._check_legality(cl)
+    assert not GroupNorm(10, 600, dtype=torch.float16)._check_legality(
+        torch.empty(2, 600, 4, 4, dtype=torch.float16).to(memory_format=torch.channels_last))
+    # Apex's two-pass rule: H*W above 1024 (sm >= 80) or 256, or H*W >= 512 for the largest channel counts
+    gn.sm = 90
+    assert gn._select_algo(cl) == "one_pass"
+    big = torch.empty(1, 640, 33, 32, dtype=torch.float16).to(memory_format=torch.channels_last)
+    assert gn._select_algo(big) == "two_pass"
+    gn.sm = 75
+    assert gn._select_algo(torch.empty(1, 640, 16, 17, dtype=torch.float16)
+                           .to(memory_format=torch.channels_last)) == "two_pass"
+    wide = GroupNorm(32, 4096, dtype=torch.float16)
+    wide.sm = 90
+    assert wide._select_algo(torch.empty(1, 4096, 16, 32, dtype=torch.float16)
+                             .to(memory_format=torch.channels_last)) == "two_pass"
+    assert gn._select_algo(cl.contiguous()) == "torch"
+    # a Blackwell part with enough SMs picks v2 for the listed (H*W, C), groups/SiLU and dtype pairs
+    monkeypatch.setattr(gn_mod, "get_cc_and_sm_count", lambda index: ((10, 0), 148))
+    assert gn._check_v2_legality(cl) and gn._select_algo(cl) == "v2"
+    assert not gn._check_v2_legality(torch.empty(8, 640, 32, 24, dtype=torch.float16)
+                                      .to(memory_format=torch.channels_last))
+    assert not GroupNorm(32, 640, act="swish", dtype=torch.float16)._check_v2_legality(cl)  # 32 groups: no SiLU
+    monkeypatch.setattr(gn_mod, "get_cc_and_sm_count", lambda index: ((10, 0), 132))
+    assert not gn._check_v2_legality(cl)
+    # the choice is Apex's: culmen's kernel computes every case, the same numbers
+    x = randn((2, 640, 4, 4)).to(memory_format=torch.channels_last)
+    torch.testing.assert_close(GroupNorm(16, 640, act="swish")(x),
+                               group_norm_ref(x, 16, torch.ones(640), torch.zeros(640), 1e-5, "swish"),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_get_cc_and_sm_count_gpu():
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    assert gn_mod.get_cc_and_sm_count(torch.cuda.current_device()) == ((props.major, props.minor),
+                                                                       props.multi_processor_count)
+    gn = GroupNorm(32, 640, device="cuda")
+    major, minor = torch.cuda.get_device_capability()
+    assert gn.sm == major * 10 + minor

@@ -398,3 +398,22 @@ def test_torch_compile_inductor(dynamic):
             assert torch.equal(e, c)
     if dynamic:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sgd_16bit_exact_like_apex_gpu(dtype):
+    """Apex's TestFusedSGD.test_half settings (278011 elements, lr 0.25, momentum 0.125, 7 steps): with the
+    step rounded to the param dtype before the add (Apex's formula) culmen equals torch.optim.SGD exactly."""
+    gen = torch.Generator(device=DEV).manual_seed(9876)
+    init = torch.rand(278011, generator=gen, device=DEV).to(dtype)
+    p = torch.nn.Parameter(init.clone())
+    q = torch.nn.Parameter(init.clone())
+    ours = FusedSGD([p], lr=0.25, momentum=0.125)
+    ref = torch.optim.SGD([q], lr=0.25, momentum=0.125)
+    for _ in range(7):
+        g = torch.rand(278011, generator=gen, device=DEV).to(dtype)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+        assert (p.detach().float() - q.detach().float()).abs().max().item() <= 1e-3  # Apex's bound
+    assert torch.equal(p, q)

@@ -5,6 +5,13 @@ fp16 model weights of fp32 master params, are written in the same pass, as amp O
 follows torch.optim.SGD: ``g = scale g (+ wd p)``; ``buf = g`` on the first run, else
 ``buf = momentum buf + (1 - dampening) g``; ``g = g + momentum buf`` (nesterov) or ``buf``;
 ``(+ wd p`` when ``wd_after_momentum)``; ``p -= lr g``. Nothing happens when the noop flag is set.
+
+Rounding, as Apex's kernel: the math is fp32 (the new momentum buffer feeds the update unrounded and is
+stored in its own dtype); for 16-bit params the step ``-lr g`` is rounded to the param's dtype before it
+is added (Apex's ``weight += -lr * g`` on a ``Half`` weight converts the step to ``Half`` first), then the
+sum is rounded. With a power-of-two ``lr`` this is exactly torch.optim.SGD's fp16 result (``-lr * buf``
+of the rounded buffer); adding the fp32 step to the fp16 param instead drifts by a few ulps in a handful
+of steps.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ if triton is not None:
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
 
+_LOW = (torch.float16, torch.bfloat16)
+
 TUNING = PlanTuning({"chunk": 16384, "block": 4096, "num_warps": 8}, clear_plans)
 
 if triton is not None:
@@ -37,7 +46,8 @@ if triton is not None:
     @triton.jit
     def _sgd_range(gp, pp, bp, cp, start, n, wd, momentum, dampening, lr, scale, HAS_WD: tl.constexpr,
                    HAS_MOM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr, WD_AFTER: tl.constexpr,
-                   COPY: tl.constexpr, MASKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                   ROUND_STEP: tl.constexpr, COPY: tl.constexpr, MASKED: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK: tl.constexpr):
         for i in range(0, CHUNK, BLOCK):
             offs = block_offsets(start, i, BLOCK)
             g = load_f32(gp, offs, n, MASKED) * scale
@@ -56,7 +66,10 @@ if triton is not None:
                     g = buf
             if HAS_WD and WD_AFTER:
                 g = g + wd * p
-            p = p - lr * g
+            upd = -lr * g
+            if ROUND_STEP:  # a 16-bit param: the step is rounded to its dtype before the add (Apex)
+                upd = upd.to(pp.dtype.element_ty).to(tl.float32)
+            p = p + upd
             store(pp, offs, n, p, MASKED)
             if COPY:
                 store(cp, offs, n, p, MASKED)
@@ -65,7 +78,7 @@ if triton is not None:
     def _sgd_kernel(ptrs, geo, noop, T, C, wd, momentum, dampening, lr, scale, G_DT: tl.constexpr, P_DT: tl.constexpr,
                     B_DT: tl.constexpr, C_DT: tl.constexpr, L: tl.constexpr, HAS_WD: tl.constexpr,
                     HAS_MOM: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr, WD_AFTER: tl.constexpr,
-                    SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                    ROUND_STEP: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
         dampening = tl.cast(dampening, tl.float32)
         lr = tl.cast(lr, tl.float32)
@@ -83,10 +96,10 @@ if triton is not None:
             start = j * CHUNK
             if start + CHUNK <= n:
                 _sgd_range(gp, pp, bp, cp, start, n, wd, momentum, dampening, lr, scale, HAS_WD, HAS_MOM, FIRST,
-                           NESTEROV, WD_AFTER, L == 4, False, CHUNK, BLOCK)
+                           NESTEROV, WD_AFTER, ROUND_STEP, L == 4, False, CHUNK, BLOCK)
             else:
                 _sgd_range(gp, pp, bp, cp, start, n, wd, momentum, dampening, lr, scale, HAS_WD, HAS_MOM, FIRST,
-                           NESTEROV, WD_AFTER, L == 4, True, CHUNK, BLOCK)
+                           NESTEROV, WD_AFTER, ROUND_STEP, L == 4, True, CHUNK, BLOCK)
 
 
 def multi_tensor_sgd_ref(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov, first_run,
@@ -105,7 +118,10 @@ def multi_tensor_sgd_ref(chunk_size, noop_flag, tensor_lists, wd, momentum, damp
             gf = gf + momentum * bf if nesterov else bf
         if wd != 0 and wd_after_momentum:
             gf = gf + wd * pf
-        pf = pf - lr * gf
+        upd = -lr * gf
+        if p.dtype in _LOW:  # the step is rounded to the 16-bit param's dtype before the add (Apex)
+            upd = upd.to(p.dtype).float()
+        pf = pf + upd
         for dst in (p, cp):
             if dst is not None:
                 dst.copy_(torch.where(skip, dst, pf.to(dst.dtype)))
@@ -126,7 +142,7 @@ class SGDPlan(ListPlan):
     def meta(self, g, kernel, variant) -> dict:
         dts = [TL_DTYPE[d] for d in g.dtypes]
         return dict(G_DT=dts[0], P_DT=dts[1], B_DT=dts[2], C_DT=dts[3] if len(dts) == 4 else dts[1], L=len(dts),
-                    **self.flags, CHUNK=self.chunk, BLOCK=self.block)
+                    **self.flags, ROUND_STEP=g.dtypes[1] in _LOW, CHUNK=self.chunk, BLOCK=self.block)
 
     def run(self, tabs, noop, wd: float, momentum: float, dampening: float, lr: float, scale: float) -> None:
         """Launch every group; ``noop`` is moved to a group's device when it lives elsewhere."""
