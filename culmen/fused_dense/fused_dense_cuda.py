@@ -23,8 +23,9 @@ def _mm_bias(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 
 @torch.no_grad()
 def linear_bias_forward(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """``input @ weight^T + bias``."""
-    return _mm_bias(input, weight, bias)
+    """``input @ weight^T + bias``, the product rounded to the input dtype before the bias add (Apex's
+    ``FusedDense`` numerics, see ``culmen.fused_dense``)."""
+    return torch.mm(input, weight.t()).add_(bias)
 
 
 @torch.no_grad()
@@ -36,10 +37,11 @@ def linear_bias_backward(input: Tensor, weight: Tensor, d_output: Tensor) -> lis
 @torch.no_grad()
 def linear_gelu_linear_forward(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor
                                ) -> list[Tensor]:
-    """``[output1 = gelu(gelu_in), output2 = output1 @ weight2^T + bias2, gelu_in = input @ weight1^T + bias1]``."""
-    gelu_in = _mm_bias(input, weight1, bias1)
+    """``[output1 = gelu(gelu_in), output2 = output1 @ weight2^T + bias2, gelu_in = input @ weight1^T + bias1]``
+    (each product rounded to the input dtype before its bias add, as ``culmen.fused_dense``)."""
+    gelu_in = torch.mm(input, weight1.t()).add_(bias1)
     output1 = act_fwd(gelu_in, None, "gelu")
-    return [output1, _mm_bias(output1, weight2, bias2), gelu_in]
+    return [output1, torch.mm(output1, weight2.t()).add_(bias2), gelu_in]
 
 
 @torch.no_grad()

@@ -147,3 +147,64 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(y, y_ref)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+def test_rounding_matches_apex_reference(dtype):
+    """Apex's test reference is ``torch.matmul(x, W.t()) + b`` in the input dtype: the product is rounded
+    before the bias add. FusedDense (module, functional, ``FusedDenseFunc``, the extension) rounds the same
+    way, so the outputs are equal, not merely close (a bias in the GEMM epilogue, rounded once, moves ~1 in
+    4 bf16 outputs by an ulp, beyond Apex's 1e-3); the gradients are the reference's formulas."""
+    torch.manual_seed(0)
+    x = (torch.randn(48, 64) * 2).to(dtype).requires_grad_()
+    m = FusedDense(64, 96).to(dtype)
+    y = m(x)
+    y_ref = torch.matmul(x.detach(), m.weight.detach().t()) + m.bias.detach()
+    assert torch.equal(y, y_ref)
+    for out in (fused_dense_function(x, m.weight, m.bias), FusedDenseFunc.apply(x, m.weight, m.bias),
+                ext.linear_bias_forward(x.detach(), m.weight.detach(), m.bias.detach())):
+        assert torch.equal(out, y_ref)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert torch.equal(m.weight.grad, torch.matmul(dy.t(), x.detach()))
+    assert torch.equal(x.grad, torch.matmul(dy, m.weight.detach()))
+    assert torch.equal(m.bias.grad, dy.sum(0))
+    x3 = x.detach()[:30].reshape(2, 15, 64)
+    assert torch.equal(m(x3), torch.matmul(x3, m.weight.detach().t()) + m.bias.detach())
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+def test_gelu_dense_rounding_matches_apex_reference(reference_backend, dtype):
+    """FusedDenseGeluDense against ``matmul(gelu(matmul(x, W1.t()) + b1), W2.t()) + b2`` in the input dtype
+    (Apex's test reference): equal on the reference path (the GPU's GELU kernel may differ by an ulp)."""
+    torch.manual_seed(1)
+    m = FusedDenseGeluDense(16, 40, 12).to(dtype)
+    x = torch.randn(3, 7, 16).to(dtype)
+    w1, b1, w2, b2 = (p.detach() for p in (m.weight1, m.bias1, m.weight2, m.bias2))
+    ref = torch.matmul(F.gelu(torch.matmul(x, w1.t()) + b1), w2.t()) + b2
+    assert torch.equal(m(x), ref)
+    assert torch.equal(FusedDenseGeluDenseFunc.apply(x.reshape(-1, 16), w1, b1, w2, b2), ref.reshape(-1, 12))
+    _, out2, gelu_in = ext.linear_gelu_linear_forward(x.reshape(-1, 16), w1, b1, w2, b2)
+    assert torch.equal(out2, ref.reshape(-1, 12))
+    assert torch.equal(gelu_in, (torch.matmul(x, w1.t()) + b1).reshape(-1, 40))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.half, torch.float, torch.bfloat16])
+def test_apex_fused_dense_settings_gpu(dtype):
+    """Apex's contrib fused_dense test settings (3 x 512 tokens, 1024 -> 3072) with its 1e-3 tolerances."""
+    torch.manual_seed(0)
+    x = torch.randn(3 * 512, 1024, dtype=dtype, device="cuda").requires_grad_()
+    dense = FusedDense(1024, 3072).to(dtype=dtype).cuda()
+    y = dense(x)
+    y_ref = torch.matmul(x.detach(), dense.weight.detach().t()) + dense.bias.detach()
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    torch.testing.assert_close(y_ref, y, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(torch.matmul(dy.t(), x.detach()), dense.weight.grad, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(torch.matmul(dy, dense.weight.detach()), x.grad, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(dy.sum(0), dense.bias.grad, atol=1e-3, rtol=1e-3)
+    m = FusedDenseGeluDense(1024, 1536, 512).to(dtype=dtype).cuda()
+    w1, b1, w2, b2 = (p.detach() for p in (m.weight1, m.bias1, m.weight2, m.bias2))
+    ref = torch.matmul(F.gelu(torch.matmul(x.detach(), w1.t()) + b1), w2.t()) + b2
+    torch.testing.assert_close(ref, m(x.detach()), atol=1e-3, rtol=1e-3)
