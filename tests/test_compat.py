@@ -152,3 +152,153 @@ def test_usage_without_target():
     proc = subprocess.run([sys.executable, "-m", "culmen.compat"], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+# ------------------------------------------------------------------ `import apex` as Apex's __init__ gave it
+
+
+def test_apex_exposes_its_subpackages_lazily():
+    out = _run("""
+        import sys, warnings
+        import culmen.compat as compat
+        compat.install()
+        import apex, culmen
+        # Nothing heavy on `import apex`: the subpackages (and Triton) load on first access.
+        heavy = [m for m in sys.modules if m.startswith(("culmen.amp", "culmen.normalization", "culmen.optimizers",
+                                                         "culmen.parallel", "culmen.ops", "triton"))]
+        assert not heavy, heavy
+        names = ["amp", "optimizers", "normalization", "parallel", "fp16_utils", "transformer", "mlp",
+                 "fused_dense", "contrib", "multi_tensor_apply"]
+        for name in names:
+            mod = getattr(apex, name)
+            assert mod is sys.modules["culmen." + name] and mod.__name__ == "culmen." + name, name
+            assert name in dir(apex), name
+        # Attribute and `import apex.X` forms meet the same objects.
+        import apex.amp, apex.optimizers.fused_adam
+        assert apex.amp.initialize is culmen.amp.initialize
+        assert apex.optimizers.FusedAdam is apex.optimizers.fused_adam.FusedAdam
+        assert apex.normalization.FusedLayerNorm is culmen.normalization.FusedLayerNorm
+        assert apex.transformer.functional.fused_apply_rotary_pos_emb is not None
+        for missing in ("RNN_not_there", "_private"):
+            try:
+                getattr(apex, missing)
+            except AttributeError as e:
+                assert missing in str(e)
+            else:
+                raise SystemExit(missing + " resolved")
+        # Apex's module-level helpers.
+        assert apex.DeprecatedFeatureWarning is culmen.amp.DeprecatedFeatureWarning
+        assert issubclass(apex.DeprecatedFeatureWarning, FutureWarning)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            apex.deprecated_warning("old API")
+            ok = apex.check_cudnn_version_and_warn("some_option", 10**9)
+        assert [type(x.message) for x in w][0] is apex.DeprecatedFeatureWarning, w
+        assert ok is False and "some_option" in str(w[1].message), w
+        print("OK")
+    """)
+    assert out.strip() == "OK"
+
+
+def test_apex_star_import_and_plain_import_culmen_stay_light():
+    out = _run("""
+        import sys
+        import culmen
+        assert "torch" not in sys.modules, "import culmen imported torch"
+        ns = {}
+        exec("from culmen import *", ns)
+        for name in ("amp", "optimizers", "normalization", "parallel", "fp16_utils", "transformer"):
+            assert ns[name] is sys.modules["culmen." + name], name
+        print("OK")
+    """)
+    assert out.strip() == "OK"
+
+
+def test_flash_attn_top_level_names():
+    out = _run("""
+        import culmen.compat as compat
+        compat.install()
+        import flash_attn
+        import flash_attn.flash_attn_interface as fai
+        assert flash_attn.__version__ == "2.8.3"
+        for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+                     "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+                     "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"):
+            assert getattr(flash_attn, name) is getattr(fai, name), name
+            assert name in flash_attn.__all__
+        from flash_attn import flash_attn_func
+        assert flash_attn_func is fai.flash_attn_func
+        print("OK")
+    """)
+    assert out.strip() == "OK"
+
+
+# ----------------------------------------------------------------------------------------- launchers
+
+_RANK_SCRIPT = """
+import sys
+import apex
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"RANK {dist.get_rank()}/{dist.get_world_size()} apex={apex.__name__}:{getattr(apex, 'REAL', '-')} "
+      f"argv={sys.argv[1:]}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _launch(args, tmp_path, extra_path=()):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, extra_path), str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180, env=env,
+                          cwd=tmp_path)
+
+
+def test_apex_multiproc_through_the_alias(tmp_path):
+    """`python -m culmen.compat --force -m apex.parallel.multiproc` (runpy through the alias loader) starts
+    workers (gloo, 2 ranks) that import apex as culmen, with Apex's rank arguments; the real apex
+    installed here stays shadowed in the workers because `--force` reaches them too."""
+    fake = tmp_path / "site" / "apex"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("REAL = True\n")
+    script = tmp_path / "train.py"
+    script.write_text(_RANK_SCRIPT)
+    proc = _launch(["-m", "culmen.compat", "--force", "-m", "apex.parallel.multiproc", "--nproc", "2",
+                    "--no-log-files", str(script), "x"], tmp_path, extra_path=[tmp_path / "site"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"RANK {rank}/2 apex=culmen:- argv=['x', '--world-size', '2', '--rank', '{rank}']" in proc.stdout
+
+
+def test_runpy_through_the_alias():
+    out = _run("""
+        import runpy, culmen.compat as compat
+        compat.install()
+        g = runpy.run_module("apex.parallel.multiproc", run_name="not_main")
+        assert callable(g["launch_command"]) and g["__file__"].endswith("multiproc.py"), g["__file__"]
+        import importlib.util
+        spec = importlib.util.find_spec("apex.parallel.multiproc")
+        assert spec.loader.get_source(spec.name) == open(g["__file__"]).read()
+        assert not spec.loader.is_package(spec.name)
+        pkg = importlib.util.find_spec("apex.parallel")
+        assert pkg.loader.is_package(pkg.name) and pkg.submodule_search_locations is not None
+        print("OK")
+    """)
+    assert out.strip() == "OK"
+
+
+def test_missing_targets_give_a_message_not_a_traceback(tmp_path):
+    proc = _launch(["-m", "culmen.compat", "missing.py", "a"], tmp_path)
+    assert proc.returncode == 2 and "can't open file" in proc.stderr and "missing.py" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    for module in ("no_such_pkg.tool", "no_such_module"):
+        proc = _launch(["-m", "culmen.compat", "-m", module], tmp_path)
+        assert proc.returncode == 1 and "No module named" in proc.stderr and "Traceback" not in proc.stderr, \
+            proc.stderr
+    proc = _launch(["-m", "culmen.compat", "--bogus"], tmp_path)
+    assert proc.returncode == 2 and "unknown option" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _launch(["-m", "culmen.parallel.multiproc", "--nproc", "2", "missing.py"], tmp_path)
+    assert proc.returncode == 2 and "can't open file" in proc.stderr and "Traceback" not in proc.stderr
+    # An error inside the script itself keeps its traceback.
+    (tmp_path / "bad.py").write_text("import no_such_dependency\n")
+    proc = _launch(["-m", "culmen.compat", "bad.py"], tmp_path)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "no_such_dependency" in proc.stderr

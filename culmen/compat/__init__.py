@@ -26,7 +26,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["ALIASES", "EXTENSION_MODULES", "install", "installed", "uninstall"]
+__all__ = ["ALIASES", "EXTENSION_MODULES", "child_args", "install", "installed", "uninstall"]
 
 # Peer package prefix -> culmen prefix.
 ALIASES: dict[str, str] = {
@@ -63,8 +63,13 @@ def _target(name: str, table: dict[str, str]) -> str | None:
     return prefix + dot + rest
 
 
-class _AliasLoader(importlib.abc.Loader):
-    """Hands back the already-importable culmen module instead of creating a new one."""
+class _AliasLoader(importlib.abc.InspectLoader):
+    """Hands back the already-importable culmen module instead of creating a new one.
+
+    It also answers ``get_code`` / ``get_source`` / ``is_package`` / ``get_filename`` for the peer name
+    with the culmen module's, so ``runpy`` (``python -m apex.parallel.multiproc``, ``runpy.run_module``)
+    runs culmen's code under the peer's name, as it runs any other module.
+    """
 
     def __init__(self, target: str) -> None:
         self.target = target
@@ -80,6 +85,24 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         if self._spec is not None:
             module.__spec__ = self._spec
+
+    def _target_loader(self):
+        spec = importlib.util.find_spec(self.target)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"culmen.compat: {self.target!r} has no loader", name=self.target)
+        return spec.loader
+
+    def is_package(self, fullname: str) -> bool:
+        return self._target_loader().is_package(self.target)
+
+    def get_code(self, fullname: str):
+        return self._target_loader().get_code(self.target)
+
+    def get_source(self, fullname: str):
+        return self._target_loader().get_source(self.target)
+
+    def get_filename(self, fullname: str) -> str:
+        return self._target_loader().get_filename(self.target)
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
@@ -99,14 +122,18 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         if found is None:
             # Not provided by culmen (yet): let the import fail the ordinary way.
             return None
-        return importlib.machinery.ModuleSpec(
+        spec = importlib.machinery.ModuleSpec(
             fullname,
             _AliasLoader(culmen_name),
+            origin=found.origin,
             is_package=found.submodule_search_locations is not None,
         )
+        spec.has_location = found.has_location  # runpy sets __file__ from origin only when True
+        return spec
 
 
 _FINDER: _AliasFinder | None = None
+_FORCED = False  # the last install() was forced: children started through the alias are forced too
 
 
 def installed() -> dict[str, str]:
@@ -138,8 +165,9 @@ def install(force: bool = False) -> dict[str, str]:
 
     Peers found installed are left out with a ``UserWarning``. Calling ``install`` again re-checks.
     """
-    global _FINDER
+    global _FINDER, _FORCED
     uninstall(purge=False)
+    _FORCED = bool(force)
     table: dict[str, str] = {}
     for peer, target in {**ALIASES, **EXTENSION_MODULES}.items():
         if not force and _really_installed(peer):
@@ -153,6 +181,13 @@ def install(force: bool = False) -> dict[str, str]:
     _FINDER = _AliasFinder(table)
     sys.meta_path.insert(0, _FINDER)
     return dict(table)
+
+
+def child_args() -> list[str]:
+    """Options of ``python -m culmen.compat`` that give a child process this process's alias (launchers
+    such as ``culmen.parallel.multiproc`` start their workers with them): ``["--force"]`` after
+    ``install(force=True)``, else ``[]``."""
+    return ["--force"] if _FINDER is not None and _FORCED else []
 
 
 def uninstall(purge: bool = True) -> None:

@@ -7,6 +7,11 @@ ranks > 0 to ``GPU_<i>.log``. This one does the same through ``torchrun`` (``tor
 arguments) and its failure handling (when one worker fails, the others are stopped and the launcher
 exits non-zero).
 
+Workers run under culmen's import alias (``culmen.compat``), so a script written for Apex
+(``import apex``) runs unchanged, however the launcher was started: ``python -m culmen.parallel.multiproc``
+or ``python -m culmen.compat -m apex.parallel.multiproc`` (a ``--force`` given to the latter reaches
+the workers too).
+
 Options (before the script):
     --nproc N         processes to start (default: the number of visible GPUs, 1 without GPUs)
     --no-rank-args    do not append ``--world-size N --rank i`` to the script's arguments
@@ -67,6 +72,8 @@ def launch_command(argv: list[str]) -> list[str]:
             nproc = torch.cuda.device_count() or 1
         except Exception:
             nproc = 1
+    from culmen.compat import child_args
+
     worker = ["--worker"]
     if not opts["rank_args"]:
         worker.append("--no-rank-args")
@@ -75,7 +82,7 @@ def launch_command(argv: list[str]) -> list[str]:
     else:
         worker.append("--no-log-files")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "culmen.parallel.multiproc", *worker, *rest]
+            "-m", "culmen.compat", *child_args(), "-m", "culmen.parallel.multiproc", *worker, *rest]
 
 
 def _worker(opts: dict, rest: list[str]) -> None:
@@ -101,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     if opts["worker"]:
         _worker(opts, rest)
         return 0
+    if not os.path.exists(rest[0]):
+        print(f"python -m culmen.parallel.multiproc: can't open file {os.path.abspath(rest[0])!r}: no such file",
+              file=sys.stderr)
+        return 2
     return subprocess.call(launch_command(argv))
 
 

@@ -100,18 +100,36 @@ def check_cu_values(name: str, cu: Tensor, total: int, max_len: int, max_name: s
         raise ValueError(f"{max_name}={max_len} is smaller than the longest sequence in {name} ({max(lens)})")
 
 
-def check_kvcache_values(seqlens: Tensor, s_new: int, capacity: int, leftpad: Tensor | None,
-                         batch_idx: Tensor | None, n_cache_rows: int, block_table: Tensor | None,
-                         n_pages: int) -> None:
-    """``cache_seqlens + seqlen_new <= capacity`` (and ``>= 0``), ``0 <= cache_leftpad <= cache_seqlens``,
-    ``cache_batch_idx`` rows and ``block_table`` pages inside the caches. Reads the values back."""
-    lens = seqlens.tolist()
-    if min(lens) < 0 or max(lens) + s_new > capacity:
-        raise ValueError(f"cache_seqlens + seqlen_new must be in [0, {capacity}] (the cache capacity), got "
-                         f"cache_seqlens={lens} with seqlen_new={s_new}")
+class CacheCapacityError(ValueError, RuntimeError):
+    """``cache_seqlens`` plus the new tokens beyond what a KV cache (or its ``block_table``'s pages) holds.
+    A ``ValueError`` like culmen's other bad-value errors, and a ``RuntimeError`` like flash_attn's own
+    check of the paged cache (a ``TORCH_CHECK``), so code written for either catches it."""
+
+
+def capacity_where(capacity: int, page: int | None) -> str:
+    """What holds ``capacity`` positions, for ``CacheCapacityError`` messages."""
+    if page is None:
+        return f"the {capacity} positions of a k_cache/v_cache row"
+    return (f"the {capacity // page} pages of {page} rows that a block_table row lists ({capacity} positions; "
+            f"give block_table more columns)")
+
+
+def check_kvcache_values(seqlens: Tensor | int, s_new: int, capacity: int, page: int | None,
+                         leftpad: Tensor | None, batch_idx: Tensor | None, n_cache_rows: int,
+                         block_table: Tensor | None) -> None:
+    """``0 <= cache_seqlens``, ``cache_seqlens + seqlen_new <= capacity`` (``CacheCapacityError`` naming
+    ``block_table`` when paged: ``page`` is its page size), ``0 <= cache_leftpad <= cache_seqlens``,
+    ``cache_batch_idx`` rows and ``block_table`` pages inside the caches (``n_cache_rows`` rows or pages).
+    Reads tensor values back to the host (a Python int ``seqlens`` costs nothing)."""
+    lens = [seqlens] if isinstance(seqlens, int) else seqlens.tolist()
+    if min(lens) < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {lens}")
+    if max(lens) + s_new > capacity:
+        raise CacheCapacityError(f"cache_seqlens + seqlen_new (the new k/v) exceed {capacity_where(capacity, page)}: "
+                                 f"got cache_seqlens={lens} with seqlen_new={s_new}")
     if leftpad is not None:
         pads = leftpad.tolist()
-        if any(p < 0 or p > n for p, n in zip(pads, lens)):
+        if any(p < 0 or p > n for p, n in zip(pads, lens * len(pads) if len(lens) == 1 else lens)):
             raise ValueError(f"cache_leftpad must be in [0, cache_seqlens], got {pads} for cache_seqlens={lens}")
     if batch_idx is not None:
         rows = batch_idx.tolist()
@@ -119,5 +137,6 @@ def check_kvcache_values(seqlens: Tensor, s_new: int, capacity: int, leftpad: Te
             raise ValueError(f"cache_batch_idx must index the {n_cache_rows} cache rows, got {rows}")
     if block_table is not None and block_table.numel():
         lo, hi = int(block_table.min()), int(block_table.max())
-        if lo < 0 or hi >= n_pages:
-            raise ValueError(f"block_table entries must index the {n_pages} cache pages, got values in [{lo}, {hi}]")
+        if lo < 0 or hi >= n_cache_rows:
+            raise ValueError(f"block_table entries must index the {n_cache_rows} cache pages, got values in "
+                             f"[{lo}, {hi}]")

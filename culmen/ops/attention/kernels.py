@@ -592,3 +592,51 @@ def _attn_bwd_dq_kernel(
     dq = dq * (qk_scale * LN2)
     tl.store(dq_ptr + b64 * sdqb + h.to(tl.int64) * sdqh + i64 * sdqs + dd[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit(do_not_specialize=["sknb", "skns", "sknh", "svnb", "svns", "svnh", "skcb", "skcs", "skch", "svcb", "svcs",
+                               "svch", "stb", "S_NEW", "CAP", "NROWS", "PAGE"])
+def _kv_append_kernel(
+    kn_ptr, vn_ptr, kc_ptr, vc_ptr, lens_ptr, rows_ptr, table_ptr,
+    sknb, skns, sknh, sknd, svnb, svns, svnh, svnd,
+    skcb, skcs, skch, skcd, svcb, svcs, svch, svcd, stb,
+    S_NEW, HK, D, CAP, NROWS, PAGE,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, ROWS: tl.constexpr,
+):
+    """The KV-cache append of ``flash_attn_with_kvcache``: new token ``t`` of batch row ``b`` (KV head of
+    program axis 1) goes to position ``pos = lens[b] + t`` of cache row ``rows[b]`` (``ROWS``; else ``b``)
+    or, ``PAGED``, to row ``pos % PAGE`` of page ``table[b, pos // PAGE]``. A write whose position is
+    outside ``[0, CAP)`` (``CAP`` = positions a row or a row of ``table`` holds) or whose cache row / page
+    is outside ``[0, NROWS)`` is skipped: whatever ``lens`` / ``rows`` / ``table`` hold, every address read
+    or written is inside the given tensors (the indices are clamped before use, the stores masked)."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HK).to(tl.int64)
+    kh = (bh % HK).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < S_NEW
+    pos = tl.load(lens_ptr + b).to(tl.int64) + t
+    ok = tmask & (pos >= 0) & (pos < CAP)
+    pos = tl.minimum(tl.maximum(pos, 0), CAP - 1)
+    if PAGED:
+        blk = tl.load(table_ptr + b * stb + pos // PAGE, mask=tmask, other=0).to(tl.int64)
+        ok = ok & (blk >= 0) & (blk < NROWS)
+        row = tl.minimum(tl.maximum(blk, 0), NROWS - 1)
+        pos = pos % PAGE
+    else:
+        if ROWS:
+            r = tl.load(rows_ptr + b).to(tl.int64)
+        else:
+            r = b
+        r = r + tl.zeros([BLOCK_T], tl.int64)  # a vector like pos (the interpreter mis-types scalar & vector)
+        ok = ok & (r >= 0) & (r < NROWS)
+        row = tl.minimum(tl.maximum(r, 0), NROWS - 1)
+    dd = tl.arange(0, BLOCK_D).to(tl.int64)[None, :]
+    m = ok[:, None] & (dd < D)
+    t64 = t.to(tl.int64)[:, None]
+    kn = tl.load(kn_ptr + b * sknb + kh * sknh + t64 * skns + dd * sknd, mask=m, other=0.0)
+    vn = tl.load(vn_ptr + b * svnb + kh * svnh + t64 * svns + dd * svnd, mask=m, other=0.0)
+    kdst = (row * skcb + pos * skcs)[:, None] + kh * skch + dd * skcd
+    vdst = (row * svcb + pos * svcs)[:, None] + kh * svch + dd * svcd
+    tl.store(kc_ptr + kdst, kn.to(kc_ptr.dtype.element_ty), mask=m)
+    tl.store(vc_ptr + vdst, vn.to(vc_ptr.dtype.element_ty), mask=m)

@@ -5,11 +5,18 @@ to the row's last key. Inference only (no backward).
 
 A ``KVCachePlan`` holds what one call signature derives (the checks passed, the dense view of the cache
 and the ``AttnPlan`` of the attention, whose forward kernel reads each row's key range itself:
-``K_RANGE``, the end computed in-kernel as ``cache_seqlens[b] + seqlen_new``). The values of
-``cache_seqlens`` / ``cache_leftpad`` / ``cache_batch_idx`` / ``block_table`` are checked per call on
-CPU and, on GPUs, only under ``set_check_values(True)`` (the kernel clamps the key range either way). A
-paged cache (``block_table``) or ``cache_batch_idx`` is gathered into a dense ``(B, seqlen_k, hk, d)``
-tensor first. The reference path (CPU, fp64) masks each row's range with tensor ops (no host sync).
+``K_RANGE``, the end computed in-kernel as ``cache_seqlens[b] + seqlen_new``). A paged cache
+(``block_table``) or ``cache_batch_idx`` is gathered into a dense ``(B, seqlen_k, hk, d)`` tensor first.
+
+Bad values (memory safety first, DESIGN.md): what shapes alone decide is checked when the plan is built
+(``seqlen_new`` larger than the cache, a cache with fewer rows than the batch, rotary tables shorter than
+the cache); the values of ``cache_seqlens`` / ``cache_leftpad`` / ``cache_batch_idx`` / ``block_table``
+are checked per call on CPU tensors and, on GPUs, under ``set_check_values(True)`` (a host sync; an int
+``cache_seqlens`` is always checked). Too long a sequence raises ``CacheCapacityError`` (a
+``ValueError`` and, as flash_attn's check, a ``RuntimeError`` naming ``block_table`` when paged). Unchecked,
+no value can make culmen touch memory outside the given tensors: the append kernel skips every write
+outside the caches, the PyTorch append sends such writes nowhere (``_safe_write``), page numbers, cache
+rows and rotary positions are clamped before any gather, and the attention kernel clamps each key range.
 """
 
 from __future__ import annotations
@@ -18,8 +25,11 @@ import torch
 from torch import Tensor
 
 from culmen.ops.attention import checks
+from culmen.ops.attention.kernels import _kv_append_kernel
 from culmen.ops.attention.launch import AttnPlan, TensorSpec
 from culmen.ops.backend import check_values_on
+from culmen.ops.common.launch import Launch, cdiv, next_pow2, stream_getter
+from culmen.ops.common.launch import aligned_16 as _aligned
 from culmen.ops.common.plans import PlanCache
 from culmen.ops.rotary.reference import rotary_emb_ref
 
@@ -31,20 +41,47 @@ def _positions(cache_seqlens: Tensor, n: int) -> Tensor:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
-    """Rotary of ``x (B, s, h, d)`` at positions ``pos (B, s)`` (fp32 math, x's dtype out)."""
+    """Rotary of ``x (B, s, h, d)`` at positions ``pos (B, s)`` (fp32 math, x's dtype out); positions are
+    clamped into the tables (only unchecked bad ``cache_seqlens`` can reach past them)."""
+    pos = pos.clamp(0, cos.shape[0] - 1)
     return rotary_emb_ref(x.float(), cos[pos].float(), sin[pos].float(), interleaved).to(x.dtype)
 
 
-def _write(cache: Tensor, new: Tensor, rows: Tensor | None, pos: Tensor, block_table: Tensor | None) -> None:
-    """``cache[row(b), pos[b, t]] = new[b, t]`` in place (through the page table when paged)."""
+def _safe_write(cache: Tensor, new: Tensor, rows: Tensor | None, pos: Tensor, block_table: Tensor | None) -> None:
+    """``cache[row(b), pos[b, t]] = new[b, t]`` in place (through the page table when paged), in PyTorch,
+    for any values of ``rows`` / ``pos`` / ``block_table`` and without a host sync.
+
+    Every index is clamped into the cache first; a write whose unclamped target is outside the cache is
+    then sent to the target of the first valid write with that write's value (a duplicate, so the order
+    of the scatter cannot matter), or, when no write is valid, writes the old value of its clamped target
+    back. Valid writes all land; invalid ones change nothing."""
+    n_rows, S = cache.shape[0], cache.shape[1]
     if block_table is None:
         if rows is None:
             rows = torch.arange(new.shape[0], device=cache.device)
-        cache[rows[:, None], pos] = new
-        return
-    page = cache.shape[1]
-    blocks = torch.gather(block_table.to(torch.int64), 1, pos // page)
-    cache[blocks, pos % page] = new
+        ok = (rows[:, None] >= 0) & (rows[:, None] < n_rows) & (pos >= 0) & (pos < S)
+        r = rows.clamp(0, n_rows - 1)[:, None].expand_as(pos)
+        c = pos.clamp(0, S - 1)
+    else:
+        cap = block_table.shape[1] * S
+        ok = (pos >= 0) & (pos < cap)
+        p = pos.clamp(0, cap - 1)
+        blocks = torch.gather(block_table.to(torch.int64), 1, p // S)
+        ok = ok & (blocks >= 0) & (blocks < n_rows)
+        r, c = blocks.clamp(0, n_rows - 1), p % S
+    ok, r, c = ok.reshape(-1), r.reshape(-1), c.reshape(-1)
+    vals = new.reshape(-1, *new.shape[2:])
+    first = torch.argmax(ok.to(torch.int8))  # the first valid write (0 when there is none)
+    r0, c0 = r[first], c[first]
+    v0 = torch.where(ok[first], vals[first], cache[r0, c0])
+    sel = ok.view(-1, *([1] * (vals.dim() - 1)))
+    cache[torch.where(ok, r, r0), torch.where(ok, c, c0)] = torch.where(sel, vals, v0.to(vals.dtype))
+
+
+def _gather_index(idx: Tensor, n: int) -> Tensor:
+    """int64 ``idx`` clamped into ``[0, n)`` for a gather (bad unchecked values read a wrong row, never
+    outside the tensor)."""
+    return idx.to(torch.int64).clamp(0, n - 1)
 
 
 class KVCachePlan:
@@ -60,26 +97,38 @@ class KVCachePlan:
                 raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
         B, sq, h, d = q.shape
         hk = k_cache.shape[2]
-        if k_cache.shape != v_cache.shape or k_cache.shape[-1] != d or h % hk:
+        if k_cache.shape != v_cache.shape or k_cache.shape[-1] != d or hk == 0 or h % hk:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must match, with head "
                              f"dim {d} and a number of heads dividing q's {h}")
+        if k_cache.shape[0] == 0 or k_cache.shape[1] == 0:
+            raise ValueError(f"k_cache/v_cache must hold at least one row of one position, got {tuple(k_cache.shape)}")
         if (k is None) != (v is None):
             raise ValueError("k and v (the new tokens) must be given together")
         if k is not None and (k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (hk, d)):
             raise ValueError(f"k/v must be (batch={B}, seqlen_new, {hk}, {d}), got {tuple(k.shape)} / "
                              f"{tuple(v.shape)}")
+        if k is not None and (k.dtype != q.dtype or v.dtype != q.dtype):
+            raise TypeError(f"k/v must have q's dtype {q.dtype}, got {k.dtype} / {v.dtype}")
+        page = None
         if block_table is not None:
             if cache_batch_idx is not None:
                 raise ValueError("cache_batch_idx cannot be combined with block_table (paged KV)")
             if (not isinstance(block_table, Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2
-                    or block_table.shape[0] != B):
-                raise TypeError(f"block_table must be int32 (batch={B}, max_blocks), got "
+                    or block_table.shape[0] != B or block_table.shape[1] == 0):
+                raise TypeError(f"block_table must be int32 (batch={B}, max_blocks >= 1), got "
                                 f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
                                 f"{tuple(getattr(block_table, 'shape', ()))}")
-            capacity = block_table.shape[1] * k_cache.shape[1]
+            page = k_cache.shape[1]
+            capacity = block_table.shape[1] * page
         else:
             capacity = k_cache.shape[1]
+            if cache_batch_idx is None and k_cache.shape[0] < B:
+                raise ValueError(f"k_cache/v_cache have {k_cache.shape[0]} rows for a batch of {B}: give one row per "
+                                 "batch row, or cache_batch_idx")
         s_new = 0 if k is None else k.shape[1]
+        if s_new > capacity:  # no value of cache_seqlens can fit: an error without looking at any value
+            raise checks.CacheCapacityError(f"seqlen_new={s_new} new k/v exceed "
+                                            f"{checks.capacity_where(capacity, page)}")
         if cache_seqlens is not None and not isinstance(cache_seqlens, int) and (
                 not isinstance(cache_seqlens, Tensor) or cache_seqlens.dtype != torch.int32
                 or tuple(cache_seqlens.shape) != (B,)):
@@ -101,11 +150,14 @@ class KVCachePlan:
                                        or rotary_sin.shape != rotary_cos.shape):
             raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= {d}, got "
                              f"{tuple(rotary_cos.shape)} / {tuple(rotary_sin.shape)}")
+        if rotary_cos is not None and rotary_cos.shape[0] < capacity:  # flash_attn's check: a row per position
+            raise ValueError(f"rotary_cos/rotary_sin must have a row for each of the cache's {capacity} positions, "
+                             f"got seqlen_ro={rotary_cos.shape[0]}")
         if not isinstance(num_splits, int) or num_splits < 0:
             raise ValueError(f"num_splits must be a non-negative int, got {num_splits!r}")
         checks.check_common(q, k_cache, v_cache, 0.0, window_size, softcap, alibi_slopes, B, 4,
                             "(batch, seqlen, nheads, headdim)")
-        self.B, self.s_new, self.capacity = B, s_new, capacity
+        self.B, self.s_new, self.capacity, self.page = B, s_new, capacity, page
         self.device = q.device
         self.rotary = rotary_cos is not None
         self.interleaved = bool(rotary_interleaved)
@@ -128,6 +180,23 @@ class KVCachePlan:
         self.attn = AttnPlan("kvcache", q, kd, vd, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
                              window_size=tuple(window_size), softcap=softcap, return_lse=return_lse,
                              k_range=2 if cache_leftpad is not None else 1, k_add=s_new)
+        self.append = None
+        if s_new and self.attn.use_kernel:
+            self._plan_append(k_cache, v_cache, block_table)
+            self.new_strides = (*k.stride(), *v.stride())  # the call's own k/v (part of the plan's key)
+
+    def _plan_append(self, k_cache, v_cache, block_table) -> None:
+        """The append kernel's launch: one program per block of new tokens per (batch row, KV head)."""
+        hk, d = k_cache.shape[2], k_cache.shape[3]
+        block_t = 16 if self.s_new <= 16 else 64
+        meta = dict(BLOCK_T=block_t, BLOCK_D=max(16, next_pow2(d)), PAGED=self.paged, ROWS=self.gather_rows)
+        self.append = Launch(_kv_append_kernel, (cdiv(self.s_new, block_t), self.B * hk), meta, 4, 1,
+                             device=self.device)
+        # The new k/v's strides are read per call (rotary hands over a fresh tensor), the caches' fixed here.
+        self.append_ints = (*k_cache.stride(), *v_cache.stride(),
+                            block_table.stride(0) if self.paged else 0, self.s_new, hk, d,
+                            self.capacity, self.n_cache_rows, self.page or 1)
+        self.stream = stream_getter(self.device)
 
     def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                  cache_leftpad, block_table, alibi_slopes):
@@ -136,32 +205,54 @@ class KVCachePlan:
         if cache_seqlens is None:  # the caches are full (after the new tokens)
             cache_seqlens = self.capacity - self.s_new
         if type(cache_seqlens) is int:
+            if cache_seqlens < 0 or cache_seqlens + self.s_new > self.capacity:  # a host value: checked always
+                checks.check_kvcache_values(cache_seqlens, self.s_new, self.capacity, self.page, None, None,
+                                            self.n_cache_rows, None)
             cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=self.device)
         if self.check_values:
-            checks.check_kvcache_values(cache_seqlens, self.s_new, self.capacity, cache_leftpad, cache_batch_idx,
-                                        self.n_cache_rows, block_table, k_cache.shape[0])
+            checks.check_kvcache_values(cache_seqlens, self.s_new, self.capacity, self.page, cache_leftpad,
+                                        cache_batch_idx, self.n_cache_rows, block_table)
         if self.rotary:
             if k is not None:
                 k = _rotate(k, rotary_cos, rotary_sin, _positions(cache_seqlens, self.s_new), self.interleaved)
             qpos = (_positions(cache_seqlens, q.shape[1]) if self.q_at_tokens
                     else _positions(cache_seqlens, 1).expand(B, q.shape[1]))
             q = _rotate(q, rotary_cos, rotary_sin, qpos, self.interleaved)
-        rows = cache_batch_idx.to(torch.int64) if self.gather_rows else None
-        if k is not None:
+        aligned = None
+        if self.append is not None:
+            # One alignment finding for both kernels: every pointer either receives, uncopied (a gathered
+            # cache and the attention plan's own copies are fresh, hence aligned, allocations).
+            aligned = _aligned(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
+                               cache_leftpad, alibi_slopes)
+            new_strides = (*k.stride(), *v.stride()) if self.rotary else self.new_strides
+            self.append(self.stream(), aligned, k, v, k_cache, v_cache, cache_seqlens,
+                        cache_seqlens if cache_batch_idx is None else cache_batch_idx,
+                        cache_seqlens if block_table is None else block_table, *new_strides, *self.append_ints)
+        elif k is not None:
             pos = _positions(cache_seqlens, self.s_new)
-            _write(k_cache, k, rows, pos, block_table)
-            _write(v_cache, v, rows, pos, block_table)
+            rows = cache_batch_idx.to(torch.int64) if self.gather_rows else None
+            _safe_write(k_cache, k, rows, pos, block_table)
+            _safe_write(v_cache, v, rows, pos, block_table)
         if self.paged:
-            blocks = block_table.to(torch.int64)
+            blocks = _gather_index(block_table, self.n_cache_rows)
             kd = k_cache[blocks].reshape(self.attn.k_shape)
             vd = v_cache[blocks].reshape(self.attn.v_shape)
         elif self.gather_rows:
+            rows = _gather_index(cache_batch_idx, self.n_cache_rows)
             kd, vd = k_cache[rows], v_cache[rows]
         else:
             kd, vd = k_cache, v_cache
         out, lse, _ = self.attn.forward(q, kd, vd, alibi_slopes, None, store_lse=self.return_lse,
-                                        k_start=cache_leftpad, k_end=cache_seqlens)
+                                        k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned)
         return out, lse
+
+
+def paged_gather(cache: Tensor, block_table: Tensor) -> Tensor:
+    """The pages of ``cache (num_blocks, page, ...)`` that each row of ``block_table (B, nb)`` lists, in
+    order: ``(B, nb * page, ...)``. Page numbers outside ``[0, num_blocks)`` are clamped (no value reads
+    outside ``cache``; check them with ``checks.check_kvcache_values`` where an error is wanted)."""
+    B, nb = block_table.shape
+    return cache[_gather_index(block_table, cache.shape[0])].reshape(B, nb * cache.shape[1], *cache.shape[2:])
 
 
 def _sig(t):

@@ -301,10 +301,11 @@ class AttnPlan:
         return q, k, v, alibi, cu_q, cu_k
 
     def forward(self, q, k, v, alibi, rng, cu_q=None, cu_k=None, store_lse: bool = True, k_start=None, k_end=None,
-                traced: bool = False):
+                traced: bool = False, aligned: bool | None = None):
         """``(out, lse, probs)``: ``out`` like ``q``; ``lse`` fp32 ``(B, h, sq)`` / ``(h, total_q)`` or
         ``None`` when not ``store_lse`` (the reference always gives it); ``probs`` only with
-        ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``)."""
+        ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``). ``aligned``: the caller's
+        finding that every pointer given is 16-byte aligned (else it is checked here)."""
         if self.check_values:
             self.check_cu(q, k, cu_q, cu_k)
         if not self.use_kernel:
@@ -322,10 +323,11 @@ class AttnPlan:
             self.fwd_launch(store_lse).traced(q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end,
                                               *self.fwd_ints)
             return out, lse, None
-        if self.extra_ptrs:
-            aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end)
-        else:
-            aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0
+        if aligned is None:
+            if self.extra_ptrs:
+                aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end)
+            else:
+                aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0
         if self.tma and aligned:
             _ensure_allocator(self.device)
             la = self.fwd_launch(store_lse, True)

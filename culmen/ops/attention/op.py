@@ -18,8 +18,14 @@ fp32) and no ``return_attn_probs``; the reference otherwise (and on GPUs after
   on rows that see no key (their output is 0);
 * dropout replays the mask of ``culmen.ops.attention.dropout`` from the int64 ``rng_state = (seed,
   offset)`` drawn per call (one small kernel, CUDA-graph and compile safe; none when ``dropout_p == 0``);
-* the probabilities (``return_probs``) are ``(B, h, round128(sq), round128(sk))`` in q's dtype,
-  normalized, zero in the padding, dropped entries negated;
+* ``S_dmask`` (``return_probs``) is ``(B, h, round128(sq), round128(sk))`` in q's dtype (``max_seqlen``
+  rounded for varlen, each sequence from row/column 0), ``+0`` in the padding. With dropout it is
+  flash_attn 2.x's: ``exp(s - m)`` with ``m`` the forward's running row max over 128-key blocks walked
+  from the last (``reference._flash_layout_probs``), dropped entries negated (the sign bit is the
+  keep-mask applied to ``out``, masked entries ``+-0``). Without dropout (flash_attn returns an empty
+  tensor) it holds the normalized probabilities;
+* ``out`` is contiguous ``(B, sq, h, d)`` / ``(total_q, h, d)`` on every path (the fake implementations
+  of the ``torch.library`` ops give the same strides);
 * varlen rows outside every sequence (past ``cu_seqlens[-1]``) are left unwritten by the kernels (their
   ``out``, ``lse`` and gradients), as in flash_attn; the reference gives 0 (``lse = +inf``) there.
 """

@@ -25,6 +25,10 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+PROBS_BLOCK_N = 128
+"""Key-block width of the running max in ``S_dmask`` (``flash_attn_interface._get_block_size_n``)."""
+
+
 def round_multiple(x: int, m: int) -> int:
     """``x`` rounded up to a multiple of ``m``."""
     return (x + m - 1) // m * m
@@ -108,10 +112,28 @@ def _softmax(s: Tensor) -> tuple[Tensor, Tensor]:
     return torch.exp(s - lse.unsqueeze(-1)), lse  # exp(-inf - inf) = 0 on empty rows
 
 
+def _flash_layout_probs(s: Tensor, keep: Tensor) -> Tensor:
+    """flash_attn's ``S_dmask`` values from masked scores ``s (..., sk)`` and the keep-mask: entry ``(i, j)``
+    is ``exp(s_ij - m)`` where ``m`` is the running row max of flash_attn's forward when it reaches key
+    block ``j // PROBS_BLOCK_N`` (it walks the key blocks from the last one down: ``m`` is the max of
+    ``s_i`` over that block and every later one), negated where dropped. Masked entries are ``+-0``.
+    flash_attn's tests undo this scaling with ``_get_block_size_n`` (= ``PROBS_BLOCK_N``) and the lse."""
+    sk = s.shape[-1]
+    nblk = -(-sk // PROBS_BLOCK_N)
+    blocks = torch.nn.functional.pad(s, (0, nblk * PROBS_BLOCK_N - sk), value=float("-inf"))
+    bmax = blocks.unflatten(-1, (nblk, PROBS_BLOCK_N)).amax(-1)  # (..., nblk)
+    running = bmax.flip(-1).cummax(-1).values.flip(-1)
+    m = running.repeat_interleave(PROBS_BLOCK_N, -1)[..., :sk]
+    # Blocks whose running max is -inf hold only masked scores: 0 there (flash_attn's Check_inf).
+    val = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
+    return torch.where(keep, val, -val)
+
+
 def _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi, dropout_p, rng_state, batch_idx, sq_stride,
                sk_stride, return_probs):
-    """One dense block. Returns ``out (B, sq, h, d)`` in the compute dtype, ``lse (B, h, sq)`` and
-    the probabilities ``(B, h, sq, sk)`` (dropped entries negated) or ``None``."""
+    """One dense block. Returns ``out (B, sq, h, d)`` (contiguous) in the compute dtype, ``lse (B, h,
+    sq)`` and, with ``return_probs``, ``(B, h, sq, sk)``: with dropout flash_attn's ``S_dmask`` values
+    (``_flash_layout_probs``: the keep-mask in the sign bit), without it the normalized probabilities."""
     dt = _compute_dtype(q)
     B, sq, h, d = q.shape
     hk, sk = k.shape[2], k.shape[1]
@@ -123,13 +145,14 @@ def _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi, dropout_p, rng_
         keep = _keep(rng_state, dropout_p, batch_idx, h, hk, sq, sk, sq_stride, sk_stride)
         pd = torch.where(keep, p, torch.zeros_like(p)) / (1.0 - dropout_p)
         if return_probs:
-            probs = torch.where(keep, p, -p)
+            probs = _flash_layout_probs(s, keep)
     else:
         pd = p
         if return_probs:
             probs = p
     out = torch.matmul(pd, vg)  # (B, hk, g, sq, d)
-    out = out.reshape(B, h, sq, d).permute(0, 2, 1, 3)
+    # Contiguous (B, sq, h, d) like the kernels' output and flash_attn's: the fake implementations say so.
+    out = out.reshape(B, h, sq, d).transpose(1, 2).contiguous()
     lse = lse.reshape(B, h, sq)
     if probs is not None:
         probs = probs.reshape(B, h, sq, sk)
@@ -165,8 +188,8 @@ def _dense_bwd(dout, q, k, v, out, lse, softmax_scale, rel, vis, softcap, alibi,
         ds = ds * (1.0 - t * t)
     dq = torch.matmul(ds, kg) * softmax_scale
     dk = torch.einsum("bhgij,bhgid->bhjd", ds, qg) * softmax_scale
-    dq = dq.reshape(B, h, sq, d).permute(0, 2, 1, 3)
-    return dq, dk.permute(0, 2, 1, 3), dv.permute(0, 2, 1, 3)
+    dq = dq.reshape(B, h, sq, d).transpose(1, 2).contiguous()
+    return dq, dk.transpose(1, 2).contiguous(), dv.transpose(1, 2).contiguous()
 
 
 def _rng(rng_state: Tensor | None, dropout_p: float, device) -> Tensor | None:
@@ -182,8 +205,9 @@ def attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, 
                       alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, rng_state: Tensor | None = None,
                       return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Dense forward. ``q``: ``(B, sq, h, d)``; ``k``/``v``: ``(B, sk, hk, d)``. Returns ``out``
-    (q's dtype), ``lse`` ``(B, h, sq)`` (fp32; fp64 for fp64 inputs) and the probabilities
-    ``(B, h, sq, sk)`` in q's dtype (dropped entries negated) or ``None``."""
+    (q's dtype, contiguous), ``lse`` ``(B, h, sq)`` (fp32; fp64 for fp64 inputs) and, with
+    ``return_probs``, ``(B, h, sq, sk)`` in q's dtype (``_dense_fwd``: flash_attn's ``S_dmask`` values
+    with dropout, the probabilities without) or ``None``."""
     rng = _rng(rng_state, dropout_p, q.device)
     bidx = torch.arange(q.shape[0], device=q.device)
     rel = _dense_rel(q.shape[1], k.shape[1], q.device)
@@ -259,8 +283,9 @@ def attention_varlen_fwd_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                              rng_state: Tensor | None = None,
                              return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Varlen forward on packed ``(total, heads, d)`` inputs. Returns ``out (total_q, h, d)``,
-    ``lse (h, total_q)`` and, when asked, probabilities ``(B, h, max_seqlen_q, max_seqlen_k)``
-    (zero outside each sequence). Sequence ``b`` is batch index ``b`` for ALiBi and dropout.
+    ``lse (h, total_q)`` and, when asked, ``(B, h, max_seqlen_q, max_seqlen_k)`` as in
+    ``attention_fwd_ref`` (sequence ``b``'s rows and columns from 0, zero outside each sequence).
+    Sequence ``b`` is batch index ``b`` for ALiBi and dropout.
 
     Computed on a padded ``(B, max_seqlen, ...)`` batch with per-sequence masks: tensor ops only, so
     it traces under ``torch.compile``. Rows outside every sequence give 0 and ``lse = +inf``."""
@@ -280,7 +305,11 @@ def attention_varlen_fwd_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
                                  alibi_slopes, dropout_p, rng, bidx, max_seqlen_q, max_seqlen_k, return_probs)
     out = pq.packed(out)
     lse = pq.packed(lse.transpose(1, 2), float("inf")).t().contiguous()
-    return out.to(q.dtype), lse, (probs.to(q.dtype) if probs is not None else None)
+    if probs is not None:  # +0 outside each sequence (the padding of the (max_q, max_k) layout)
+        inside = ((torch.arange(max_seqlen_q, device=q.device).view(1, 1, -1, 1) < pq.lens.view(-1, 1, 1, 1))
+                  & (torch.arange(max_seqlen_k, device=q.device).view(1, 1, 1, -1) < pk.lens.view(-1, 1, 1, 1)))
+        probs = torch.where(inside, probs, torch.zeros_like(probs)).to(q.dtype)
+    return out.to(q.dtype), lse, probs
 
 
 def attention_varlen_bwd_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -381,5 +410,5 @@ def _ref_dense(q, k, v, scale, causal, window_size, softcap, alibi, dropout_p, r
         bidx = torch.arange(b0, b0 + B, device=q.device)
         keep = _keep(rng, dropout_p, bidx, h, hk, sq, sk, sq_stride, sk_stride)
         p = torch.where(keep, p, torch.zeros_like(p)) / (1.0 - dropout_p)
-    out = torch.matmul(p, vg).reshape(B, h, sq, d).permute(0, 2, 1, 3)
+    out = torch.matmul(p, vg).reshape(B, h, sq, d).transpose(1, 2).contiguous()
     return out, lse.reshape(B, h, sq)
