@@ -26,6 +26,8 @@ culmen also accepts ``torch.bfloat16`` under O1, where ROCm required O4) and ``h
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import OrderedDict
 from typing import Any
 
@@ -38,6 +40,24 @@ __all__ = ["O0", "O1", "O2", "O3", "O4", "O5", "Properties", "deinitialize", "in
            "opt_levels", "state_dict"]
 
 _O1_LIKE = ("O1", "O4")
+
+
+def _loss_scale(value: Any) -> float | str:
+    """``loss_scale`` as amp keeps it: ``"dynamic"`` or a positive finite float (numeric strings, as
+    Apex accepted them, included). Anything else is an error naming the argument."""
+    if isinstance(value, str) and value == "dynamic":
+        return value
+    if isinstance(value, bool):
+        raise TypeError(f"loss_scale must be 'dynamic' or a number, got {value!r}")
+    try:
+        scale = float(value)
+    except TypeError:
+        raise TypeError(f"loss_scale must be 'dynamic' or a number, got {type(value).__name__} {value!r}") from None
+    except ValueError:
+        raise ValueError(f"loss_scale must be 'dynamic' or a number, got {value!r}") from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"loss_scale must be 'dynamic' or a positive finite number, got {value!r}")
+    return scale
 
 
 class Properties:
@@ -111,7 +131,7 @@ class Properties:
                             "themselves should be FP32.")
             self.options[name] = value
         elif name == "loss_scale":
-            self.options[name] = value if value == "dynamic" else float(value)
+            self.options[name] = _loss_scale(value)
         else:
             self.options[name] = value
 
@@ -192,6 +212,27 @@ class O5(_OptLevel):
 opt_levels: dict[str, _OptLevel] = {"O3": O3(), "O2": O2(), "O1": O1(), "O0": O0(), "O4": O4(), "O5": O5()}
 
 
+def _check_scale_args(num_losses: Any, min_loss_scale: Any, max_loss_scale: Any, hysteresis: Any) -> None:
+    """Errors naming the argument for the loss-scaler arguments of ``initialize``."""
+    if isinstance(num_losses, bool) or not isinstance(num_losses, numbers.Integral):
+        raise TypeError(f"num_losses must be an int >= 1, got {type(num_losses).__name__} {num_losses!r}")
+    if num_losses < 1:
+        raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
+    if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Real) or int(hysteresis) != hysteresis \
+            or hysteresis < 1:
+        raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+    for name, v in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
+        if v is None and name == "min_loss_scale":
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+        # min_loss_scale 0 means no floor (as in Apex); the comparisons are False for NaN.
+        if not (v >= 0 if name == "min_loss_scale" else v > 0):
+            raise ValueError(f"{name} must be {'>= 0' if name == 'min_loss_scale' else 'positive'}, got {v!r}")
+    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+        raise ValueError(f"min_loss_scale ({min_loss_scale!r}) must not exceed max_loss_scale ({max_loss_scale!r})")
+
+
 def deinitialize() -> None:
     """Switch O1 casting off and forget the loss scalers (culmen extension, for notebooks and tests).
 
@@ -265,10 +306,9 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     for k, v in props.options.items():
         maybe_print(f"{k:22} : {v}", True)
 
+    _check_scale_args(num_losses, min_loss_scale, max_loss_scale, hysteresis)
     _amp_state.min_loss_scale = min_loss_scale
     _amp_state.max_loss_scale = max_loss_scale
-    if int(hysteresis) != hysteresis or hysteresis < 1:
-        raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
     _amp_state.hysteresis = int(hysteresis)
 
     maybe_print("Processing user overrides (additional kwargs that are not None)...", True)

@@ -87,20 +87,37 @@ def _autocast_off(device_type: str):
 
 
 def _to_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
-        shape = (int(normalized_shape),)
+    """``normalized_shape`` as a tuple of positive ints (an int, a sequence of ints, a ``torch.Size``);
+    anything else raises naming the argument and the value."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        dims: Sequence[Any] = (normalized_shape,)
     else:
         try:
-            shape = tuple(int(s) for s in normalized_shape)
+            if isinstance(normalized_shape, (str, bytes, bool)):
+                raise TypeError
+            dims = tuple(normalized_shape)
         except TypeError:
             raise TypeError(
-                f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__}"
+                f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__} "
+                f"{normalized_shape!r}"
             ) from None
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in dims):
+        raise TypeError(f"normalized_shape must hold ints, got {normalized_shape!r}")
+    shape = tuple(int(s) for s in dims)
     if len(shape) == 0:
-        raise ValueError("normalized_shape must have at least one dimension")
-    if any(s < 0 for s in shape):
-        raise ValueError(f"normalized_shape must be non-negative, got {shape}")
+        raise ValueError(f"normalized_shape must have at least one dimension, got {normalized_shape!r}")
+    if any(s <= 0 for s in shape):
+        raise ValueError(f"normalized_shape must hold positive sizes, got {normalized_shape!r}")
     return shape
+
+
+def _check_eps(eps: Any) -> float:
+    """A module's ``eps``: a positive finite number (it keeps ``1 / sqrt(var + eps)`` finite)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a positive number, got {type(eps).__name__} {eps!r}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    return eps
 
 
 def _check_input(fn: str, input: Tensor) -> None:
@@ -408,7 +425,7 @@ class FusedLayerNorm(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_to_shape(normalized_shape))
-        self.eps = eps
+        self.eps = _check_eps(eps)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         factory = {"device": device, "dtype": dtype}
@@ -455,7 +472,7 @@ class FusedRMSNorm(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_to_shape(normalized_shape))
-        self.eps = eps
+        self.eps = _check_eps(eps)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if self.elementwise_affine:
