@@ -212,9 +212,10 @@ def test_dropout_forward_backward_consistent():
     assert S.shape == (2, 4, 128, 128)
     S = S[:, :, :9, :12]
     keep = ~torch.signbit(S)  # dropped entries are stored negated
-    _, ref_lse = naive(q, k, v, causal=True)
-    probs_ref = torch.exp(torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(2, 2))
-                          * 8 ** -0.5 - ref_lse[..., None]).tril(12 - 9)
+    # flash_attn's layout: exp(s - running row max); 12 keys are one 128-key block, so the row max.
+    scores = (torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(2, 2)) * 8 ** -0.5)
+    scores = scores.masked_fill(torch.ones(9, 12, dtype=torch.bool).triu(12 - 9 + 1), float("-inf"))
+    probs_ref = torch.exp(scores - scores.amax(-1, keepdim=True))
     torch.testing.assert_close(S.abs().double(), probs_ref, rtol=1e-4, atol=1e-6)
     frac = keep[probs_ref > 0].float().mean().item()
     assert 0.55 < frac < 0.95
