@@ -14,8 +14,9 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, compress, repeat
 from typing import Any
 
@@ -27,37 +28,123 @@ from culmen.ops.multi_tensor.common import CONTIG, DTYPE, GENERATION, PTR
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_lr(lr: Any) -> None:
-    """torch.optim's check of a learning rate (a number or a 1-element tensor)."""
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _scalar(owner: str, name: str, value: Any, what: str = "a number") -> float:
+    """``value`` as a float: a real number (not a bool) or a 1-element tensor; TypeError naming ``name``."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{owner}: a tensor {name} must have 1 element, got shape {tuple(value.shape)}")
+        if value.is_floating_point() or not value.is_complex():
+            return float(value.detach().reshape(()).cpu()) if value.device.type != "meta" else 0.0
+        raise TypeError(f"{owner}: {name} must be {what}, got a {value.dtype} tensor")
+    if not _is_number(value):
+        raise TypeError(f"{owner}: {name} must be {what}, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def check_lr(lr: Any, owner: str = "optimizer") -> None:
+    """torch.optim's check of a learning rate: a number >= 0 or a 1-element tensor (``required`` passes)."""
+    if lr is _Required:
+        return
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
+            raise ValueError(f"{owner}: Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
         return
-    if lr is not _Required and not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= _scalar(owner, "lr", lr):
+        raise ValueError(f"{owner}: Invalid learning rate: lr={lr!r} (must be >= 0)")
 
 
-def check_eps(eps: float) -> None:
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
+def check_eps(eps: Any, owner: str = "optimizer") -> None:
+    if not 0.0 <= _scalar(owner, "eps", eps):
+        raise ValueError(f"{owner}: Invalid epsilon value: eps={eps!r} (must be >= 0)")
 
 
-def check_betas(betas: tuple[float, float]) -> None:
+def check_betas(betas: Any, owner: str = "optimizer") -> None:
+    """``betas``: a pair ``(beta1, beta2)`` (tuple or list) of numbers in ``[0, 1)``."""
+    if isinstance(betas, (str, bytes, Tensor)) or not isinstance(betas, Sequence):
+        raise TypeError(f"{owner}: betas must be a pair (beta1, beta2) of numbers in [0, 1), got {betas!r} "
+                        f"({type(betas).__name__})")
     if len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {len(betas)} values: {betas!r}")
     for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        if not 0.0 <= _scalar(owner, f"betas[{i}]", b) < 1.0:
+            raise ValueError(f"{owner}: Invalid beta parameter at index {i}: betas[{i}]={b!r} (must be in [0, 1))")
 
 
-def check_weight_decay(weight_decay: float) -> None:
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+def check_weight_decay(weight_decay: Any, owner: str = "optimizer") -> None:
+    if not 0.0 <= _scalar(owner, "weight_decay", weight_decay):
+        raise ValueError(f"{owner}: Invalid weight_decay value: weight_decay={weight_decay!r} (must be >= 0)")
 
 
-def check_momentum(momentum: float) -> None:
-    if not 0.0 <= momentum:
-        raise ValueError(f"Invalid momentum value: {momentum}")
+def check_momentum(momentum: Any, owner: str = "optimizer") -> None:
+    if not 0.0 <= _scalar(owner, "momentum", momentum):
+        raise ValueError(f"{owner}: Invalid momentum value: momentum={momentum!r} (must be >= 0)")
+
+
+def _check_nonneg(name: str) -> Callable[[Any, str], None]:
+    def check(value: Any, owner: str = "optimizer") -> None:
+        if not 0.0 <= _scalar(owner, name, value):
+            raise ValueError(f"{owner}: Invalid {name} value: {name}={value!r} (must be >= 0)")
+    return check
+
+
+def _check_real(name: str) -> Callable[[Any, str], None]:
+    def check(value: Any, owner: str = "optimizer") -> None:
+        v = _scalar(owner, name, value)
+        if v != v:
+            raise ValueError(f"{owner}: {name} must not be NaN")
+    return check
+
+
+def _check_flag(name: str) -> Callable[[Any, str], None]:
+    def check(value: Any, owner: str = "optimizer") -> None:
+        if not isinstance(value, (bool, int)) and type(value).__name__ != "bool_":  # numpy.bool_ too
+            raise TypeError(f"{owner}: {name} must be a bool, got {value!r} ({type(value).__name__})")
+    return check
+
+
+def _check_max_grad_norm(value: Any, owner: str = "optimizer") -> None:
+    if value is not None:
+        _check_real("max_grad_norm")(value, owner)
+
+
+def _check_step(value: Any, owner: str = "optimizer") -> None:
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_floating_point():
+            raise ValueError(f"{owner}: a tensor step must be a 1-element integer tensor, got {value.dtype} "
+                             f"{tuple(value.shape)}")
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{owner}: step must be an int >= 0, got {value!r}")
+
+
+HYPER_CHECKS: dict[str, Callable[[Any, str], None]] = {
+    "lr": check_lr,
+    "eps": check_eps,
+    "betas": check_betas,
+    "weight_decay": check_weight_decay,
+    "momentum": check_momentum,
+    "dampening": _check_real("dampening"),
+    "trust_coefficient": _check_nonneg("trust_coefficient"),
+    "max_grad_norm": _check_max_grad_norm,
+    "step": _check_step,
+    "bias_correction": _check_flag("bias_correction"),
+    "grad_averaging": _check_flag("grad_averaging"),
+    "nesterov": _check_flag("nesterov"),
+    "init_zero": _check_flag("init_zero"),
+    "is_skipped": _check_flag("is_skipped"),
+}
+"""The checks of the fused optimizers' hyper-parameters, by name: each raises ``ValueError`` / ``TypeError``
+naming the argument and its value. Run on the constructor's arguments and on every param group's values."""
+
+
+def check_hyper(owner: str, **values: Any) -> None:
+    """Check the hyper-parameters ``values`` (names of :data:`HYPER_CHECKS`) of optimizer ``owner``."""
+    for name, value in values.items():
+        HYPER_CHECKS[name](value, owner)
 
 
 class _RequiredParameter:
@@ -245,7 +332,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self._state_lists(group, names, live, grads, build)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, then the group's hyper-parameters are checked (a group may override
+        the constructor's values: ``{"params": ..., "lr": -1}`` raises ``ValueError`` naming ``lr``)."""
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        owner = f"{type(self).__name__} (param group {len(self.param_groups) - 1})"
+        for name, value in group.items():
+            check = HYPER_CHECKS.get(name)
+            if check is not None and value is not self.defaults.get(name, _Required):
+                check(value, owner)
         self._lists_cache = {}
         self._plans = {}
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
-from culmen.optimizers._base import FusedOptimizer, check_eps, check_lr, check_weight_decay
+from culmen.optimizers._base import FusedOptimizer, check_hyper
 
 ADAGRAD_MODE_L2, ADAGRAD_MODE_DECOUPLED = 0, 1
 
@@ -39,9 +39,7 @@ class FusedAdagrad(FusedOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0,
                  set_grad_none: bool = True, adagrad_w_mode: bool = False) -> None:
-        check_lr(lr)
-        check_eps(eps)
-        check_weight_decay(weight_decay)
+        check_hyper(type(self).__name__, lr=lr, eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.adagrad_w_mode = ADAGRAD_MODE_DECOUPLED if adagrad_w_mode else ADAGRAD_MODE_L2

@@ -20,14 +20,7 @@ from culmen.ops.multi_tensor.adam import (
     AdamPlan,
     adam_update,
 )
-from culmen.optimizers._base import (
-    FusedOptimizer,
-    GroupPlan,
-    check_betas,
-    check_eps,
-    check_lr,
-    check_weight_decay,
-)
+from culmen.optimizers._base import FusedOptimizer, GroupPlan, check_hyper
 
 _LOW = (torch.float16, torch.bfloat16)
 _F32, _I32 = torch.float32, torch.int32
@@ -72,10 +65,8 @@ class FusedAdam(FusedOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
                  capturable: bool = False, master_weights: bool = False) -> None:
-        check_lr(lr)
-        check_eps(eps)
-        check_betas(betas)
-        check_weight_decay(weight_decay)
+        check_hyper(type(self).__name__, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                    bias_correction=bias_correction)
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True); "
                                "use torch.optim.Adam(amsgrad=True)")

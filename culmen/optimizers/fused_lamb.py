@@ -11,7 +11,7 @@ from torch import Tensor
 
 from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
 from culmen.ops.multi_tensor.lamb import lamb_update
-from culmen.optimizers._base import FusedOptimizer, check_betas, check_eps, check_lr, check_weight_decay
+from culmen.optimizers._base import FusedOptimizer, check_hyper
 
 LAMB_MODE_L2, LAMB_MODE_DECOUPLED = 0, 1
 
@@ -67,10 +67,8 @@ class FusedLAMB(FusedOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
                  amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  set_grad_none: bool = True, max_grad_norm: float | None = 1.0, use_nvlamb: bool = False) -> None:
-        check_lr(lr)
-        check_eps(eps)
-        check_betas(betas)
-        check_weight_decay(weight_decay)
+        check_hyper(type(self).__name__, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                    bias_correction=bias_correction, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True)")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,

@@ -9,14 +9,7 @@ import torch
 from torch import Tensor
 
 from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
-from culmen.optimizers._base import (
-    FusedOptimizer,
-    check_eps,
-    check_lr,
-    check_momentum,
-    check_weight_decay,
-    required,
-)
+from culmen.optimizers._base import FusedOptimizer, check_hyper, required
 
 
 class FusedLARS(FusedOptimizer):
@@ -56,12 +49,11 @@ class FusedLARS(FusedOptimizer):
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001, eps: float = 0.0,
                  nesterov: bool = False, wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False) -> None:
-        check_lr(lr)
-        check_momentum(momentum)
-        check_weight_decay(weight_decay)
-        check_eps(eps)
+        check_hyper(type(self).__name__, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                    trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov)
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+            raise ValueError(f"{type(self).__name__}: nesterov=True requires momentum > 0 and dampening == 0, got "
+                             f"momentum={momentum!r}, dampening={dampening!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         trust_coefficient=trust_coefficient, eps=eps, is_skipped=False)
         super().__init__(params, defaults)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.multi_tensor.lamb import lamb_update
-from culmen.optimizers._base import FusedOptimizer, check_betas, check_eps, check_lr, check_weight_decay
+from culmen.optimizers._base import FusedOptimizer, check_hyper
 from culmen.optimizers.fused_lamb import LAMB_MODE_DECOUPLED, LAMB_MODE_L2, global_grad_norm, max_norm_arg
 
 
@@ -45,10 +45,8 @@ class FusedMixedPrecisionLamb(FusedOptimizer):
                  amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  max_grad_norm: float | None = 1.0, use_nvlamb: bool = False,
                  reduced_precision_dtype: torch.dtype | None = None) -> None:
-        check_lr(lr)
-        check_eps(eps)
-        check_betas(betas)
-        check_weight_decay(weight_decay)
+        check_hyper(type(self).__name__, lr=lr, step=step, betas=betas, eps=eps, weight_decay=weight_decay,
+                    bias_correction=bias_correction, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
         if amsgrad:
             raise RuntimeError("FusedMixedPrecisionLamb does not support the AMSGrad variant (amsgrad=True)")
         if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):

@@ -9,14 +9,7 @@ import torch
 from torch import Tensor
 
 from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
-from culmen.optimizers._base import (
-    FusedOptimizer,
-    check_betas,
-    check_eps,
-    check_lr,
-    check_weight_decay,
-    group_by_device,
-)
+from culmen.optimizers._base import FusedOptimizer, check_hyper, group_by_device
 
 NOVOGRAD_MODE_INSIDE, NOVOGRAD_MODE_DECOUPLED = 0, 1
 
@@ -56,10 +49,8 @@ class FusedNovoGrad(FusedOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, reg_inside_moment: bool = False, grad_averaging: bool = True,
                  norm_type: int = 2, init_zero: bool = False, set_grad_none: bool = True) -> None:
-        check_lr(lr)
-        check_eps(eps)
-        check_betas(betas)
-        check_weight_decay(weight_decay)
+        check_hyper(type(self).__name__, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                    bias_correction=bias_correction, grad_averaging=grad_averaging, init_zero=init_zero)
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True)")
         if norm_type not in (0, 2):

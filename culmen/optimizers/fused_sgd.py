@@ -11,7 +11,7 @@ from torch import Tensor
 from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
 from culmen.ops.backend import choose_backend
 from culmen.ops.multi_tensor.sgd import SGDPlan
-from culmen.optimizers._base import FusedOptimizer, GroupPlan, check_lr, check_momentum, check_weight_decay, required
+from culmen.optimizers._base import FusedOptimizer, GroupPlan, check_hyper, required
 
 
 class FusedSGD(FusedOptimizer):
@@ -43,11 +43,11 @@ class FusedSGD(FusedOptimizer):
     def __init__(self, params: Iterable, lr: float = required, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, wd_after_momentum: bool = False,
                  materialize_master_grads: bool = True, set_grad_none: bool = False) -> None:
-        check_lr(lr)
-        check_momentum(momentum)
-        check_weight_decay(weight_decay)
+        check_hyper(type(self).__name__, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                    nesterov=nesterov)
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+            raise ValueError(f"{type(self).__name__}: nesterov=True requires momentum > 0 and dampening == 0, got "
+                             f"momentum={momentum!r}, dampening={dampening!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults)
         self.wd_after_momentum = bool(wd_after_momentum)

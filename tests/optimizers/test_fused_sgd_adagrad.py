@@ -134,7 +134,7 @@ def test_adagrad_decoupled_and_16bit(backend, lockstep):
     (lambda ps: FusedSGD(ps, lr=-0.1), "Invalid learning rate"),
     (lambda ps: FusedSGD(ps, lr=0.1, momentum=-0.5), "Invalid momentum value"),
     (lambda ps: FusedSGD(ps, lr=0.1, weight_decay=-1), "Invalid weight_decay value"),
-    (lambda ps: FusedSGD(ps, lr=0.1, nesterov=True), "Nesterov momentum requires"),
+    (lambda ps: FusedSGD(ps, lr=0.1, nesterov=True), "nesterov=True requires momentum > 0"),
     (lambda ps: FusedAdagrad(ps, lr=-1.0), "Invalid learning rate"),
     (lambda ps: FusedAdagrad(ps, eps=-1.0), "Invalid epsilon value"),
     (lambda ps: FusedAdagrad(ps, weight_decay=-1.0), "Invalid weight_decay value"),
