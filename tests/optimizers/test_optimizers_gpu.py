@@ -417,3 +417,36 @@ def test_sgd_16bit_exact_like_apex_gpu(dtype):
         ref.step()
         assert (p.detach().float() - q.detach().float()).abs().max().item() <= 1e-3  # Apex's bound
     assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01),
+    lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01, capturable=True),
+    lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01, capturable=True, master_weights=True),
+    lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9),
+    lambda ps: FusedAdagrad(ps, lr=1e-2),
+], ids=["adam", "adam_capturable", "adam_capturable_masters", "sgd", "adagrad"])
+def test_grad_scaler_leaves_grads_unscaled_gpu(make):
+    """After ``scaler.step(opt)`` every ``.grad`` is what torch's optimizers leave (GradScaler.unscale_'s
+    result), on taken and skipped (inf) steps alike, at real sizes with autocast."""
+    m_ours, m_ref = _mlp(), _mlp()
+    ours = make(list(m_ours.parameters()))
+    ref = torch.optim.SGD(m_ref.parameters(), lr=0.0)  # torch's path: GradScaler unscales the grads itself
+    s_ours = torch.amp.GradScaler("cuda", init_scale=2.0 ** 14)
+    s_ref = torch.amp.GradScaler("cuda", init_scale=2.0 ** 14)
+    for it in range(6):
+        x = torch.randn(64, 256, device=DEV)
+        with torch.no_grad():
+            for p, q in zip(m_ours.parameters(), m_ref.parameters()):
+                q.copy_(p)
+        for model, opt, sc in ((m_ours, ours, s_ours), (m_ref, ref, s_ref)):
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            sc.scale(loss).backward()
+            if it == 3:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+            sc.step(opt)
+            sc.update()
+        for p, q in zip(m_ours.parameters(), m_ref.parameters()):
+            assert torch.equal(p.grad, q.grad), f"iteration {it}"
