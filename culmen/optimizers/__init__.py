@@ -17,6 +17,11 @@ class                             update                                 GradSca
 :class:`FusedLARS`                LARS (per-layer trust ratio)           multi-tensor unscale, skip
 :class:`FusedNovoGrad`            NovoGrad (per-layer norm moment)       GradScaler's standard path
 ================================  =====================================  ==============================
+
+Under ``torch.amp.GradScaler`` every one of them leaves ``.grad`` as torch's optimizers do: unscaled after
+``scaler.step(opt)``, skipped steps included (LAMB, as Apex, overwrites the gradients of a taken step with
+its updates). Hyper-parameters are checked at construction and in every param group: a bad value raises
+``ValueError`` / ``TypeError`` naming the argument.
 """
 
 from culmen.optimizers.fused_adagrad import FusedAdagrad
