@@ -112,10 +112,6 @@ def test_imagenet_amp_ddp_two_processes(fake_imagenet, tmp_path):
     assert e1["train_loss"] < e0["train_loss"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "culmen bug: on CPU (the reference path of culmen.ops.batch_norm) SyncBatchNorm's output is a view created "
-    "inside its autograd.Function, so the ReLU(inplace=True) after it raises 'Output 0 of _BatchNormFn is a view "
-    "and is being modified inplace' (every ResNet-style model with --sync_bn). The GPU kernel path allocates y."))
 def test_imagenet_amp_ddp_syncbn_two_processes(fake_imagenet, tmp_path):
     """The example's full set: amp O1 + DDP + convert_syncbn_model, two gloo ranks."""
     results = _run([IMAGENET, *IMAGENET_ARGS, "-b", "4", "--epochs", "2", "--opt-level", "O1", "--sync_bn",

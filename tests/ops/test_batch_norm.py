@@ -458,3 +458,23 @@ def test_gpu_torch_compile_inductor(dynamic, layout):
                 assert res[1][0].is_contiguous(memory_format=torch.channels_last)
     if dynamic:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_output_can_be_modified_in_place(backend, channels_last):
+    """The output is a fresh tensor on every path (not a view made inside the autograd Function), so
+    ``ReLU(inplace=True)`` after the norm works, and the gradient is that of ``relu(batch_norm(x))``."""
+    x0 = torch.randn(2, 4, 3, 5, dtype=torch.float64)
+    if channels_last:
+        x0 = x0.to(memory_format=torch.channels_last)
+    x = x0.clone().requires_grad_()
+    y = sync_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)
+    assert y._base is None
+    y = torch.relu_(y)
+    g = torch.randn_like(y)
+    y.backward(g)
+    xr = x0.clone().requires_grad_()
+    ref = torch.nn.functional.batch_norm(xr, None, None, training=True, eps=1e-5).relu()
+    ref.backward(g)
+    torch.testing.assert_close(y, ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-7, atol=1e-9)

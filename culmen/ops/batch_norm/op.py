@@ -87,7 +87,9 @@ def _forward_ref(plan: BNPlan, x, z, weight, bias, running_mean, running_var, mo
         sd = stat_dtype(x)
         mean, invstd, count = running_mean.to(sd), torch.rsqrt(running_var.to(sd) + plan.eps), None
     yc = bn_fwd_ref(xc, zc, mean, invstd, weight, bias, plan.relu, plan.cl)
-    return plan.from_rows(yc), (mean, invstd, count), xc
+    # A fresh tensor, as the kernel path's: a view made inside the autograd Function could not be modified
+    # in place afterwards (ReLU(inplace=True) after the norm, as every ResNet has).
+    return plan.from_rows(yc).clone(memory_format=torch.preserve_format), (mean, invstd, count), xc
 
 
 def _backward_ref(plan: BNPlan, dy, stats, xc, y, weight, bias, need_dx: bool, store_dz: bool):
