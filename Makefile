@@ -24,9 +24,11 @@ STAMP_TEST := $(VENV)/.culmen-test.stamp
 
 venv: $(STAMP_BASE)
 
+# A venv whose reuse step failed is removed, so the next run cannot silently install the CPU build
+# over a torch it was meant to reuse.
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PYTHON) scripts/reuse_torch.py $(PY)
+	$(PYTHON) scripts/reuse_torch.py $(PY) || { rm -rf $(VENV); exit 1; }
 
 # Each of torch, triton, numpy is installed only when .venv cannot import it already.
 $(STAMP_BASE): pyproject.toml Makefile | $(PY)

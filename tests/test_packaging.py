@@ -54,7 +54,7 @@ def _make_n(tmp_path, target, python="python3"):
 def test_make_creates_the_venv_then_reuses_torch_before_installing_anything(tmp_path):
     lines = _make_n(tmp_path, "test", python="/opt/py/bin/python3")
     assert lines[0] == "/opt/py/bin/python3 -m venv .venv"
-    assert lines[1] == "/opt/py/bin/python3 scripts/reuse_torch.py .venv/bin/python"
+    assert lines[1] == "/opt/py/bin/python3 scripts/reuse_torch.py .venv/bin/python || { rm -rf .venv; exit 1; }"
     text = "\n".join(lines)
     # torch / triton / numpy: each installed only when the venv cannot import it.
     for module, spec in (("torch", '"torch==2.13.0"'), ("triton", '"triton==3.9.0"'), ("numpy", "numpy")):

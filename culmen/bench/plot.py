@@ -43,7 +43,7 @@ _CYCLE = [("tab:cyan", "v"), ("tab:pink", "P"), ("tab:olive", "X"), ("tab:gray",
 _WIN, _LOSE = "tab:green", "tab:red"
 _TICKS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0,
           100.0, 200.0, 500.0, 1000.0)
-_FINE_TICKS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0, 2.5, 3.0)
+_FINE_TICKS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0, 2.5, 3.0, 4.0, 5.0)
 
 
 @dataclass
@@ -159,7 +159,7 @@ def _axes(plt, labels: list[tuple[str, bool]], width: float, lo: float, hi: floa
     # Ratios read as plain numbers (0.5x, 2x), not powers of ten.
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    ticks = [t for t in (_FINE_TICKS if hi / lo < 4 else _TICKS) if lo <= t <= hi]
+    ticks = [t for t in (_FINE_TICKS if hi / lo < 12 else _TICKS) if lo <= t <= hi]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
