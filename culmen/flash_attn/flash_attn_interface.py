@@ -105,7 +105,8 @@ def flash_attn_qkvpacked_func(
         dropout_p: drop probability in ``[0, 1)`` (0 for evaluation).
         softmax_scale: default ``headdim ** -0.5``.
         causal: bottom-right aligned causal mask.
-        window_size: ``(left, right)``, -1 = unbounded (bottom-right aligned).
+        window_size: ``(left, right)``, -1 = unbounded (bottom-right aligned); any two-element sequence of
+            ints (tuple, list, 1-D integer tensor or numpy array, numpy integers).
         softcap: ``> 0`` caps scores with ``softcap * tanh(s / softcap)``.
         alibi_slopes: fp32 ``(nheads,)`` or ``(batch, nheads)``; adds ``-slope * |i + sk - sq - j|``.
         deterministic: bitwise reproducible backward.
@@ -114,13 +115,11 @@ def flash_attn_qkvpacked_func(
     Returns:
         ``out`` ``(batch, seqlen, nheads, headdim)`` in qkv's dtype (or the tuple).
     """
-    match window_size:  # a tuple or list of two ints costs no call (the cached path stays as it is)
-        case tuple((int(), int())):
-            pass
-        case [int() as left, int() as right]:
-            window_size = (left, right)
-        case _:
-            window_size = _window_pair(window_size)
+    # A plain tuple of two ints passes with no call (the cached path stays as it is; ``type`` and slices
+    # are not calls a profiler sees, and torch.compile traces them); any other form is normalized.
+    if not (type(window_size) is tuple and window_size[1:2] and not window_size[2:]
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        window_size = _window_pair(window_size)
     _check_packed("qkv", qkv, 5, 3, 2)
     q, k, v = qkv.unbind(dim=2)
     return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -142,13 +141,9 @@ def flash_attn_kvpacked_func(
     """Attention with ``q`` ``(batch, seqlen_q, nheads, headdim)`` and packed ``kv``
     ``(batch, seqlen_k, 2, nheads_k, headdim)``; MQA/GQA when ``nheads_k < nheads``. Other
     arguments and the return as ``flash_attn_qkvpacked_func``."""
-    match window_size:  # see flash_attn_qkvpacked_func
-        case tuple((int(), int())):
-            pass
-        case [int() as left, int() as right]:
-            window_size = (left, right)
-        case _:
-            window_size = _window_pair(window_size)
+    if not (type(window_size) is tuple and window_size[1:2] and not window_size[2:]  # see flash_attn_qkvpacked_func
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        window_size = _window_pair(window_size)
     _check_packed("kv", kv, 5, 2, 2)
     k, v = kv.unbind(dim=2)
     return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -179,13 +174,9 @@ def flash_attn_func(
     A call with the signature (shapes, strides, dtypes, options) of an earlier one reuses its cached
     plan: the checks and launch geometry are not redone.
     """
-    match window_size:  # see flash_attn_qkvpacked_func
-        case tuple((int(), int())):
-            pass
-        case [int() as left, int() as right]:
-            window_size = (left, right)
-        case _:
-            window_size = _window_pair(window_size)
+    if not (type(window_size) is tuple and window_size[1:2] and not window_size[2:]  # see flash_attn_qkvpacked_func
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        window_size = _window_pair(window_size)
     return attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                      return_attn_probs, return_attn_probs)
 
@@ -206,13 +197,9 @@ def flash_attn_varlen_qkvpacked_func(
     """Varlen attention on packed ``qkv`` ``(total, 3, nheads, headdim)`` with int32 ``cu_seqlens``
     ``(batch + 1,)`` and ``max_seqlen``. Returns ``out`` ``(total, nheads, headdim)`` or
     ``(out, softmax_lse (nheads, total) fp32, S_dmask)``."""
-    match window_size:  # see flash_attn_qkvpacked_func
-        case tuple((int(), int())):
-            pass
-        case [int() as left, int() as right]:
-            window_size = (left, right)
-        case _:
-            window_size = _window_pair(window_size)
+    if not (type(window_size) is tuple and window_size[1:2] and not window_size[2:]  # see flash_attn_qkvpacked_func
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        window_size = _window_pair(window_size)
     _check_packed("qkv", qkv, 4, 3, 1)
     q, k, v = qkv.unbind(dim=1)
     return attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
@@ -237,13 +224,9 @@ def flash_attn_varlen_kvpacked_func(
 ):
     """Varlen attention with ``q`` ``(total_q, nheads, headdim)`` and packed ``kv``
     ``(total_k, 2, nheads_k, headdim)``; see ``flash_attn_varlen_func``."""
-    match window_size:  # see flash_attn_qkvpacked_func
-        case tuple((int(), int())):
-            pass
-        case [int() as left, int() as right]:
-            window_size = (left, right)
-        case _:
-            window_size = _window_pair(window_size)
+    if not (type(window_size) is tuple and window_size[1:2] and not window_size[2:]  # see flash_attn_qkvpacked_func
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        window_size = _window_pair(window_size)
     _check_packed("kv", kv, 4, 2, 1)
     k, v = kv.unbind(dim=1)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -277,13 +260,9 @@ def flash_attn_varlen_func(
     cache ``(num_blocks, page_block_size, nheads_k, headdim)``: sequence ``b``'s keys are its pages in
     order (gathered into packed form first; meant for inference, as in flash_attn).
     """
-    match window_size:  # see flash_attn_qkvpacked_func
-        case tuple((int(), int())):
-            pass
-        case [int() as left, int() as right]:
-            window_size = (left, right)
-        case _:
-            window_size = _window_pair(window_size)
+    if not (type(window_size) is tuple and window_size[1:2] and not window_size[2:]  # see flash_attn_qkvpacked_func
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        window_size = _window_pair(window_size)
     if block_table is not None:
         k, v = _unpage(k, v, cu_seqlens_k, block_table)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -337,13 +316,9 @@ def flash_attn_with_kvcache(
     is where each row's keys start. ``num_splits`` is accepted (the kernel needs no split-KV pass).
     Returns ``out`` or ``(out, softmax_lse (B, h, sq) fp32)``.
     """
-    match window_size:  # see flash_attn_qkvpacked_func
-        case tuple((int(), int())):
-            pass
-        case [int() as left, int() as right]:
-            window_size = (left, right)
-        case _:
-            window_size = _window_pair(window_size)
+    if not (type(window_size) is tuple and window_size[1:2] and not window_size[2:]  # see flash_attn_qkvpacked_func
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        window_size = _window_pair(window_size)
     return attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                              rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
