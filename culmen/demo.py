@@ -90,7 +90,7 @@ class TinyLM(nn.Module):
 
 def make_batch(cfg: DemoConfig, device: torch.device, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Sequences following token[t+1] = (3 * token[t] + 1) % vocab; returns (inputs, targets)."""
-    start = torch.randint(0, cfg.vocab, (cfg.batch, 1), generator=generator)
+    start = torch.randint(0, cfg.vocab, (cfg.batch, 1), generator=generator, device="cpu")
     seq = [start]
     for _ in range(cfg.seq):
         seq.append((seq[-1] * 3 + 1) % cfg.vocab)

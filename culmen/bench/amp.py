@@ -156,8 +156,8 @@ def amp_gpt2_bench(cfg: BenchConfig) -> Iterator[Case]:
     lr = 1e-4
     swap = _Swap()
     g = torch.Generator(device="cpu").manual_seed(0)
-    idx = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g).to(dev)
-    tgt = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g).to(dev)
+    idx = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g, device="cpu").to(dev)
+    tgt = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g, device="cpu").to(dev)
     torch.manual_seed(0)
     ref_model = GPT(shape["vocab"], shape["seq"], shape["d"], shape["heads"], shape["layers"])
     init_state = {k: v.clone() for k, v in ref_model.state_dict().items()}

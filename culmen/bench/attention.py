@@ -163,7 +163,7 @@ def _varlen_lengths(total: int, gen: torch.Generator, quick: bool) -> list[int]:
     lo, hi = max(1, total // 16), max(2, total // 2)
     lens: list[int] = []
     while sum(lens) < total:
-        n = int(torch.randint(lo, hi, (1,), generator=gen).item())
+        n = int(torch.randint(lo, hi, (1,), generator=gen, device="cpu").item())
         lens.append(min(n, total - sum(lens)))
     return lens
 
@@ -178,7 +178,7 @@ def bench_flash_attn_varlen(cfg: BenchConfig) -> Iterator[Case]:
     d, h, total, dense_s = (32, 2, 128, 64) if cfg.quick else (128, 16, TOKENS, 4096)
     gen = torch.Generator().manual_seed(0)
     lens = _varlen_lengths(total, gen, cfg.quick)
-    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    cu = torch.tensor([0] + lens, dtype=torch.int32, device="cpu").cumsum(0).to(torch.int32).to(device)
     gdev = torch.Generator(device=device).manual_seed(1)
     for causal in (False, True):
         for mode in MODES:

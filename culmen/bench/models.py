@@ -424,5 +424,5 @@ def make_batch(cfg: ModelConfig, device: torch.device, seed: int = 0) -> tuple[T
     """``(tokens, labels)``, each ``(batch, seq)`` int64: a random token stream and its next tokens."""
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
-    stream = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
+    stream = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g, device="cpu")
     return stream[:, :-1].contiguous().to(device), stream[:, 1:].contiguous().to(device)
