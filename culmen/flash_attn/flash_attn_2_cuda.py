@@ -275,8 +275,9 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softm
     with torch.no_grad():
         dq, dk, dv = plan.backward(dout, q, k, v, out, lse, alibi_slopes_, rng, cu_seqlens_q, cu_seqlens_k)
         cu_q = cu_seqlens_q.to(device=q.device, dtype=_I64)
+        outside_q = _outside_rows(cu_q, q.shape[0])
         if zero_tensors:
-            dq.masked_fill_(_outside_rows(cu_q, q.shape[0])[:, None, None], 0.0)
+            dq.masked_fill_(outside_q[:, None, None], 0.0)
             outside_k = _outside_rows(cu_seqlens_k.to(k.device), k.shape[0])[:, None, None]
             dk.masked_fill_(outside_k, 0.0)
             dv.masked_fill_(outside_k, 0.0)
@@ -284,7 +285,8 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softm
         softmax_d = torch.zeros(h, total_q + 128 * B, dtype=_F32, device=q.device)
         rows = torch.arange(total_q, device=q.device)
         seq = torch.searchsorted(cu_q[1:].contiguous(), rows, right=True).clamp(max=max(B - 1, 0))
-        softmax_d[:, rows + 128 * seq] = _delta(dout, out, plan.dropout_p).T
+        # Rows of no sequence hold 0 (their out may be unwritten memory).
+        softmax_d[:, rows + 128 * seq] = _delta(dout, out, plan.dropout_p).masked_fill(outside_q[:, None], 0.0).T
         return [_into(dq_, dq, "dq"), _into(dk_, dk, "dk"), _into(dv_, dv, "dv"), softmax_d]
 
 

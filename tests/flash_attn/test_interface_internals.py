@@ -525,9 +525,10 @@ def test_zero_tensors_clears_rows_outside_the_sequences():
     assert (out[5:] == 0).all() and torch.isneginf(lse[:, 5:]).all() and torch.isfinite(lse[:, :5]).all()
     dq = torch.full_like(q, float("nan"))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    fi._flash_attn_varlen_backward(torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, mq, mk, 0.0, 0.25,
-                                   False, -1, -1, 0.0, None, False, rng, zero_tensors=True)
+    sd = fi._flash_attn_varlen_backward(torch.randn_like(out), q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, mq, mk, 0.0,
+                                        0.25, False, -1, -1, 0.0, None, False, rng, zero_tensors=True)
     assert (dq[5:] == 0).all() and torch.isfinite(dq[:5]).all()
+    assert torch.isfinite(sd).all() and (sd[:, 128 + 5:128 + 8] == 0).all()  # rows 5..7 sit after sequence 1's
 
 
 # ------------------------------------------------------------------------------ custom ops, compile
