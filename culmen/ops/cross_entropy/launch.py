@@ -230,15 +230,20 @@ class CEPlan:
         """Run the forward kernels (or trace them: ``traced``) on ``logits`` with a contiguous last dim.
 
         Returns ``(loss, z_loss, lse, rows)``: per-row ``(N,)`` losses in ``out_dtype`` (0-dim for a
-        reduction), fp32 ``lse (N,)``, and for a reduction the fp32 scratch ``rows (N + 1,)`` (losses, then
-        the gradient scale of a row, which the backward reads), else ``None``."""
+        reduction), fp32 ``lse (N,)``, and for a reduction the fp32 scratch ``rows (2N + 1,)`` (losses,
+        z-losses, then the gradient scale of a row, which the backward reads), else ``None``."""
         N, dev, od = self.N, self.device, self.out_dtype
         lse = torch.empty((N,), dtype=_F32, device=dev)
-        # Every tensor a kernel writes is its own allocation: a traced launch (Inductor's functional
-        # wrapper) clones each written argument separately, so two views of one buffer would lose writes.
+        zl_off = 0
         if self.reduce:
-            lrows = rows = torch.empty((N + 1,), dtype=_F32, device=dev)
-            zrows = torch.empty((N,), dtype=_F32, device=dev)
+            # rows: losses [0, N), z-losses [N, 2N) in eager calls, the gradient scale at 2N. A traced launch
+            # (Inductor's functional wrapper) clones each written argument separately, so there the
+            # z-losses get their own tensor: two written views of one buffer would lose writes.
+            lrows = rows = torch.empty((2 * N + 1,), dtype=_F32, device=dev)
+            if traced:
+                zrows = torch.empty((N,), dtype=_F32, device=dev)
+            else:
+                zrows, zl_off = rows, N
             loss = torch.empty((), dtype=od, device=dev)
             zl = torch.empty((), dtype=od, device=dev)
         else:
@@ -248,7 +253,7 @@ class CEPlan:
         part = torch.empty((self.part_elems,), dtype=_F32, device=dev) if self.split else None
         c = self.consts
         args = (logits, labels, lse_in, None, lrows, zrows, lse, part, self.stride_row, self.stride_label,
-                self.stride_lse, N, 0, 0, 0, self.V, self.cols_per_split, *c)
+                self.stride_lse, N, 0, zl_off, 0, self.V, self.cols_per_split, *c)
         if traced:
             self.fwd.traced(*args)
             stream, aligned = None, True
@@ -257,11 +262,11 @@ class CEPlan:
             aligned = (logits.data_ptr() | labels.data_ptr() | (0 if lse_in is None else lse_in.data_ptr())) & 15 == 0
             self.fwd(stream, aligned, *args)
         if self.split:
-            args = (logits, labels, part, lrows, zrows, lse, self.stride_row, 1, self.stride_label, N, 0, self.V,
+            args = (logits, labels, part, lrows, zrows, lse, self.stride_row, 1, self.stride_label, N, zl_off, self.V,
                     self.n_splits, *c)
             self.combine.traced(*args) if traced else self.combine(stream, aligned, *args)
         if self.reduce:
-            args = (rows, zrows, labels, loss, zl, N, 0, N, self.stride_label, self.ignore_index)
+            args = (rows, zrows, labels, loss, zl, N, zl_off, 2 * N, self.stride_label, self.ignore_index)
             self.red.traced(*args) if traced else self.red(stream, aligned, *args)
         return loss, zl, lse, rows
 
@@ -291,7 +296,7 @@ class CEPlan:
             dx = torch.empty((self.N, self.V), dtype=self.dtype, device=self.device)
         N = self.N
         args = (dx, dloss, rows, logits, lse, labels, self.stride_row, self.stride_drow, self.stride_label,
-                0 if self.reduce else dloss.stride(0), N, N, 0, self.V, *self.consts)
+                0 if self.reduce else dloss.stride(0), 2 * N, N, 0, self.V, *self.consts)
         if traced:
             self.bwd.traced(*args)
         else:
