@@ -302,3 +302,24 @@ def test_missing_targets_give_a_message_not_a_traceback(tmp_path):
     (tmp_path / "bad.py").write_text("import no_such_dependency\n")
     proc = _launch(["-m", "culmen.compat", "bad.py"], tmp_path)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "no_such_dependency" in proc.stderr
+
+
+def test_flash_attn_extension_module_is_aliased():
+    """``import flash_attn_2_cuda`` (flash_attn's compiled extension) is culmen's Python module with the
+    extension's entry points."""
+    import importlib
+
+    from culmen import compat
+
+    was = compat.installed()
+    compat.install()
+    try:
+        ext = importlib.import_module("flash_attn_2_cuda")
+        import culmen.flash_attn.flash_attn_2_cuda as ours
+
+        assert ext is ours
+        for name in ("fwd", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache"):
+            assert callable(getattr(ext, name))
+    finally:
+        if not was:
+            compat.uninstall()

@@ -52,6 +52,7 @@ EXTENSION_MODULES: dict[str, str] = {
     "fused_index_mul_2d": "culmen.contrib.index_mul_2d.fused_index_mul_2d",
     "group_norm_cuda": "culmen.contrib.group_norm.group_norm_cuda",
     "group_norm_v2_cuda": "culmen.contrib.group_norm.group_norm_v2_cuda",
+    "flash_attn_2_cuda": "culmen.flash_attn.flash_attn_2_cuda",
 }
 
 
