@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -228,3 +229,46 @@ def test_loss_scaler(backend_any):
         return out, master
 
     _both_ways(lambda: _lists(3), run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["set_default_device", "set_default_tensor_type"])
+def test_cuda_default_device_gpu(how):
+    """With CUDA as the default device (Apex's amp tests set the default tensor type), the multi-tensor ops
+    (pinned host tables), every fused optimizer, clip_grad_norm_ and LossScaler.defer_update (pinned flag)
+    work on CUDA tensors and on CPU tensors alike."""
+    from culmen.amp.scaler import LossScaler
+
+    old_dtype = torch.get_default_dtype()
+    if how == "set_default_device":
+        torch.set_default_device("cuda")
+    else:
+        with warnings.catch_warnings():  # torch deprecates set_default_tensor_type; Apex's tests still call it
+            warnings.simplefilter("ignore")
+            torch.set_default_tensor_type(torch.cuda.FloatTensor)
+    try:
+        for dev in ("cuda", "cpu"):
+            params = [torch.nn.Parameter(torch.randn(n, device=dev)) for n in SIZES]
+            for name, make in OPTIMIZERS.items():
+                opt = make(params)
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                opt.step()
+                scaler = torch.amp.GradScaler(dev, init_scale=4.0)
+                scaler.scale(sum((p * 2).sum() for p in params)).backward()
+                scaler.step(opt)
+                scaler.update()
+                assert all(p.device.type == dev and torch.isfinite(p).all() for p in params), name
+            norm = clip_grad_norm_(params, 0.5)
+            assert norm.device.type == dev
+            s = LossScaler("dynamic")
+            grads = [torch.randn(n, device=dev) for n in SIZES]
+            s.unscale(grads, [torch.empty_like(g) for g in grads], s.loss_scale())
+            assert float(s.defer_update()) == 0.0 and s.loss_scale() == 2.0 ** 16
+    finally:
+        torch.set_default_device(None)
+        if how != "set_default_device":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.set_default_tensor_type(torch.FloatTensor)
+        torch.set_default_dtype(old_dtype)
