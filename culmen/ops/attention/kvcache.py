@@ -220,8 +220,8 @@ class KVCachePlan:
             q = _rotate(q, rotary_cos, rotary_sin, qpos, self.interleaved)
         aligned = None
         if self.append is not None:
-            # One alignment finding for both kernels: every pointer either receives, uncopied (a gathered
-            # cache and the attention plan's own copies are fresh, hence aligned, allocations).
+            # One alignment finding for both kernels, over every tensor either reads uncopied (a gathered
+            # cache and the attention plan's own copies are fresh allocations, hence aligned).
             aligned = _aligned(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
                                cache_leftpad, alibi_slopes)
             new_strides = (*k.stride(), *v.stride()) if self.rotary else self.new_strides
