@@ -279,7 +279,10 @@ def test_one_compile_per_configuration(fresh_plans):
                 out = flash_attn_varlen(q, k, v, cu, cu, mx, mx, **kw)[0]
             out.backward(torch.randn_like(out))
         new = [_compiled_count(f) - b for f, b in zip(fns, before)]
-        assert new == [1, 1, 1, 1], f"{phase}: compiles per kernel {dict(zip([f.__name__ for f in fns], new))}"
+        # The kernels that depend on the configuration compile exactly once; the backward's preprocess kernel
+        # does not depend on it, so an earlier test may already have compiled its one variant.
+        msg = f"{phase}: compiles per kernel {dict(zip([f.__name__ for f in fns], new))}"
+        assert new[0] == new[2] == new[3] == 1 and new[1] <= 1, msg
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
