@@ -257,3 +257,17 @@ def test_reference_float64_and_deterministic_backward():
     o2, _, _ = flash_attn(q, k, v, 0.1, deterministic=True)
     g2 = torch.autograd.grad(o2.sum(), (q, k, v))
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_dropout_mask_with_another_default_device():
+    """The mask's scratch names its device: with ``meta`` as the default device (a script that sets
+    ``torch.set_default_device("cuda")``) the CPU mask is unchanged."""
+    rng = torch.tensor([1234, 99], dtype=torch.int64)
+    bidx = torch.arange(2)
+    want = dropout_keep_mask(rng, 0.3, bidx, 4, 16, 16)
+    torch.set_default_device("meta")
+    try:
+        got = dropout_keep_mask(rng, 0.3, bidx, 4, 16, 16)
+    finally:
+        torch.set_default_device(None)
+    assert got.device.type == "cpu" and torch.equal(got, want)

@@ -73,7 +73,7 @@ def philox_rand(seed: Tensor | int, offset: Tensor, n_rounds: int = _N_ROUNDS) -
         k1 = (k1 + _KEY_B) & _MASK32
     x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # bitcast to int32
     x = torch.where(x < 0, -x - 1, x).to(torch.int32)
-    return x.to(torch.float32) * torch.tensor(_TO_UNIT, dtype=torch.float32)
+    return x.to(torch.float32) * torch.tensor(_TO_UNIT, dtype=torch.float32, device=x.device)
 
 
 def dropout_counters(rng_offset: Tensor | int, batch_idx: Tensor, nheads: int, seqlen_q: int, seqlen_k: int,

@@ -482,7 +482,7 @@ def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
 
 
 def _cpu_scratch(size: int, alignment: int, stream) -> Tensor:
-    return torch.empty(size, dtype=torch.int8)
+    return torch.empty(size, dtype=torch.int8, device="cpu")
 
 
 def _ensure_allocator(device: torch.device) -> None:
