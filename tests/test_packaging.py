@@ -45,8 +45,11 @@ def _make_n(tmp_path, target, python="python3"):
         pytest.skip("make is not installed")
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
     (tmp_path / "pyproject.toml").write_text("")
-    proc = subprocess.run(["make", "-n", target, f"PYTHON={python}"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
+    # Under ``make test`` (CI) the parent make's MAKEFLAGS / MAKELEVEL would make this one print
+    # "Entering directory" lines: run it as a top-level make.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target, f"PYTHON={python}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
