@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from culmen.ops.backend import set_backend
 from culmen.ops.rotary import rotary, rotary_emb_ref
+from culmen.ops.rotary.kernels import _round_to
 from culmen.testing import assert_close_tolerance, make_noncontiguous, poison_, poisoned_allocations, randn
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -403,3 +406,27 @@ def test_bad_input():
         rotary(randn((2, 4, 3, 2, 8)), cos, sin)
     with pytest.raises(ValueError, match=r"nheads_q must lie in \[1, nheads\)"):
         rotary(x, cos, sin, cos_k=cos, sin_k=sin, nheads_q=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_round_to_matches_torch_casts(triton_backend, dtype):
+    """The kernel's 16-bit rounding (done on the bits, see ``_round_to``) equals PyTorch's fp32 -> 16-bit
+    cast for normal, subnormal, overflowing, signed-zero, inf and NaN values."""
+    g = torch.Generator().manual_seed(3)
+    special = torch.tensor([65504.0, 65519.0, 65520.0, 65536.0, -65520.0, 3.0e38, 0.0, -0.0, float("inf"),
+                            float("-inf"), float("nan"), 2.0 ** -14, 2.0 ** -24, 3 * 2.0 ** -25, 2.0 ** -25,
+                            -(2.0 ** -26), 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11])
+    x = torch.cat([torch.randn(4096, generator=g) * s for s in (1.0, 1e-5, 1e-7, 7e4)] + [special])
+    y = torch.empty_like(x)
+    _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(),
+                                                   DT=tl.float16 if dtype == torch.float16 else tl.bfloat16, BLOCK=1024)
+    ref = x.to(dtype).float()
+    same = (y.view(torch.int32) == ref.view(torch.int32)) | (y.isnan() & ref.isnan())
+    assert same.all(), f"{int((~same).sum())} values differ, e.g. {x[~same][:4].tolist()}"
+
+
+@triton.jit
+def _round_kernel(X, Y, n, DT: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(Y + o, _round_to(tl.load(X + o, mask=m), DT), mask=m)

@@ -48,6 +48,20 @@ def _round_to(v, DT: tl.constexpr):
         b = b + (0x7FFF + ((b >> 16) & 1))
         r = ((b >> 16) << 16).to(tl.float32, bitcast=True)
         return tl.where(v != v, v, r)  # NaN stays NaN (the carry could turn it into inf or -0)
+    elif DT == tl.float16:
+        # On the bits too, for another reason: a float cast pair lets the GPU compiler narrow the rounded
+        # fp32 products and sums to fp16 arithmetic and then fuse a product and a sum into one FMA (one
+        # rounding instead of two), which Apex's arithmetic does not do. Normal range: keep 11 significant
+        # bits, ties to even; below 2^-14 fp16 is a multiple of 2^-24 (adding 0.75, whose fp32 ulp is 2^-24,
+        # rounds to that); from 65520 on it rounds to inf.
+        b = v.to(tl.uint32, bitcast=True)
+        b = b + (0xFFF + ((b >> 13) & 1))
+        r = ((b >> 13) << 13).to(tl.float32, bitcast=True)
+        a = tl.abs(v)
+        tiny = (v + 0.75) - 0.75
+        r = tl.where(a < 6.103515625e-05, tl.where(tiny == 0.0, v * 0.0, tiny), r)  # (v * 0: the sign of 0)
+        r = tl.where(a >= 65520.0, tl.where(v > 0, float("inf"), float("-inf")), r)
+        return tl.where(v != v, v, r)
     else:
         return v.to(DT).to(tl.float32)
 
