@@ -43,7 +43,10 @@ def _run(args: list[str], cwd: Path, torchrun: int = 0) -> list[dict]:
                           timeout=TIMEOUT)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    results = [json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    # Ranks share one stdout: a RESULT line (one write, so never split) may follow another rank's partial
+    # line, so it is found anywhere in a line.
+    results = [json.loads(ln[ln.index("RESULT {") + len("RESULT "):]) for ln in proc.stdout.splitlines()
+               if "RESULT {" in ln]
     assert results, log[-6000:]
     return sorted(results, key=lambda r: r.get("rank", 0))
 

@@ -9,6 +9,7 @@ dict lookup. The switches of ``culmen.ops.backend`` and the tuning tables drop e
 
 from __future__ import annotations
 
+import atexit
 from typing import Any
 
 _CACHES: list[PlanCache] = []
@@ -36,6 +37,12 @@ def clear_plans() -> None:
     """Drop every cached plan of every op family (after a switch or tuning table changed)."""
     for cache in _CACHES:
         cache.clear()
+
+
+# Plans hold process groups (SyncBatchNorm, vocab-parallel cross-entropy). Left to the interpreter's
+# final teardown, a gloo group's destructor ran with its worker threads still joinable and the process
+# aborted ("terminate called without an active exception") after a clean run; drop them at exit instead.
+atexit.register(clear_plans)
 
 
 def plan_caches() -> list[PlanCache]:
