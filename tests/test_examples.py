@@ -43,10 +43,14 @@ def _run(args: list[str], cwd: Path, torchrun: int = 0) -> list[dict]:
                           timeout=TIMEOUT)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    # Ranks share one stdout: a RESULT line (one write, so never split) may follow another rank's partial
-    # line, so it is found anywhere in a line.
-    results = [json.loads(ln[ln.index("RESULT {") + len("RESULT "):]) for ln in proc.stdout.splitlines()
-               if "RESULT {" in ln]
+    # Ranks share one stdout: a RESULT record (printed with one write, so never split) may sit between other
+    # ranks' partial lines, so each is decoded where it starts and ends where its JSON ends.
+    results, dec, text = [], json.JSONDecoder(), proc.stdout
+    pos = text.find("RESULT {")
+    while pos >= 0:
+        record, end = dec.raw_decode(text, pos + len("RESULT "))
+        results.append(record)
+        pos = text.find("RESULT {", end)
     assert results, log[-6000:]
     return sorted(results, key=lambda r: r.get("rank", 0))
 
