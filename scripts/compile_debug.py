@@ -1,4 +1,5 @@
-"""Bisect culmen's torch.compile failures on the GPU: each piece compiled (Inductor, fullgraph) fwd+bwd in
+"""Bisect culmen's torch.compile failures on the GPU: each piece (one op of the training benchmark at its
+shapes, an op family's compiled test case, or a 1- or 8-layer model) compiled (Inductor, fullgraph) fwd+bwd in
 its own process (CUDA_LAUNCH_BLOCKING=1), compared with eager; Inductor's mutation-analysis warnings are
 counted. ``python scripts/compile_debug.py [piece ...]`` (no argument: every piece)."""
 
@@ -8,14 +9,47 @@ import sys
 
 import torch
 
-PIECES = ("act_bias", "act_glu", "act_fm", "act_am", "attn_packed", "rotary_attn", "llama_1", "llama_1_fwd",
-          "gpt2_1", "llama_2", "llama_8", "llama_8_fwd", "llama_8_train", "llama_1_train")
+PIECES = (
+    "rms_prenorm", "rotary_qkv", "attention", "swiglu", "flce", "act_bias", "act_glu", "act_fm",
+    "act_am", "attn_packed", "rotary_attn", "llama_1", "llama_1_fwd", "gpt2_1", "llama_2", "llama_8",
+    "llama_8_fwd", "llama_8_train", "llama_1_train",
+)
 
 
 def _inputs(piece: str):
     dev, bf = "cuda", torch.bfloat16
     torch.manual_seed(0)
     B, S, D, H = 8, 512, 512, 8
+    if piece == "rms_prenorm":
+        from culmen.flash_attn.ops.triton.layer_norm import rms_norm_fn
+
+        x, r = (torch.randn(B, S, D, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
+        w = torch.randn(D, device=dev, dtype=bf, requires_grad=True)
+        return (lambda x, r: sum(t.float().sum() for t in rms_norm_fn(x, w, None, residual=r, prenorm=True))), \
+            (x, r), [w]
+    if piece == "rotary_qkv":
+        from culmen.flash_attn.layers.rotary import apply_rotary_emb_qkv_
+
+        lin = torch.randn(B, S, 3 * D, device=dev, dtype=bf, requires_grad=True)
+        cos, sin = (torch.randn(S, D // H // 2, device=dev, dtype=bf) for _ in range(2))
+        return (lambda t: apply_rotary_emb_qkv_((t * 1).view(B, S, 3, H, D // H), cos, sin)), (lin,), []
+    if piece == "attention":
+        from culmen.flash_attn import flash_attn_func
+
+        q, k, v = (torch.randn(B, S, H, D // H, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
+        return (lambda q, k, v: flash_attn_func(q, k, v, causal=True)), (q, k, v), []
+    if piece == "swiglu":
+        from culmen.flash_attn.ops.activations import swiglu
+
+        a, b = (torch.randn(B * S, 1376, device=dev, dtype=bf, requires_grad=True) for _ in range(2))
+        return (lambda a, b: swiglu(a * 1, b * 1)), (a, b), []
+    if piece == "flce":
+        from culmen.ops.cross_entropy import fused_linear_cross_entropy
+
+        h = torch.randn(B * S, D, device=dev, dtype=bf, requires_grad=True)
+        w = (torch.randn(32000, D, device=dev, dtype=bf) * 0.02).requires_grad_()
+        lab = torch.randint(0, 32000, (B * S,), device=dev)
+        return (lambda h: fused_linear_cross_entropy(h, w, lab)), (h,), [w]
     if piece.startswith("act_"):
         from culmen.flash_attn.ops.fused_dense import FusedMLP
         from culmen.mlp import MLP

@@ -15,7 +15,6 @@ from torch import Tensor
 
 from culmen.ops.rotary import rotary, rotary_emb_ref
 from culmen.ops.rotary import rotate_half as _rotate_half
-from culmen.ops.rotary.op import _dirty_ok
 
 __all__ = [
     "RotaryEmbedding",
@@ -74,7 +73,10 @@ class _PackedInPlace(torch.autograd.Function):
     """flash_attn's autograd for an in-place rotation of part of a packed tensor that autograd cannot mark
     as modified (a leaf that requires grad, or a view of one): the part ``view(whole)`` is rotated in
     ``whole``'s memory and ``whole`` comes back carrying the gradient (the rotated part's gradient
-    rotated back, the rest passed through). Elsewhere the parts are rotated with a true in-place op."""
+    rotated back, the rest passed through). Elsewhere the parts are rotated with a true in-place op.
+
+    The callers test for it inline (``whole.requires_grad`` with a leaf ``whole`` or base: a view that
+    requires grad of a leaf means the leaf does), since a helper would be a Python call per rotation."""
 
     @staticmethod
     def forward(ctx, whole, view, kw):
@@ -107,13 +109,6 @@ class _Heads:
         return t.narrow(2, 0, self.n)
 
 
-def _leaf_part(whole: Tensor) -> bool:
-    """Whether rotating part of ``whole`` in place needs ``_PackedInPlace``: ``whole`` (or its base) is a
-    leaf that requires grad and autograd records. Inline in the callers: ``_base`` / ``is_leaf`` are
-    attribute reads, this function is a Python call per rotation."""
-    return whole.requires_grad and not _dirty_ok(whole) and torch.is_grad_enabled()
-
-
 def apply_rotary_emb_qkv_(
     qkv: Tensor,
     cos: Tensor,
@@ -144,7 +139,7 @@ def apply_rotary_emb_qkv_(
         if shape[2] != 3:
             raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got shape {tuple(shape)}")
         # Q and K as the two head groups of one (b, s, 2, h, d) view.
-        if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and _leaf_part(qkv):
+        if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and torch.is_grad_enabled():
             return _PackedInPlace.apply(qkv, _q_and_k, dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k,
                                                              seqlen_offsets=seqlen_offsets, interleaved=interleaved))
         rotary(qkv.narrow(2, 0, 2), cos, sin, cos_k=cos_k, sin_k=sin_k, seqlen_offsets=seqlen_offsets,
@@ -163,7 +158,7 @@ def apply_rotary_emb_qkv_(
     split = nq if (cos_k is not None and nk) else None
     kw = dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k, nheads_q=split, seqlen_offsets=seqlen_offsets,
               interleaved=interleaved)
-    if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and _leaf_part(qkv):
+    if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and torch.is_grad_enabled():
         return _PackedInPlace.apply(qkv, _Heads(nq + nk), kw)
     rotary(qkv.narrow(2, 0, nq + nk), **kw, inplace=True)
     return qkv
@@ -182,7 +177,7 @@ def apply_rotary_emb_kv_(
         raise ValueError(f"kv must be (batch, seqlen, 2, nheads, headdim), got "
                          f"{tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
     kw = dict(cos=cos, sin=sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved)
-    if kv.requires_grad and (kv._base if kv._base is not None else kv).is_leaf and _leaf_part(kv):
+    if kv.requires_grad and (kv._base if kv._base is not None else kv).is_leaf and torch.is_grad_enabled():
         return _PackedInPlace.apply(kv, _k_of_kv, kw)
     rotary(kv.select(2, 0), **kw, inplace=True)
     return kv
