@@ -1,7 +1,8 @@
 # culmen developer entry points. Both targets work on a fresh machine with python3 (3.10+) and PyPI:
 # they create .venv, install what is missing once (stamp files in .venv), then run.
 #   make demo   train a tiny model with culmen's kernels (CPU: < 1 min)
-#   make test   ruff + the CPU test suite (2 xdist workers); matplotlib for the bench --plot tests
+#   make test   ruff + the CPU test suite (2 xdist workers); matplotlib for the bench --plot tests,
+#               transformers + safetensors for the flash_attn model remaps and the Hugging Face integration
 #
 # torch: when $(PYTHON) already imports torch (a GPU user's CUDA/ROCm build, conda, an outer venv),
 # .venv reuses that torch and the triton/numpy beside it (scripts/reuse_torch.py puts their site
@@ -43,7 +44,7 @@ $(STAMP_BASE): pyproject.toml Makefile | $(PY)
 	touch $@
 
 $(STAMP_TEST): $(STAMP_BASE) Makefile
-	$(PIP) install pytest pytest-xdist ruff matplotlib
+	$(PIP) install pytest pytest-xdist ruff matplotlib transformers safetensors
 	touch $@
 
 demo: $(STAMP_BASE)

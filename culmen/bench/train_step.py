@@ -55,7 +55,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -157,6 +157,8 @@ class ModelRun:
     warmup_s: float | None = None
     params: int | None = None
     error: str | None = None
+    base_bytes: int = 0
+    """Memory allocated before the model was built (not a result: ``peak_gib`` is counted above it)."""
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -190,10 +192,10 @@ class _BlockDrain:
     host-time steps never let a long phase fill the stream's launch queue (eager mode only: a hook
     that syncs would break a compiled graph)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, layers: Iterable[torch.nn.Module], device: torch.device) -> None:
         self.device = device
         self.spent = 0.0
-        self.handles = [layer.register_forward_pre_hook(self._before_block) for layer in model.layers]
+        self.handles = [layer.register_forward_pre_hook(self._before_block) for layer in layers]
 
     def _drain(self) -> None:
         t = time.perf_counter()
@@ -240,15 +242,24 @@ def run_model(cfg: ModelConfig, impl: str, mode: str, opts: TrainOptions, device
 
 def _train(res: ModelRun, cfg: ModelConfig, impl: str, mode: str, opts: TrainOptions, device: torch.device,
            tokens: torch.Tensor, labels: torch.Tensor) -> None:
-    cuda = device.type == "cuda"
-    base = torch.cuda.memory_allocated(device) if cuda else 0
+    res.base_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = build_model(cfg, impl, device, _DTYPES[opts.dtype], opts.seed)
     res.params = sum(p.numel() for p in model.parameters())
     opt = build_optimizer(model, impl, lr=opts.lr)
     fn = compile_model(model, opts.compile_scope) if mode == "compile" else model
 
-    def forward():
-        return fn(tokens, labels)
+    measure_training(res, lambda: fn(tokens, labels), opt, model, model.layers, device, opts, cfg.tokens,
+                     drain_blocks=mode == "eager")
+
+
+def measure_training(res: ModelRun, forward: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
+                     model: torch.nn.Module, layers: Iterable[torch.nn.Module], device: torch.device,
+                     opts: TrainOptions, tokens: int, drain_blocks: bool = True) -> None:
+    """Train ``model`` with ``forward`` (returns the scalar loss) and ``opt`` and fill ``res``'s first-step,
+    host, wall, loss and memory figures as the module docstring defines them. ``layers`` are the blocks
+    the host-time steps drain the GPU at (``drain_blocks=False``, e.g. for compiled graphs: phases only)."""
+    cuda = device.type == "cuda"
+    base = res.base_bytes
 
     def update():
         opt.step()
@@ -275,7 +286,7 @@ def _train(res: ModelRun, cfg: ModelConfig, impl: str, mode: str, opts: TrainOpt
 
     # Host time: each phase starts on a drained GPU and ends when its last kernel is enqueued; in eager
     # mode the GPU is also drained at every block boundary (time spent draining not counted).
-    drain = _BlockDrain(model, device) if cuda and mode == "eager" and opts.host_steps else None
+    drain = _BlockDrain(layers, device) if cuda and drain_blocks and opts.host_steps else None
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
     try:
         for _ in range(opts.host_steps):
@@ -313,7 +324,7 @@ def _train(res: ModelRun, cfg: ModelConfig, impl: str, mode: str, opts: TrainOpt
     _sync(device)
     res.ms = (time.perf_counter() - t0) / opts.steps * 1e3
     res.loss = float(loss.detach())
-    res.tokens_per_s = cfg.tokens / (res.ms / 1e3)
+    res.tokens_per_s = tokens / (res.ms / 1e3)
     if cuda:
         res.peak_gib = (torch.cuda.max_memory_allocated(device) - base) / 2**30
 

@@ -147,7 +147,7 @@ def test_block_drain_fires_around_every_block(impl, monkeypatch):
     cfg = model_config("llama", "tiny")
     m = build_model(cfg, impl, torch.device("cpu"), torch.float32)
     tokens, labels = make_batch(cfg, torch.device("cpu"))
-    drain = _BlockDrain(m, torch.device("cpu"))
+    drain = _BlockDrain(m.layers, torch.device("cpu"))
     m(tokens, labels).backward()
     assert len(calls) == 2 * cfg.layers
     assert 2 * cfg.layers * 2e-3 <= drain.spent < 2 * cfg.layers * 2e-3 + 0.5
