@@ -108,7 +108,9 @@ def cmd_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     try:
         run_benchmarks(args.names, device=device, quick=args.quick, json_path=args.json, graph=not args.no_graph,
-                       plot_path=args.plot, out=out, options=options_from_args(args))
+                       plot_path=args.plot, out=out,
+                       options={**options_from_args(args),
+                                **({"model_cases": args.model_cases} if args.model_cases else {})})
     except KeyError as exc:
         print(f"culmen bench: {exc.args[0]}", file=sys.stderr)
         return 2
@@ -146,6 +148,7 @@ def cmd_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``culmen`` command."""
     import culmen
+    from culmen.bench.hf_models import add_arguments as add_model_arguments
     from culmen.bench.train_step import add_arguments as add_train_step_arguments
     from culmen.demo import add_arguments as add_demo_arguments
 
@@ -178,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graph", action="store_true",
                    help="skip the CUDA-graph (device time) column; ratios always use the eager wall time")
     add_train_step_arguments(p)
+    add_model_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="train a tiny model with culmen's fused norms; the loss must fall")

@@ -32,6 +32,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "culmen.bench.attention",
     "culmen.bench.group_norm",
     "culmen.bench.train_step",
+    "culmen.bench.hf_models",
 )
 
 CULMEN = "culmen"
