@@ -1,1 +1,2 @@
-"""flash_attn's ``modules`` (``mha`` with ``FlashSelfAttention`` / ``FlashCrossAttention``)."""
+"""flash_attn's ``modules``: ``mha`` (``MHA``, ``ParallelMHA``, the inner attention modules), ``mlp`` (``Mlp``,
+``GatedMlp`` and their parallel forms), ``block`` (``Block``, ``ParallelBlock``) and ``embedding``."""

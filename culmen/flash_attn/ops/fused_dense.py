@@ -27,6 +27,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from culmen.flash_attn.utils.distributed import (
+    AllGatherFunc,
+    _all_reduce_copy,
+    all_gather,
+    all_reduce,
+    get_dim_for_local_rank,
+    reduce_scatter,
+)
 from culmen.normalization.fused_layer_norm import _autocast_off, _cast_if_autocast_enabled
 from culmen.ops.activations.dense import checked_linear, linear_act_linear
 
@@ -49,77 +57,8 @@ _MLP_ACTS = {"gelu_approx": "gelu_tanh", "relu": "relu", "sqrelu": "sqrelu"}
 
 
 # ----------------------------------------------------------------------------- collectives (dim 0)
-
-
-def _world(pg: ProcessGroup | None) -> int:
-    return dist.get_world_size(pg) if pg is not None else 1
-
-
-def _gather_raw(x: Tensor, pg: ProcessGroup) -> Tensor:
-    world = _world(pg)
-    if world == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=pg)
-    return out
-
-
-def _reduce_scatter_raw(x: Tensor, pg: ProcessGroup) -> Tensor:
-    world = _world(pg)
-    if world == 1:
-        return x
-    if x.shape[0] % world:
-        raise ValueError(f"reduce_scatter needs dim 0 ({x.shape[0]}) divisible by the world size ({world})")
-    x = x.contiguous()
-    if dist.get_backend(pg) == "gloo":  # gloo has no reduce-scatter
-        full = x.clone()
-        dist.all_reduce(full, group=pg)
-        n = x.shape[0] // world
-        return full[dist.get_rank(pg) * n:(dist.get_rank(pg) + 1) * n].contiguous()
-    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=pg)
-    return out
-
-
-def _all_reduce_raw(x: Tensor, pg: ProcessGroup) -> Tensor:
-    if _world(pg) == 1:
-        return x
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=pg)
-    return x
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return _gather_raw(x, pg)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_raw(g, ctx.pg), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pg):
-        ctx.pg = pg
-        return _reduce_scatter_raw(x, pg)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_raw(g, ctx.pg), None
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pg):
-        return _all_reduce_raw(x, pg)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+# The collectives live in culmen.flash_attn.utils.distributed (flash_attn's home for them); fused_dense
+# re-exports all_gather / reduce_scatter / all_reduce as before.
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -132,28 +71,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce_raw(g, ctx.pg), None
-
-
-def all_gather(x: Tensor, process_group: ProcessGroup) -> Tensor:
-    """Differentiable all-gather along dim 0 (its gradient is a reduce-scatter)."""
-    return _AllGather.apply(x, process_group)
-
-
-def reduce_scatter(x: Tensor, process_group: ProcessGroup) -> Tensor:
-    """Differentiable reduce-scatter (sum) along dim 0 (its gradient is an all-gather)."""
-    return _ReduceScatter.apply(x, process_group)
-
-
-def all_reduce(x: Tensor, process_group: ProcessGroup) -> Tensor:
-    """Differentiable all-reduce (sum); its gradient passes through."""
-    return _AllReduce.apply(x, process_group)
+        return _all_reduce_copy(g, ctx.pg), None
 
 
 def _parallel_input(x: Tensor, pg: ProcessGroup | None, sequence_parallel: bool) -> Tensor:
     if pg is None:
         return x
-    return _AllGather.apply(x, pg) if sequence_parallel else _CopyToRegion.apply(x, pg)
+    return AllGatherFunc.apply(x, pg) if sequence_parallel else _CopyToRegion.apply(x, pg)
 
 
 # ------------------------------------------------------------------------------------- dense
@@ -203,15 +127,18 @@ class FusedDense(nn.Linear):
 
 class ColumnParallelLinear(nn.Linear):
     """flash_attn's ``ColumnParallelLinear(in_features, out_features, process_group, bias=True,
-    sequence_parallel=True, device=None, dtype=None)``: this rank holds ``out_features / world`` rows of
-    the weight; the (sequence-parallel) input is gathered first."""
+    sequence_parallel=True, multiple_of=1, device=None, dtype=None)``: this rank holds its share of the
+    weight's rows, dealt in blocks of ``multiple_of`` (the first ranks take one block more when the
+    blocks do not split evenly, see ``get_dim_for_local_rank``); the (sequence-parallel) input is
+    gathered first."""
 
     def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup, bias: bool = True,
-                 sequence_parallel: bool = True, device=None, dtype=None) -> None:
+                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None) -> None:
         world = dist.get_world_size(process_group)
-        if out_features % world != 0:
-            raise ValueError(f"out_features ({out_features}) must be divisible by world_size ({world})")
-        super().__init__(in_features, out_features // world, bias=bias, device=device, dtype=dtype)
+        if multiple_of <= 0 or out_features % multiple_of:
+            raise ValueError(f"out_features ({out_features}) must be a multiple of multiple_of ({multiple_of})")
+        local = get_dim_for_local_rank(out_features, world, dist.get_rank(process_group), multiple_of)
+        super().__init__(in_features, local, bias=bias, device=device, dtype=dtype)
         self.process_group = process_group
         self.sequence_parallel = sequence_parallel
 
@@ -222,17 +149,18 @@ class ColumnParallelLinear(nn.Linear):
 
 class RowParallelLinear(nn.Linear):
     """flash_attn's ``RowParallelLinear(in_features, out_features, process_group, bias=True,
-    sequence_parallel=True, device=None, dtype=None)``: this rank holds ``in_features / world`` columns
-    of the weight (the bias lives on rank 0); the partial outputs are reduce-scattered (sequence
-    parallel) or all-reduced."""
+    sequence_parallel=True, multiple_of=1, device=None, dtype=None)``: this rank holds its share of the
+    weight's columns, dealt in blocks of ``multiple_of`` as in ``ColumnParallelLinear`` (the bias lives
+    on rank 0); the partial outputs are reduce-scattered (sequence parallel) or all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup, bias: bool = True,
-                 sequence_parallel: bool = True, device=None, dtype=None) -> None:
+                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None) -> None:
         world = dist.get_world_size(process_group)
         rank = dist.get_rank(process_group)
-        if in_features % world != 0:
-            raise ValueError(f"in_features ({in_features}) must be divisible by world_size ({world})")
-        super().__init__(in_features // world, out_features, bias=bias and rank == 0, device=device, dtype=dtype)
+        if multiple_of <= 0 or in_features % multiple_of:
+            raise ValueError(f"in_features ({in_features}) must be a multiple of multiple_of ({multiple_of})")
+        local = get_dim_for_local_rank(in_features, world, rank, multiple_of)
+        super().__init__(local, out_features, bias=bias and rank == 0, device=device, dtype=dtype)
         self.process_group = process_group
         self.sequence_parallel = sequence_parallel
 
