@@ -1,0 +1,439 @@
+"""``culmen.flash_attn.models.gpt``: tiny GPT-2 / LLaMA-style / parallel-block models against a plain
+PyTorch implementation of the same architecture that reads flash_attn's state-dict names (forward and
+the gradient of every parameter, float64 reference), the Hugging Face GPT-2 and Megatron remaps,
+tensor-parallel sharding round trips, and KV-cache decoding of the model. GPU-marked: the same in
+bf16 on CUDA, and CUDA-graph decoding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config  # noqa: E402
+
+from culmen.flash_attn.models.gpt import (  # noqa: E402
+    GPTLMHeadModel,
+    GPTModel,
+    combine_state_dicts_tp,
+    inv_remap_state_dict_hf_gpt2,
+    remap_state_dict_hf_gpt2,
+    remap_state_dict_megatron,
+    shard_state_dict_tp,
+)
+from culmen.flash_attn.utils.generation import decode, decode_speculative  # noqa: E402
+from culmen.testing.tolerance import assert_close_tolerance  # noqa: E402
+
+_QUIET = {"bos_token_id": 0, "eos_token_id": 0}  # the tiny vocabularies lack GPT-2's 50256
+
+
+def gpt2_config(**kw) -> GPT2Config:
+    base = dict(n_embd=48, n_head=4, n_layer=2, vocab_size=101, n_positions=64, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, pad_vocab_size_multiple=8, **_QUIET)
+    return GPT2Config(**{**base, **kw})
+
+
+def llama_config(**kw) -> GPT2Config:
+    base = dict(n_embd=64, n_head=4, n_head_kv=2, n_layer=2, vocab_size=97, n_positions=0, resid_pdrop=0.0,
+                embd_pdrop=0.0, attn_pdrop=0.0, rotary_emb_fraction=1.0, rms_norm=True,
+                activation_function="swiglu", mlp_multiple_of=16, mlp_fc1_bias=False, mlp_fc2_bias=False,
+                qkv_proj_bias=False, out_proj_bias=False, tie_word_embeddings=False, layer_norm_epsilon=1e-5,
+                use_flash_attn=True, **_QUIET)
+    return GPT2Config(**{**base, **kw})
+
+
+def parallel_config(**kw) -> GPT2Config:
+    """GPT-J / NeoX style: parallel attention + MLP, partial rotary, gelu, muP multipliers, head bias."""
+    base = dict(n_embd=32, n_head=2, n_layer=3, vocab_size=53, n_positions=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0, rotary_emb_fraction=0.5, parallel_block=True, activation_function="gelu",
+                n_inner=40, tie_word_embeddings=False, lm_head_bias=True, mup_embeddings_multiplier=1.7,
+                mup_width_scale=0.5, mup_output_multiplier=1.3, **_QUIET)
+    return GPT2Config(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plain-PyTorch reference: same architecture, parameters looked up by flash_attn's names
+# ---------------------------------------------------------------------------------------------------
+
+def _norm(x, p, prefix, cfg):
+    w = p[prefix + ".weight"]
+    if getattr(cfg, "rms_norm", False):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.layer_norm_epsilon) * w
+    return F.layer_norm(x, x.shape[-1:], w, p[prefix + ".bias"], cfg.layer_norm_epsilon)
+
+
+def _linear(x, p, prefix):
+    return F.linear(x, p[prefix + ".weight"], p.get(prefix + ".bias"))
+
+
+def _rotary(x, rot_dim, base=10000.0):
+    """GPT-NeoX rotary on the first rot_dim dims of x (b, s, h, d), positions 0..s-1."""
+    if rot_dim == 0:
+        return x
+    s = x.shape[1]
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv_freq
+    cos, sin = ang.cos().to(x.dtype)[None, :, None], ang.sin().to(x.dtype)[None, :, None]
+    x1, x2 = x[..., :rot_dim // 2], x[..., rot_dim // 2:rot_dim]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot_dim:]], dim=-1)
+
+
+def _attention(h, p, prefix, cfg, layer):
+    nh = cfg.n_head
+    nkv = getattr(cfg, "n_head_kv", None) or nh
+    hd = cfg.n_embd // nh
+    b, s, _ = h.shape
+    qkv = _linear(h, p, prefix + ".Wqkv")
+    q = qkv[..., :nh * hd].view(b, s, nh, hd)
+    k = qkv[..., nh * hd:(nh + nkv) * hd].view(b, s, nkv, hd)
+    v = qkv[..., (nh + nkv) * hd:].view(b, s, nkv, hd)
+    rot = int(getattr(cfg, "rotary_emb_fraction", 0.0) * hd)
+    q, k = _rotary(q, rot), _rotary(k, rot)
+    k = k.repeat_interleave(nh // nkv, dim=2)
+    v = v.repeat_interleave(nh // nkv, dim=2)
+    scale = hd ** -0.5 if cfg.scale_attn_weights else 1.0
+    if cfg.scale_attn_by_inverse_layer_idx:
+        scale /= layer + 1
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, nh * hd)
+    return _linear(out, p, prefix + ".out_proj")
+
+
+def _mlp(h, p, prefix, cfg):
+    y = _linear(h, p, prefix + ".fc1")
+    act = cfg.activation_function
+    if act in ("swiglu", "glu", "geglu"):
+        y, gate = y.chunk(2, dim=-1)
+        return _linear(y * {"swiglu": F.silu, "glu": torch.sigmoid, "geglu": F.gelu}[act](gate), p, prefix + ".fc2")
+    if act == "gelu_new":
+        y = 0.5 * y * (1 + torch.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y**3)))
+    else:
+        y = F.gelu(y)
+    return _linear(y, p, prefix + ".fc2")
+
+
+def reference_logits(p: dict, cfg, input_ids):
+    """Logits of the architecture ``cfg`` describes, from the parameters ``p`` (flash_attn names)."""
+    x = p["transformer.embeddings.word_embeddings.weight"][input_ids]
+    if cfg.n_positions > 0:
+        x = x + p["transformer.embeddings.position_embeddings.weight"][: input_ids.shape[1]]
+    x = x * getattr(cfg, "mup_embeddings_multiplier", 1.0)
+    residual = x
+    for i in range(cfg.n_layer):
+        pre = f"transformer.layers.{i}"
+        if getattr(cfg, "parallel_block", False):
+            h1 = _norm(residual, p, pre + ".norm1", cfg)
+            h2 = _norm(residual, p, pre + ".norm2", cfg)
+            residual = residual + _attention(h1, p, pre + ".mixer", cfg, i) + _mlp(h2, p, pre + ".mlp", cfg)
+        else:
+            residual = residual + _attention(_norm(residual, p, pre + ".norm1", cfg), p, pre + ".mixer", cfg, i)
+            residual = residual + _mlp(_norm(residual, p, pre + ".norm2", cfg), p, pre + ".mlp", cfg)
+    h = _norm(residual, p, "transformer.ln_f", cfg)
+    h = h * getattr(cfg, "mup_output_multiplier", 1.0) * getattr(cfg, "mup_width_scale", 1.0)
+    head = p.get("lm_head.weight", p["transformer.embeddings.word_embeddings.weight"])
+    return F.linear(h, head, p.get("lm_head.bias"))
+
+
+def _check_against_reference(model, cfg, input_ids, dtype=torch.float32):
+    """Forward and every parameter's gradient against the float64 reference, tolerance rule with the
+    same plain-PyTorch computation in ``dtype`` as the baseline."""
+    params = dict(model.named_parameters())
+    weight = torch.randn(*input_ids.shape, model.lm_head.weight.shape[0], device=input_ids.device)
+    logits = model(input_ids).logits
+    assert logits.dtype == dtype
+    (logits.float() * weight).sum().backward()
+    refs = {}
+    for prec in (torch.float64, dtype):
+        p = {n: t.detach().to(prec).requires_grad_() for n, t in params.items()}
+        out = reference_logits(p, cfg, input_ids)
+        (out.float() * weight).sum().backward()
+        refs[prec] = (out, {n: t.grad for n, t in p.items()})
+    hi, lo = refs[torch.float64], refs[dtype]
+    assert_close_tolerance(logits, hi[0], lo[0], name="logits")
+    for n, t in params.items():
+        assert t.grad is not None, n
+        assert_close_tolerance(t.grad, hi[1][n], lo[1][n], name=f"grad {n}")
+
+
+@pytest.mark.parametrize("make_config", [gpt2_config, llama_config, parallel_config],
+                         ids=["gpt2", "llama", "parallel_block"])
+def test_lm_head_model_forward_backward_matches_reference(make_config):
+    cfg = make_config()
+    model = GPTLMHeadModel(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    _check_against_reference(model, cfg, ids)
+
+
+def test_state_dict_keys_and_shapes_follow_flash_attn():
+    cfg = llama_config()
+    sd = GPTLMHeadModel(cfg).state_dict()
+    # GQA: Wqkv rows (n_head + 2 * n_head_kv) * head_dim; SwiGLU hidden int(8 * 64 / 3) -> multiple of 16.
+    assert sd["transformer.layers.0.mixer.Wqkv.weight"].shape == ((4 + 2 * 2) * 16, 64)
+    assert sd["transformer.layers.1.mlp.fc1.weight"].shape == (2 * 176, 64)
+    assert sd["transformer.layers.1.mlp.fc2.weight"].shape == (64, 176)
+    assert sd["lm_head.weight"].shape == (97, 64) and "lm_head.bias" not in sd
+    assert "transformer.layers.0.mixer.Wqkv.bias" not in sd and "transformer.ln_f.bias" not in sd
+    assert not any("rotary_emb" in k or "position_embeddings" in k for k in sd)
+    tied = GPTLMHeadModel(gpt2_config())
+    assert tied.lm_head.weight is tied.transformer.embeddings.word_embeddings.weight
+    assert tied.lm_head.weight.shape == (104, 48)  # 101 padded to a multiple of 8
+
+
+def test_model_options_and_config_errors():
+    cfg = gpt2_config(scale_attn_by_inverse_layer_idx=True, n_layer=3)
+    model = GPTLMHeadModel(cfg)
+    _check_against_reference(model, cfg, torch.randint(0, 101, (1, 9)))
+    # num_last_tokens keeps the last positions only; GPTModel returns the final hidden states.
+    ids = torch.randint(0, 101, (2, 7))
+    full = model(ids).logits
+    torch.testing.assert_close(model(ids, num_last_tokens=3).logits, full[:, -3:])
+    assert GPTModel(cfg)(ids).shape == (2, 7, 48)
+    with pytest.raises(ValueError, match="activation_function"):
+        GPTLMHeadModel(gpt2_config(activation_function="tanh"))
+    with pytest.raises(ValueError, match="GPT2Config"):
+        GPTLMHeadModel(transformers.LlamaConfig())
+    with pytest.raises(ValueError, match="input_ids"):
+        model(ids[0])
+
+
+def test_norm_head_rotary_shared_and_init():
+    cfg = gpt2_config(norm_head=True, tie_word_embeddings=False, rotary_emb_fraction=0.5, n_positions=0)
+    model = GPTLMHeadModel(cfg)
+    layers = model.transformer.layers
+    assert layers[1].mixer.rotary_emb is layers[0].mixer.rotary_emb
+    ids = torch.randint(0, 101, (1, 6))
+    h = model.transformer(ids)
+    want = F.linear(h, F.normalize(model.lm_head.weight))
+    torch.testing.assert_close(model(ids).logits, want)
+    # GPT-2 init: residual output projections shrink by sqrt(2 * n_layer); linears carry lr_multiplier.
+    std = layers[0].mixer.out_proj.weight.std().item()
+    assert 0.5 * 0.02 / 2 < std < 1.5 * 0.02 / 2
+    assert layers[0].mlp.fc1.weight._optim == {"lr_multiplier": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints: Hugging Face GPT-2, Megatron, flash_attn's legacy layout, tensor-parallel shards
+# ---------------------------------------------------------------------------------------------------
+
+def test_remap_hf_gpt2_round_trip_logits():
+    cfg = gpt2_config()
+    hf = transformers.GPT2LMHeadModel(GPT2Config(**{k: getattr(cfg, k) for k in (
+        "n_embd", "n_head", "n_layer", "vocab_size", "n_positions", "resid_pdrop", "embd_pdrop", "attn_pdrop")},
+        **_QUIET, attn_implementation="eager")).eval()
+    hf_sd = hf.state_dict()
+    model = GPTLMHeadModel(cfg).eval()
+    model.load_state_dict(remap_state_dict_hf_gpt2(hf_sd, cfg))
+    ids = torch.randint(0, 101, (2, 11))
+    with torch.no_grad():
+        got = model(ids).logits[..., :101]
+        want = hf(ids).logits
+        want64 = hf.double()(ids).logits
+    hf.float()
+    assert_close_tolerance(got, want64, want, name="logits vs HF GPT-2")
+    assert (got - want).abs().max() < 1e-4
+    # The hub layout (no "transformer." prefix, no lm_head) remaps the same.
+    hub = {k.removeprefix("transformer."): v for k, v in hf_sd.items() if k != "lm_head.weight"}
+    again = remap_state_dict_hf_gpt2(hub, cfg)
+    assert all(torch.equal(again[k], v) for k, v in model.state_dict().items())
+    back = inv_remap_state_dict_hf_gpt2(model.state_dict(), cfg)
+    assert sorted(back) == sorted(hf_sd)
+    for k, v in hf_sd.items():
+        assert torch.equal(back[k], v), k
+    fresh = transformers.GPT2LMHeadModel(hf.config)
+    fresh.load_state_dict(back, strict=True)
+
+
+def test_remap_megatron_layout():
+    cfg = gpt2_config(n_positions=0, rotary_emb_fraction=0.5)
+    model = GPTLMHeadModel(cfg)
+    sd = model.state_dict()
+    hd, nh = 12, 4
+    meg = {"language_model.embedding.word_embeddings.weight": sd["transformer.embeddings.word_embeddings.weight"][:101]}
+    names = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm", "mlp.fc1": "mlp.dense_h_to_4h",
+             "mlp.fc2": "mlp.dense_4h_to_h", "mixer.out_proj": "self_attention.dense"}
+    for k, v in sd.items():
+        if not k.startswith("transformer.layers."):
+            continue
+        _, _, i, rest = k.split(".", 3)
+        mod, suffix = rest.rsplit(".", 1)
+        if mod == "mixer.Wqkv":
+            # Megatron keeps each head's q, k, v rows together: (nheads, 3, headdim).
+            v = v.reshape(3, nh, hd, *v.shape[1:]).transpose(0, 1).reshape(v.shape)
+            meg[f"language_model.encoder.layers.{i}.self_attention.query_key_value.{suffix}"] = v
+        else:
+            meg[f"language_model.encoder.layers.{i}.{names[mod]}.{suffix}"] = v
+        meg[f"language_model.encoder.layers.{i}.self_attention.rotary_emb.inv_freq"] = torch.ones(3)
+    meg["language_model.encoder.final_layernorm.weight"] = sd["transformer.ln_f.weight"]
+    meg["language_model.encoder.final_layernorm.bias"] = sd["transformer.ln_f.bias"]
+    out = remap_state_dict_megatron(meg, cfg)
+    assert sorted(out) == sorted(sd)
+    word = out["transformer.embeddings.word_embeddings.weight"]
+    assert word.shape == (104, 48) and torch.equal(word[101:], torch.zeros(3, 48))  # padded to 8
+    assert out["lm_head.weight"] is word
+    sd["transformer.embeddings.word_embeddings.weight"] = sd["lm_head.weight"] = word
+    for k, v in sd.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_load_legacy_postnorm_ordered_checkpoint():
+    cfg = gpt2_config(n_layer=3)
+    model = GPTLMHeadModel(cfg)
+    sd = model.state_dict()
+    legacy = {k: v for k, v in sd.items() if ".norm" not in k and "ln_f" not in k}
+    # flash_attn's early layout: ln_0 in front, each layer's norm1/norm2 after its mixer/MLP.
+    legacy["transformer.ln_0.weight"], legacy["transformer.ln_0.bias"] = (sd["transformer.layers.0.norm1.weight"],
+                                                                          sd["transformer.layers.0.norm1.bias"])
+    for i in range(3):
+        for s in ("weight", "bias"):
+            legacy[f"transformer.layers.{i}.norm1.{s}"] = sd[f"transformer.layers.{i}.norm2.{s}"]
+            nxt = sd[f"transformer.layers.{i + 1}.norm1.{s}"] if i < 2 else sd[f"transformer.ln_f.{s}"]
+            legacy[f"transformer.layers.{i}.norm2.{s}"] = nxt
+    copy = dict(legacy)
+    fresh = GPTLMHeadModel(cfg)
+    fresh.load_state_dict(legacy)
+    assert legacy.keys() == copy.keys(), "load_state_dict modified its argument"
+    for k, v in sd.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_load_flash_attn_keyed_checkpoint_file(tmp_path):
+    cfg = llama_config()
+    model = GPTLMHeadModel(cfg)
+    path = tmp_path / "ckpt.pt"
+    torch.save(model.state_dict(), path)
+    fresh = GPTLMHeadModel(cfg)
+    result = fresh.load_state_dict(torch.load(path, weights_only=True), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = torch.randint(0, 97, (1, 8))
+    torch.testing.assert_close(fresh(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def _llama_tp():
+    return llama_config(pad_vocab_size_multiple=8)
+
+
+@pytest.mark.parametrize("make_config,world", [(gpt2_config, 2), (_llama_tp, 2), (_llama_tp, 4),
+                                                (lambda: gpt2_config(n_head=6, n_embd=48, n_inner=96), 4)],
+                         ids=["gpt2-2", "gqa-2", "gqa-4", "uneven-heads-4"])
+def test_shard_combine_tp_round_trip(make_config, world):
+    cfg = make_config()
+    sd = GPTLMHeadModel(cfg).state_dict()
+    shards = [shard_state_dict_tp(dict(sd), cfg, world, r) for r in range(world)]
+    nh, nkv = cfg.n_head, getattr(cfg, "n_head_kv", None) or cfg.n_head
+    hd = cfg.n_embd // nh
+    heads = [nh // world + (r < nh % world) for r in range(world)]
+    kv_heads = [nkv // world + (r < nkv % world) for r in range(world)]
+    for r, s in enumerate(shards):
+        assert s["transformer.layers.0.mixer.Wqkv.weight"].shape[0] == (heads[r] + 2 * kv_heads[r]) * hd
+        assert s["transformer.layers.0.mixer.out_proj.weight"].shape[1] == heads[r] * hd
+        assert ("transformer.layers.1.mlp.fc2.bias" in s) == (r == 0 and getattr(cfg, "mlp_fc2_bias", True))
+    # Rank r's q rows are heads [sum(heads[:r]), ...), its k rows kv heads [sum(kv_heads[:r]), ...).
+    w = sd["transformer.layers.1.mixer.Wqkv.weight"]
+    local = shards[1]["transformer.layers.1.mixer.Wqkv.weight"]
+    first, k_first = heads[0], kv_heads[0]
+    torch.testing.assert_close(local[:hd], w[first * hd:(first + 1) * hd], rtol=0, atol=0)
+    got_k = local[heads[1] * hd:(heads[1] + 1) * hd]
+    torch.testing.assert_close(got_k, w[(nh + k_first) * hd:(nh + k_first + 1) * hd], rtol=0, atol=0)
+    combined = combine_state_dicts_tp(shards, cfg)
+    assert sorted(combined) == sorted(sd)
+    for k, v in sd.items():
+        assert torch.equal(combined[k], v), k
+
+
+def test_shard_tp_rejects_indivisible_sizes():
+    cfg = gpt2_config()
+    with pytest.raises(ValueError, match="world_size"):
+        shard_state_dict_tp(GPTLMHeadModel(cfg).state_dict(), cfg, 3, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding with the model's KV cache
+# ---------------------------------------------------------------------------------------------------
+
+def _full_recompute_greedy(model, ids, max_length):
+    with torch.no_grad():
+        while ids.shape[1] < max_length:
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("make_config", [gpt2_config, llama_config, lambda: llama_config(use_flash_attn=False)],
+                         ids=["gpt2", "llama-flash", "llama-torch"])
+def test_greedy_decode_equals_full_recompute(make_config):
+    cfg = make_config()
+    model = GPTLMHeadModel(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 5))
+    out = model.generate(ids, 16, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(out.sequences, _full_recompute_greedy(model, ids, 16))
+    with torch.no_grad():
+        full = model(out.sequences).logits
+    for t, score in enumerate(out.scores):
+        torch.testing.assert_close(score, full[:, 4 + t], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_speculative_on_gpt_equals_greedy():
+    cfg = llama_config()
+    model = GPTLMHeadModel(cfg).eval()
+    draft = GPTLMHeadModel(llama_config(n_layer=1)).eval()
+    ids = torch.randint(0, 97, (1, 4))
+    want = decode(ids, model, 15).sequences
+    assert torch.equal(decode_speculative(ids, model, model, 15, speculative_lookahead=3).sequences, want)
+    assert torch.equal(decode_speculative(ids, model, draft, 15, speculative_lookahead=2).sequences, want)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make_config", [gpt2_config, llama_config, parallel_config],
+                         ids=["gpt2", "llama", "parallel_block"])
+def test_gpu_bf16_matches_reference(make_config):
+    cfg = make_config(use_flash_attn=True, fused_bias_fc=True, fused_dropout_add_ln=True)
+    model = GPTLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (3, 77), device="cuda")
+    _check_against_reference(model, cfg, ids, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_decode_and_cuda_graphs():
+    cfg = llama_config(n_layer=3)  # rotary dim 16: the fused kvcache rotary path graphs can replay
+    model = GPTLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 97, (2, 7), device="cuda")
+    eager = decode(ids, model, 40)
+    assert torch.equal(eager.sequences[:, :12], _full_recompute_greedy(model, ids, 12))
+    graphed = decode(ids, model, 40, cg=True)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.scores, eager.scores):
+        torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)
+    cache = model._decoding_cache
+    graphs = dict(cache.callables)
+    assert list(graphs) == [(2, 1)]
+    # A second call with the same shapes replays the same graphs; a smaller batch adds one graph
+    # over the same caches and pool; a longer max_length rebuilds everything.
+    ids2 = torch.randint(0, 97, (2, 9), device="cuda")
+    again = decode(ids2, model, 40, cg=True)
+    assert model._decoding_cache is cache and cache.callables[(2, 1)] is graphs[(2, 1)]
+    assert torch.equal(again.sequences, decode(ids2, model, 40).sequences)
+    one = decode(ids2[:1], model, 30, cg=True)
+    assert set(cache.callables) == {(2, 1), (1, 1)} and cache.callables[(2, 1)] is graphs[(2, 1)]
+    assert torch.equal(one.sequences, decode(ids2[:1], model, 30).sequences)
+    decode(ids2, model, 48, cg=True)
+    assert cache.max_seqlen == 48 and cache.callables[(2, 1)] is not graphs[(2, 1)]
+
+
+@pytest.mark.gpu
+def test_gpu_speculative_decoding_with_graphs():
+    cfg = llama_config()
+    model = GPTLMHeadModel(cfg, device="cuda", dtype=torch.float32).eval()
+    draft = GPTLMHeadModel(llama_config(n_layer=1), device="cuda", dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (1, 5), device="cuda")
+    want = decode(ids, model, 30).sequences
+    got = decode_speculative(ids, model, draft, 30, speculative_lookahead=3, cg=True)
+    assert torch.equal(got.sequences, want)
