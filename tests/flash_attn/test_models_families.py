@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -122,10 +125,26 @@ def _randomize(model: torch.nn.Module, std: float = 0.3) -> None:
             p.normal_(0.0, std)
 
 
-def _build(case: str):
+def _widened(fields: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The same architecture with ``head_dim``-wide heads (GPU cases use realistic head sizes)."""
+    out = dict(fields)
+    width = head_dim * (out.get("num_attention_heads") or out["n_head"])
+    out["hidden_size" if "hidden_size" in out else "n_embd"] = width
+    for key in ("intermediate_size", "ffn_dim", "ffn_hidden_size"):
+        if key in out:
+            out[key] = 2 * width
+    if "rotary_dim" in out:
+        out["rotary_dim"] = head_dim // 2
+    if "word_embed_proj_dim" in out:
+        out["word_embed_proj_dim"] = width // 2
+    return out
+
+
+def _build(case: str, head_dim: int | None = None):
     fam = CASES[case]
     config_cls = getattr(transformers, fam.hf_class.replace("ForCausalLM", "Config"))
-    hf_config = config_cls(vocab_size=VOCAB, **fam.hf_config)
+    fields = fam.hf_config if head_dim is None else _widened(fam.hf_config, head_dim)
+    hf_config = config_cls(vocab_size=VOCAB, **fields)
     hf = getattr(transformers, fam.hf_class)(hf_config).eval()
     _randomize(hf)
     cfg = fam.to_gpt2(hf_config)
@@ -532,17 +551,42 @@ def test_btlm_inverse_slopes_follow_alibi_formula():
 @pytest.mark.parametrize("case", ["llama_gqa", "gpt_neox_parallel", "gptj", "opt_prenorm", "falcon_new_arch_gqa",
                                   "bigcode_multi_query"])
 def test_gpu_bf16_logits_match_hugging_face(case):
-    fam, hf, cfg = _build(case)
+    fam, hf, cfg = _build(case, head_dim=64)
     cfg.use_flash_attn = True
     cfg.fused_dropout_add_ln = True
     cfg.fused_bias_fc = True
     hf = hf.cuda()
     model = GPTLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16).eval()
     model.load_state_dict(fam.remap(hf.state_dict(), cfg), strict=True)
-    ids = torch.randint(0, VOCAB, (3, 37), device="cuda")
+    ids = torch.randint(0, VOCAB, (3, 23), device="cuda")  # OPT / BigCode have 24 learned positions
     with torch.no_grad():
         ref = hf(ids).logits.float()
         base = copy.deepcopy(hf).to(torch.bfloat16)(ids).logits
         out = model(ids).logits[..., :VOCAB]
     assert out.dtype == torch.bfloat16
     assert_close_tolerance(out, ref, base, name="logits")
+
+
+def test_names_import_through_flash_attn_alias():
+    """flash_attn's names for these adapters, imported as a flash_attn script would."""
+    code = textwrap.dedent("""
+        import culmen.compat as compat
+        compat.install()
+        import culmen.flash_attn.models.llama as culmen_llama
+        from flash_attn.models.llama import (config_from_checkpoint, config_from_hf_checkpoint,
+            config_from_meta_checkpoint, inv_remap_state_dict_hf_llama, llama_config_to_gpt2_config,
+            remap_state_dict_hf_llama, remap_state_dict_meta_llama, state_dicts_from_checkpoint)
+        from flash_attn.models.gpt_neox import gpt_neox_config_to_gpt2_config, remap_state_dict_hf_gpt_neox
+        from flash_attn.models.gptj import gptj_config_to_gpt2_config, remap_state_dict_hf_gptj
+        from flash_attn.models.opt import opt_config_to_gpt2_config, remap_state_dict_hf_opt
+        from flash_attn.models.falcon import falcon_config_to_gpt2_config, remap_state_dict_hf_falcon
+        from flash_attn.models.btlm import btlm_config_to_gpt2_config, remap_state_dict_hf_btlm
+        from flash_attn.models.bigcode import (bigcode_config_to_gpt2_config, inv_remap_state_dict_hf_bigcode,
+            remap_state_dict_hf_bigcode)
+        from flash_attn.models.baichuan import baichuan_config_to_gpt2_config, remap_state_dict_hf_baichuan
+        from flash_attn.utils.pretrained import state_dict_from_pretrained
+        assert remap_state_dict_hf_llama is culmen_llama.remap_state_dict_hf_llama
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-2000:]
