@@ -630,8 +630,9 @@ class ParallelMHA(_AttentionCore):
         self.local_rank = torch.distributed.get_rank(process_group)
         self.num_heads = num_heads
         self.num_heads_kv = _check_heads(embed_dim, num_heads, num_heads_kv)
-        # Heads are dealt in groups (one kv head with its query heads), as Wqkv's rows are: with an uneven
-        # split of the groups the query count follows the kv count (flash_attn splits both independently).
+        # Heads are dealt in groups (one kv head with its query heads), to Wqkv's rows and out_proj's columns
+        # alike: with an uneven split of the groups the query count follows the kv count (flash_attn splits
+        # the query heads on their own, which disagrees with Wqkv's rows). Even splits are flash_attn's.
         group = self.num_heads // self.num_heads_kv
         self.num_heads_kv_per_rank = get_dim_for_local_rank(self.num_heads_kv, self.world_size, self.local_rank)
         self.num_heads_per_rank = group * self.num_heads_kv_per_rank
@@ -658,7 +659,8 @@ class ParallelMHA(_AttentionCore):
         self.inner_attn = self_cls(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout)
         self.inner_cross_attn = cross_cls(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout)
         self.out_proj = RowParallelLinear(embed_dim, embed_dim, process_group, bias=out_proj_bias,
-                                          sequence_parallel=sequence_parallel, multiple_of=self.head_dim, **factory)
+                                          sequence_parallel=sequence_parallel, multiple_of=self.head_dim * group,
+                                          **factory)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: torch.dtype | None = None) -> Tensor:
         """An empty kv cache ``(batch_size, max_seqlen, 2, num_heads_kv_per_rank, head_dim)``."""
