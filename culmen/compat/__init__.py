@@ -53,6 +53,7 @@ EXTENSION_MODULES: dict[str, str] = {
     "group_norm_cuda": "culmen.contrib.group_norm.group_norm_cuda",
     "group_norm_v2_cuda": "culmen.contrib.group_norm.group_norm_v2_cuda",
     "flash_attn_2_cuda": "culmen.flash_attn.flash_attn_2_cuda",
+    "fast_layer_norm": "culmen.contrib.layer_norm.fast_layer_norm",
 }
 
 

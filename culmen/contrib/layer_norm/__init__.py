@@ -1,5 +1,5 @@
-"""``apex.contrib.layer_norm``: ``FastLayerNorm``, LayerNorm over the last dim for any hidden size."""
+"""``apex.contrib.layer_norm``: ``FastLayerNorm`` / ``FastRMSNorm`` over the last dim for any hidden size."""
 
-from culmen.contrib.layer_norm.layer_norm import FastLayerNorm
+from culmen.contrib.layer_norm.layer_norm import FastLayerNorm, FastRMSNorm
 
-__all__ = ["FastLayerNorm"]
+__all__ = ["FastLayerNorm", "FastRMSNorm"]
