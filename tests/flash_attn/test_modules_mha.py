@@ -34,8 +34,8 @@ def _rope(x, rd, interleaved, base=10000.0, offset=0):
     """Rotary embedding of the first ``rd`` dims of ``x`` ``(B, S, H, D)`` at positions offset.."""
     if rd == 0:
         return x
-    inv = 1.0 / base ** (torch.arange(0, rd, 2, dtype=F64) / rd)
-    ang = torch.outer(torch.arange(offset, offset + x.shape[1], dtype=F64), inv)
+    inv = 1.0 / base ** (torch.arange(0, rd, 2, dtype=F64, device=x.device) / rd)
+    ang = torch.outer(torch.arange(offset, offset + x.shape[1], dtype=F64, device=x.device), inv)
     cos, sin = ang.cos().to(x.dtype)[:, None], ang.sin().to(x.dtype)[:, None]
     xr, rest = x[..., :rd], x[..., rd:]
     if interleaved:
@@ -78,7 +78,7 @@ def check_module(m, inputs, ref, dtype, name=""):
     ``ref(params, *inputs, dtype)`` in float64 (oracle) and in ``dtype`` (baseline)."""
     out = m(*inputs)
     out = out[0] if isinstance(out, tuple) else out
-    g = randn(out.shape, dtype)
+    g = randn(out.shape, dtype, device=out.device)
     names = [n for n, _ in m.named_parameters()]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     got = (out, *torch.autograd.grad(out, [*leaves, *m.parameters()], g))
@@ -373,3 +373,38 @@ def test_mha_bf16_softmax_scale_matches_default_formula():
         m2.Wqkv.bias[:E] *= 2
     x = randn((2, 5, E))
     torch.testing.assert_close(m(x), m2(x))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["plain", "causal_gqa", "rotary_interleaved", "dwconv", "no_bias_fused"])
+def test_mha_gpu_bf16_flash(case):
+    kw, rkw = CASES[case]
+    m = MHA(E, H, use_flash_attn=True, device="cuda", dtype=BF16, **kw)
+    x = randn((2, 67, E), BF16, device="cuda", requires_grad=True)
+    check_module(m, (x,), lambda p, t, dt: mha_ref(p, t, dt, **rkw), BF16, f"MHA gpu[{case}]")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nkv,rd", [(4, 16), (2, 8), (4, 0)])
+def test_decoding_gpu_uninitialised_cache(nkv, rd):
+    # As generation runs it: caches from allocate_inference_cache (torch.empty, never zeroed).
+    e, h, b, s, prompt = 128, 4, 2, 37, 11
+    m = MHA(e, h, num_heads_kv=nkv, causal=True, layer_idx=0, rotary_emb_dim=rd, use_flash_attn=True,
+            device="cuda").eval()
+    x = randn((b, s, e), device="cuda")
+    with torch.no_grad():
+        full = m(x)
+        params = Params(s, b)
+        params.key_value_memory_dict[0] = m.allocate_inference_cache(b, s)
+        outs = [m(x[:, :prompt], inference_params=params)]
+        params.seqlen_offset = prompt
+        for t in range(prompt, s):
+            outs.append(m(x[:, t:t + 1], inference_params=params))
+            params.seqlen_offset += 1
+    got = torch.cat(outs, 1)
+    assert torch.isfinite(got).all()
+    # fp32 on the GPU: the kernels may use TF32 dot products.
+    torch.testing.assert_close(got, full, atol=3e-3, rtol=3e-3)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from culmen.flash_attn.modules.block import Block, ParallelBlock, StochasticDepth
-from culmen.flash_attn.modules.mha import MHA
+from culmen.flash_attn.modules.mha import MHA, SelfAttention
 from culmen.flash_attn.modules.mlp import GatedMlp, Mlp
 from culmen.flash_attn.ops.triton.layer_norm import RMSNorm
 from culmen.testing import assert_close_tolerance, make_noncontiguous, randn
@@ -28,7 +28,7 @@ def _compare(module, x, ref, dtype, name, extra_inputs=()):
     ``ref(params_dict, x, dtype)`` in float64 (oracle) and ``dtype`` (baseline)."""
     out = module(x, *extra_inputs)
     outs = out if isinstance(out, tuple) else (out,)
-    gs = [randn(o.shape, o.dtype) for o in outs]
+    gs = [randn(o.shape, o.dtype, device=o.device) for o in outs]
     got = (*outs, *torch.autograd.grad(outs, [x, *module.parameters()], gs))
     refs = []
     for rdt in (F64, dtype):
@@ -279,3 +279,24 @@ def test_parallel_block(fused, tied, dtype):
     if tied:
         torch.testing.assert_close(h2, blk.mlp(F.layer_norm(x1.detach(), (E,), blk.norm1.weight, blk.norm1.bias,
                                                             blk.norm1.eps)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True])
+def test_block_prenorm_fused_gpu_bf16(rms):
+    norm_cls = partial(RMSNorm, eps=1e-5) if rms else nn.LayerNorm
+    blk = Block(E, partial(MHA, num_heads=2, causal=True, use_flash_attn=True), partial(GatedMlp, activation=F.silu,
+                                                                                       multiple_of=8),
+                norm_cls=norm_cls, fused_dropout_add_ln=True).to("cuda", BF16)
+    x = randn((2, 37, E), BF16, device="cuda", requires_grad=True)
+    residual = randn((2, 37, E), BF16, device="cuda")
+
+    def ref(p, t, dt):
+        mixer, mlp = _sub(blk, dt, p, "mixer"), _sub(blk, dt, p, "mlp")
+        mixer.inner_attn = SelfAttention(causal=True)  # the float64 oracle runs plain PyTorch attention
+        res = t + residual.to(dt)
+        h = mixer(_norm(res, p["norm1.weight"], p.get("norm1.bias"), blk.norm1.eps, rms))
+        res = h + res
+        return mlp(_norm(res, p["norm2.weight"], p.get("norm2.bias"), blk.norm2.eps, rms)), res
+
+    _compare(blk, x, ref, BF16, f"Block gpu[rms={rms}]", extra_inputs=(residual,))
