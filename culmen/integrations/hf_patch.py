@@ -446,10 +446,9 @@ def _lm_forward(self, *args, **kwargs):
     pos = self._culmen_labels_pos
     if labels is None and pos is not None and len(args) > pos:
         labels, args = args[pos], args[:pos] + (None,) + args[pos + 1:]
-    shift_labels = kwargs.get("shift_labels")
-    if (labels is None and shift_labels is None) or not self.training:
+    if labels is None or not self.training:
         return super(type(self), self).forward(*args, labels=labels, **kwargs)
-    kwargs.pop("shift_labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
     head = self._culmen_head
     head._culmen_capture = True
     try:
@@ -563,16 +562,15 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
             continue
         if type(module) is nn.LayerNorm or (isinstance(module, nn.LayerNorm)
                                             and type(module).forward is nn.LayerNorm.forward):
-            if layer_norm and len(module.normalized_shape) == 1:
+            if len(module.normalized_shape) != 1:
+                unknown[type(module).__name__] += 1
+            elif layer_norm:
                 _swap(module, "layer_norm", {"forward": _ln_forward})
                 report.counts["layer_norm"] += 1
-            else:
-                unknown[type(module).__name__] += 1
             continue
         eps = _rms_candidate(module) if kind is None else None
         if eps is not None:
             if not rms_norm:
-                unknown[type(module).__name__] += 1
                 continue
             probe = _probe_rms(module, eps)
             if probe is None:
@@ -597,7 +595,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
             report.notes.append(f"{name}: {type(module).__name__} has a gated-MLP layout but its activation or "
                                 f"forward was not recognised; left alone")
         if type(module).__module__ in _ACT_MODULES and not module._modules and not module._parameters:
-            act = _probe_act(module) if mlp else None
+            if not mlp:
+                continue
+            act = _probe_act(module)
             if act is not None and name:
                 parent_name, _, attr = name.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
