@@ -75,8 +75,8 @@ def _rotary(x, rot_dim, base=10000.0):
     if rot_dim == 0:
         return x
     s = x.shape[1]
-    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
-    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv_freq
+    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64, device=x.device) / rot_dim)
+    ang = torch.arange(s, dtype=torch.float64, device=x.device)[:, None] * inv_freq
     cos, sin = ang.cos().to(x.dtype)[None, :, None], ang.sin().to(x.dtype)[None, :, None]
     x1, x2 = x[..., :rot_dim // 2], x[..., rot_dim // 2:rot_dim]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot_dim:]], dim=-1)
@@ -99,7 +99,7 @@ def _attention(h, p, prefix, cfg, layer):
     if cfg.scale_attn_by_inverse_layer_idx:
         scale /= layer + 1
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()
     att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     out = torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, s, nh * hd)
     return _linear(out, p, prefix + ".out_proj")
@@ -356,6 +356,50 @@ def test_shard_tp_rejects_indivisible_sizes():
 # Decoding with the model's KV cache
 # ---------------------------------------------------------------------------------------------------
 
+class _FilledCaches(dict):
+    """A ``key_value_memory_dict`` whose caches (allocated by the attention layers on first use, with
+    ``torch.empty``) start filled with ``value`` instead of whatever memory they reuse."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+
+    def __setitem__(self, key, cache):
+        if key not in self:
+            cache.fill_(self.value)
+        super().__setitem__(key, cache)
+
+
+def _fill_new_caches(monkeypatch, value: float) -> None:
+    from dataclasses import dataclass, field
+
+    from culmen.flash_attn.utils import generation
+
+    @dataclass
+    class Params(generation.InferenceParams):
+        key_value_memory_dict: dict = field(default_factory=lambda: _FilledCaches(value))
+
+    monkeypatch.setattr(generation, "InferenceParams", Params)
+
+
+@pytest.fixture
+def zeroed_caches(monkeypatch):
+    """Decoding caches start zeroed. culmen's CPU KV-cache attention reference (ops/attention/reference
+    ``attention_range_fwd_ref``) multiplies the zero probabilities of unfilled slots by their values,
+    so stale NaN in reused memory leaks into the output (see test_decode_ignores_unfilled_cache_slots);
+    zeroing keeps the decoding tests about decoding."""
+    _fill_new_caches(monkeypatch, 0.0)
+
+
+@pytest.mark.xfail(strict=True, reason="culmen's CPU KV-cache attention reference propagates NaN from cache "
+                   "slots past cache_seqlens (0 * NaN in P @ V); flash_attn never reads them")
+def test_decode_ignores_unfilled_cache_slots(monkeypatch):
+    _fill_new_caches(monkeypatch, float("nan"))
+    model = GPTLMHeadModel(llama_config()).eval()
+    out = decode(torch.randint(0, 97, (2, 5)), model, 12)
+    assert not any(bool(s.isnan().any()) for s in out.scores)
+
+
 def _full_recompute_greedy(model, ids, max_length):
     with torch.no_grad():
         while ids.shape[1] < max_length:
@@ -365,7 +409,7 @@ def _full_recompute_greedy(model, ids, max_length):
 
 @pytest.mark.parametrize("make_config", [gpt2_config, llama_config, lambda: llama_config(use_flash_attn=False)],
                          ids=["gpt2", "llama-flash", "llama-torch"])
-def test_greedy_decode_equals_full_recompute(make_config):
+def test_greedy_decode_equals_full_recompute(make_config, zeroed_caches):
     cfg = make_config()
     model = GPTLMHeadModel(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
@@ -377,7 +421,7 @@ def test_greedy_decode_equals_full_recompute(make_config):
         torch.testing.assert_close(score, full[:, 4 + t], rtol=1e-4, atol=1e-4)
 
 
-def test_decode_speculative_on_gpt_equals_greedy():
+def test_decode_speculative_on_gpt_equals_greedy(zeroed_caches):
     cfg = llama_config()
     model = GPTLMHeadModel(cfg).eval()
     draft = GPTLMHeadModel(llama_config(n_layer=1)).eval()
@@ -387,17 +431,84 @@ def test_decode_speculative_on_gpt_equals_greedy():
     assert torch.equal(decode_speculative(ids, model, draft, 15, speculative_lookahead=2).sequences, want)
 
 
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """CUDA-graph decoding on CPU: each "graph" replays the model with the Python state it was captured
+    with (``seqlen_offset = max_seqlen - decoding_seqlen``), as a real graph does, so only what reaches
+    the model through tensors (``lengths_per_sample``, ids, positions) may change between replays."""
+    from culmen.flash_attn.utils import generation
+
+    captures = []
+
+    def capture(model, params, batch_size, max_seqlen, decoding_seqlen=1, mempool=None, n_warmups=2):
+        frozen = max_seqlen - decoding_seqlen
+        captures.append((batch_size, decoding_seqlen, mempool))
+
+        def run(input_ids, position_ids, seqlen):
+            assert input_ids.shape == (batch_size, decoding_seqlen)
+            params.lengths_per_sample[:] = seqlen
+            live, params.seqlen_offset = params.seqlen_offset, frozen
+            try:
+                return model(input_ids, position_ids=position_ids, inference_params=params,
+                             num_last_tokens=decoding_seqlen).logits.clone()
+            finally:
+                params.seqlen_offset = live
+
+        return run
+
+    pools = iter(range(1000))
+    monkeypatch.setattr(generation, "capture_graph", capture)
+    monkeypatch.setattr(generation, "_model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(pools))
+    return captures
+
+
+def test_graph_decoding_protocol_on_cpu(fake_graphs, zeroed_caches):
+    model = GPTLMHeadModel(llama_config()).eval()  # rotary dim 16 + flash: the graph-safe decode path
+    ids = torch.randint(0, 97, (2, 5))
+    want = decode(ids, model, 17)
+    got = decode(ids, model, 17, cg=True)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-5, atol=1e-5)
+    cache = model._decoding_cache
+    assert fake_graphs == [(2, 1, 0)] and cache.max_seqlen == 17
+    kv = cache.inference_params.key_value_memory_dict
+    assert sorted(kv) == [0, 1] and kv[0].shape == (2, 17, 2, 2, 16)
+    # Reuse: same shapes capture nothing; a smaller batch adds a graph in the same pool; a longer
+    # max_length rebuilds the caches and the pool.
+    ids2 = torch.randint(0, 97, (2, 3))
+    assert torch.equal(decode(ids2, model, 17, cg=True).sequences, decode(ids2, model, 17).sequences)
+    assert len(fake_graphs) == 1 and model._decoding_cache is cache
+    assert torch.equal(decode(ids2[:1], model, 12, cg=True).sequences, decode(ids2[:1], model, 12).sequences)
+    assert fake_graphs[1] == (1, 1, 0)
+    decode(ids2, model, 20, cg=True)
+    assert fake_graphs[2] == (2, 1, 1) and set(cache.callables) == {(2, 1)} and cache.max_seqlen == 20
+
+
+def test_graph_speculative_decoding_protocol_on_cpu(fake_graphs, zeroed_caches):
+    model = GPTLMHeadModel(llama_config()).eval()
+    draft = GPTLMHeadModel(llama_config(n_layer=1)).eval()
+    ids = torch.randint(0, 97, (1, 4))
+    want = decode(ids, model, 16).sequences
+    got = decode_speculative(ids, model, draft, 16, speculative_lookahead=3, cg=True)
+    assert torch.equal(got.sequences, want)
+    assert sorted(model._decoding_cache.callables) == [(1, 1), (1, 2), (1, 3), (1, 4)]
+    assert sorted(draft._decoding_cache.callables) == [(1, 1), (1, 2)]
+    with pytest.raises(ValueError, match="distinct"):
+        decode_speculative(ids, model, model, 16, cg=True)
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make_config", [gpt2_config, llama_config, parallel_config],
+@pytest.mark.parametrize("make_config", [lambda **kw: gpt2_config(n_embd=64, **kw), llama_config, parallel_config],
                          ids=["gpt2", "llama", "parallel_block"])
 def test_gpu_bf16_matches_reference(make_config):
     cfg = make_config(use_flash_attn=True, fused_bias_fc=True, fused_dropout_add_ln=True)
     model = GPTLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16)
-    ids = torch.randint(0, cfg.vocab_size, (3, 77), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (3, 61), device="cuda")
     _check_against_reference(model, cfg, ids, dtype=torch.bfloat16)
 
 
@@ -407,7 +518,13 @@ def test_gpu_greedy_decode_and_cuda_graphs():
     model = GPTLMHeadModel(cfg, device="cuda", dtype=torch.bfloat16).eval()
     ids = torch.randint(0, 97, (2, 7), device="cuda")
     eager = decode(ids, model, 40)
-    assert torch.equal(eager.sequences[:, :12], _full_recompute_greedy(model, ids, 12))
+    # The cached logits match a full recompute (bf16 kernels differ, so not bitwise) and each token is
+    # their argmax.
+    with torch.no_grad():
+        full = model(eager.sequences).logits[:, 6:-1].float()
+    cached = torch.stack(eager.scores, dim=1).float()
+    torch.testing.assert_close(cached, full, rtol=0.03, atol=0.03)
+    assert torch.equal(cached.argmax(-1), eager.sequences[:, 7:])
     graphed = decode(ids, model, 40, cg=True)
     assert torch.equal(graphed.sequences, eager.sequences)
     for a, b in zip(graphed.scores, eager.scores):
@@ -434,6 +551,12 @@ def test_gpu_speculative_decoding_with_graphs():
     model = GPTLMHeadModel(cfg, device="cuda", dtype=torch.float32).eval()
     draft = GPTLMHeadModel(llama_config(n_layer=1), device="cuda", dtype=torch.float32).eval()
     ids = torch.randint(0, 97, (1, 5), device="cuda")
-    want = decode(ids, model, 30).sequences
     got = decode_speculative(ids, model, draft, 30, speculative_lookahead=3, cg=True)
-    assert torch.equal(got.sequences, want)
+    assert got.sequences.shape == (1, 30) and torch.equal(got.sequences[:, :5], ids)
+    # Greedy speculative decoding keeps the target's argmax at every position: check against a full
+    # recompute of the target (up to TF32 rounding of near-ties).
+    with torch.no_grad():
+        full = model(got.sequences).logits[0, 4:-1]
+    chosen = full.gather(-1, got.sequences[0, 5:, None]).squeeze(-1)
+    assert bool((chosen >= full.max(-1).values - 1e-3).all())
+    torch.testing.assert_close(got.scores[0], full, rtol=1e-3, atol=1e-3)

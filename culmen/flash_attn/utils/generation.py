@@ -247,8 +247,14 @@ def _model_logits(model, input_ids: Tensor, params: InferenceParams, num_last_to
     cached ones. The prompt (``seqlen_offset == 0``) always runs eagerly: graphs hold decoding steps."""
     offset = params.seqlen_offset
     if offset == 0:
-        logits = model(input_ids, position_ids=None, inference_params=params,
-                       num_last_tokens=num_last_tokens).logits
+        # Every row of a prompt starts at position 0. The graphs' per-row lengths (sized for the
+        # cache's largest batch, possibly more rows than this one) are hidden so layers use the offset.
+        lengths, params.lengths_per_sample = params.lengths_per_sample, None
+        try:
+            logits = model(input_ids, position_ids=None, inference_params=params,
+                           num_last_tokens=num_last_tokens).logits
+        finally:
+            params.lengths_per_sample = lengths
     elif not cg:
         logits = model(input_ids, position_ids=_positions(input_ids, offset), inference_params=params,
                        num_last_tokens=num_last_tokens).logits
@@ -566,6 +572,17 @@ class DecodingCGCache:
     run: Callable | None = None
 
 
+def _zero_caches(caches: Any) -> None:
+    if isinstance(caches, Tensor):
+        caches.zero_()
+    elif isinstance(caches, dict):
+        for c in caches.values():
+            _zero_caches(c)
+    elif isinstance(caches, (tuple, list)):
+        for c in caches:
+            _zero_caches(c)
+
+
 @torch.inference_mode()
 def update_graph_cache(
     model,
@@ -605,6 +622,8 @@ def update_graph_cache(
             headdim = getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
             kv = allocate_inference_cache(batch_size, max_seqlen, cfg.num_attention_heads // tensor_parallel,
                                           headdim, cfg.num_hidden_layers, device, dtype)
+        # Zeroed once: no kernel or reference may then see stale NaN/Inf in the slots not yet written.
+        _zero_caches(kv)
         cache.inference_params = InferenceParams(
             max_seqlen=max_seqlen, max_batch_size=batch_size, seqlen_offset=seqlen_og,
             key_value_memory_dict=kv,
