@@ -327,8 +327,8 @@ def test_shard_combine_tp_round_trip(make_config, world):
     shards = [shard_state_dict_tp(dict(sd), cfg, world, r) for r in range(world)]
     nh, nkv = cfg.n_head, getattr(cfg, "n_head_kv", None) or cfg.n_head
     hd = cfg.n_embd // nh
-    heads = [nh // world + (r < nh % world) for r in range(world)]
     kv_heads = [nkv // world + (r < nkv % world) for r in range(world)]
+    heads = [nh // nkv * k for k in kv_heads]  # dealt by kv group, as ParallelMHA holds them
     for r, s in enumerate(shards):
         assert s["transformer.layers.0.mixer.Wqkv.weight"].shape[0] == (heads[r] + 2 * kv_heads[r]) * hd
         assert s["transformer.layers.0.mixer.out_proj.weight"].shape[1] == heads[r] * hd
@@ -344,6 +344,76 @@ def test_shard_combine_tp_round_trip(make_config, world):
     assert sorted(combined) == sorted(sd)
     for k, v in sd.items():
         assert torch.equal(combined[k], v), k
+
+
+def _tp_configs():
+    return {
+        "gpt2": gpt2_config(fused_bias_fc=True),
+        "llama": llama_config(fused_bias_fc=True, pad_vocab_size_multiple=8),
+        "gpt2-no-sp": gpt2_config(fused_bias_fc=True, sequence_parallel=False),
+    }
+
+
+def _tp_worker(rank, world):
+    """Each config: the full model's state dict sharded into GPTLMHeadModel(config, process_group) on
+    this rank; returns (name, logits gathered over the vocabulary, parameter gradients, decoded ids)."""
+    import torch.distributed as dist
+
+    from culmen.flash_attn.utils.distributed import allreduce_sequence_parallel_grad
+
+    out = []
+    for name, cfg in _tp_configs().items():
+        torch.manual_seed(0)
+        full = GPTLMHeadModel(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (2, 7))
+        weight = torch.randn(2, 7, full.lm_head.weight.shape[0])
+        model = GPTLMHeadModel(cfg, process_group=dist.group.WORLD)
+        model.load_state_dict(shard_state_dict_tp(full.state_dict(), cfg, world, rank), strict=True)
+        logits = model(ids).logits  # (batch * seqlen, vocab / world) this rank's vocabulary columns
+        vocab = logits.shape[-1]
+        local_w = weight.flatten(0, 1)[:, rank * vocab:(rank + 1) * vocab].reshape(logits.shape)
+        (logits * local_w).sum().backward()
+        allreduce_sequence_parallel_grad(model, dist.group.WORLD)
+        parts = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(parts, logits.detach().contiguous())
+        gathered = torch.cat(parts, dim=-1).reshape(2, 7, -1)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        decoded = None
+        if not getattr(cfg, "sequence_parallel", True):
+            decoded = decode(ids[:, :3], model.eval(), 9, tensor_parallel=world).sequences
+        # numpy arrays travel back by value (tensors would be shared through files the rank deletes).
+        out.append((name, gathered.detach().numpy(), {n: g.numpy() for n, g in grads.items()},
+                    None if decoded is None else decoded.numpy()))
+    return out
+
+
+def test_tensor_parallel_model_equals_full_model():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+    from dist_harness import run_group
+
+    results = run_group(_tp_worker, 2)
+    for i, (name, cfg) in enumerate(_tp_configs().items()):
+        torch.manual_seed(0)
+        full = GPTLMHeadModel(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (2, 7))
+        weight = torch.randn(2, 7, full.lm_head.weight.shape[0])
+        logits = full(ids).logits
+        (logits * weight).sum().backward()
+        for rank in range(2):
+            got_name, gathered, _, decoded = results[rank][i]
+            assert got_name == name
+            torch.testing.assert_close(torch.from_numpy(gathered), logits.detach(), rtol=1e-5, atol=1e-5, msg=name)
+            if decoded is not None:
+                assert torch.equal(torch.from_numpy(decoded), decode(ids[:, :3], full.eval(), 9).sequences), name
+        combined = combine_state_dicts_tp(
+            [{n: torch.from_numpy(g) for n, g in results[r][i][2].items()} for r in range(2)], cfg)
+        want = {n: p.grad for n, p in full.named_parameters()}
+        assert sorted(combined) == sorted(want), name
+        for n, g in want.items():
+            torch.testing.assert_close(combined[n], g, rtol=1e-4, atol=1e-5, msg=f"{name}: grad {n}")
 
 
 def test_shard_tp_rejects_indivisible_sizes():

@@ -537,9 +537,17 @@ def _rank_range(total: int, world_size: int, rank: int, multiple_of: int = 1) ->
     return sum(sizes[:rank]), sum(sizes[: rank + 1])
 
 
-def _qkv_head_groups(n_head: int, n_head_kv: int) -> list[tuple[int, int]]:
-    """(first head row, head count) of the q, k and v groups of a fused Wqkv, in head units."""
-    return [(0, n_head), (n_head, n_head_kv), (n_head + n_head_kv, n_head_kv)]
+def _qkv_rank_heads(n_head: int, n_head_kv: int, world_size: int, rank: int) -> list[tuple[int, int]]:
+    """(first row, row count) in head units of this rank's q, k and v heads in a fused Wqkv.
+
+    Heads are dealt by kv group (one kv head with its ``n_head // n_head_kv`` query heads), as
+    ``ParallelMHA`` holds them; this is flash_attn's split wherever flash_attn's is consistent (an even
+    split of the kv heads, or plain MHA), and keeps every rank's query / kv ratio when it is not.
+    """
+    group = n_head // n_head_kv
+    kv_beg, kv_end = _rank_range(n_head_kv, world_size, rank)
+    return [(group * kv_beg, group * (kv_end - kv_beg)), (n_head + kv_beg, kv_end - kv_beg),
+            (n_head + n_head_kv + kv_beg, kv_end - kv_beg)]
 
 
 def shard_state_dict_tp(state_dict: dict, config, world_size: int, rank: int) -> dict:
@@ -548,11 +556,12 @@ def shard_state_dict_tp(state_dict: dict, config, world_size: int, rank: int) ->
     ``state_dict``.
 
     Vocabulary rows (word embeddings, ``lm_head``) and the MLP's ``fc1`` rows (each half separately for
-    gated MLPs) split evenly; position embeddings, ``out_proj`` and ``fc2`` split by columns (``out_proj``
-    in whole heads); ``Wqkv`` keeps this rank's q heads and kv heads (uneven head counts: the first
-    ranks take one more). ``out_proj`` / ``fc2`` biases stay on rank 0 only.
+    gated MLPs) split evenly; position embeddings and ``fc2`` split by columns; ``Wqkv`` keeps this
+    rank's heads and ``out_proj`` the matching columns, dealt by kv group (an uneven count of groups:
+    the first ranks take one more; see ``ParallelMHA``). ``out_proj`` / ``fc2`` biases stay on rank 0.
     """
     _, n_head, n_head_kv, head_dim = _tp_sizes(config, world_size)
+    group = n_head // n_head_kv
 
     def rows(key: str) -> None:
         if key in state_dict:
@@ -577,10 +586,8 @@ def shard_state_dict_tp(state_dict: dict, config, world_size: int, rank: int) ->
         if key in state_dict:
             x = state_dict[key]
             heads = x.view(n_head + 2 * n_head_kv, head_dim, *x.shape[1:])
-            parts = []
-            for start, count in _qkv_head_groups(n_head, n_head_kv):
-                beg, end = _rank_range(count, world_size, rank)
-                parts.append(heads[start + beg:start + end])
+            ranges = _qkv_rank_heads(n_head, n_head_kv, world_size, rank)
+            parts = [heads[start:start + count] for start, count in ranges]
             state_dict[key] = torch.cat(parts).flatten(0, 1)
 
     rows("transformer.embeddings.word_embeddings.weight")
@@ -591,7 +598,7 @@ def shard_state_dict_tp(state_dict: dict, config, world_size: int, rank: int) ->
         p = f"transformer.layers.{i}."
         qkv_heads(p + "mixer.Wqkv.weight")
         qkv_heads(p + "mixer.Wqkv.bias")
-        columns(p + "mixer.out_proj.weight", multiple_of=head_dim)
+        columns(p + "mixer.out_proj.weight", multiple_of=head_dim * group)
         for key in (p + "mlp.fc1.weight", p + "mlp.fc1.bias"):
             gated_rows(key) if gated else rows(key)
         columns(p + "mlp.fc2.weight")
@@ -627,15 +634,13 @@ def combine_state_dicts_tp(state_dicts: list[dict[str, Tensor]], config) -> dict
     def qkv_heads(key: str) -> None:
         if key not in out:
             return
-        groups = _qkv_head_groups(n_head, n_head_kv)
         per_rank = []
         for rank, s in enumerate(state_dicts):
-            local = [_rank_range(count, world_size, rank) for _, count in groups]
-            local_counts = [end - beg for beg, end in local]
+            counts = [count for _, count in _qkv_rank_heads(n_head, n_head_kv, world_size, rank)]
             x = s[key]
-            heads = x.view(sum(local_counts), head_dim, *x.shape[1:])
-            per_rank.append(heads.split(local_counts))
-        full = [torch.cat([parts[g] for parts in per_rank]) for g in range(len(groups))]
+            per_rank.append(x.view(sum(counts), head_dim, *x.shape[1:]).split(counts))
+        # Ranks hold consecutive heads of each of q, k, v: concatenating in rank order restores them.
+        full = [torch.cat([parts[g] for parts in per_rank]) for g in range(3)]
         out[key] = torch.cat(full).flatten(0, 1)
 
     vocab_rows("transformer.embeddings.word_embeddings.weight")
