@@ -249,6 +249,21 @@ def test_remap_hf_gpt2_round_trip_logits():
     fresh.load_state_dict(back, strict=True)
 
 
+def test_from_pretrained_local_gpt2_directory(tmp_path):
+    cfg = gpt2_config()
+    hf = transformers.GPT2LMHeadModel(GPT2Config(n_embd=48, n_head=4, n_layer=2, vocab_size=101, n_positions=64,
+                                                 **_QUIET, attn_implementation="eager")).eval()
+    hf.save_pretrained(tmp_path / "gpt2-tiny")
+    model = GPTLMHeadModel.from_pretrained(str(tmp_path / "gpt2-tiny"), cfg).eval()
+    ids = torch.randint(0, 101, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits[..., :101], hf(ids).logits, rtol=1e-4, atol=1e-4)
+    # The family is read from the name: an unknown one is refused.
+    (tmp_path / "gpt2-tiny").rename(tmp_path / "mystery")
+    with pytest.raises(NotImplementedError, match="not supported"):
+        GPTLMHeadModel.from_pretrained(str(tmp_path / "mystery"), cfg)
+
+
 def test_remap_megatron_layout():
     cfg = gpt2_config(n_positions=0, rotary_emb_fraction=0.5)
     model = GPTLMHeadModel(cfg)
@@ -536,23 +551,23 @@ def fake_graphs(monkeypatch):
 def test_graph_decoding_protocol_on_cpu(fake_graphs, zeroed_caches):
     model = GPTLMHeadModel(llama_config()).eval()  # rotary dim 16 + flash: the graph-safe decode path
     ids = torch.randint(0, 97, (2, 5))
-    want = decode(ids, model, 17)
-    got = decode(ids, model, 17, cg=True)
+    want = decode(ids, model, 14)
+    got = decode(ids, model, 14, cg=True)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-5, atol=1e-5)
     cache = model._decoding_cache
-    assert fake_graphs == [(2, 1, 0)] and cache.max_seqlen == 17
+    assert fake_graphs == [(2, 1, 0)] and cache.max_seqlen == 14
     kv = cache.inference_params.key_value_memory_dict
-    assert sorted(kv) == [0, 1] and kv[0].shape == (2, 17, 2, 2, 16)
+    assert sorted(kv) == [0, 1] and kv[0].shape == (2, 14, 2, 2, 16)
     # Reuse: same shapes capture nothing; a smaller batch adds a graph in the same pool; a longer
     # max_length rebuilds the caches and the pool.
     ids2 = torch.randint(0, 97, (2, 3))
-    assert torch.equal(decode(ids2, model, 17, cg=True).sequences, decode(ids2, model, 17).sequences)
+    assert torch.equal(decode(ids2, model, 14, cg=True).sequences, decode(ids2, model, 14).sequences)
     assert len(fake_graphs) == 1 and model._decoding_cache is cache
-    assert torch.equal(decode(ids2[:1], model, 12, cg=True).sequences, decode(ids2[:1], model, 12).sequences)
+    assert torch.equal(decode(ids2[:1], model, 10, cg=True).sequences, decode(ids2[:1], model, 10).sequences)
     assert fake_graphs[1] == (1, 1, 0)
-    decode(ids2, model, 20, cg=True)
-    assert fake_graphs[2] == (2, 1, 1) and set(cache.callables) == {(2, 1)} and cache.max_seqlen == 20
+    decode(ids2, model, 16, cg=True)
+    assert fake_graphs[2] == (2, 1, 1) and set(cache.callables) == {(2, 1)} and cache.max_seqlen == 16
 
 
 def test_graph_speculative_decoding_protocol_on_cpu(fake_graphs, zeroed_caches):

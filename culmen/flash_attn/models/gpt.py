@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections import OrderedDict, namedtuple
 from collections.abc import Mapping, Sequence
@@ -259,13 +260,13 @@ class GPTPreTrainedModel(nn.Module):
         self.config = config
 
     @classmethod
-    def from_pretrained(cls, model_name: str, config, *args, strict: bool = True, device=None, dtype=None,
+    def from_pretrained(cls, model_name: str | os.PathLike, config, *args, strict: bool = True, device=None, dtype=None,
                         world_size: int = 1, rank: int = 0, **kwargs):
         """Build ``cls(config, *args, device=device, dtype=dtype, **kwargs)`` and load ``model_name``'s
         checkpoint (``state_dict_from_pretrained``: a hub name or a local directory), remapped by the
         name's family (gpt2, facebook/opt, EleutherAI/gpt-j / GPT-JT, gpt-neox / pythia / RedPajama,
-        tiiuae/falcon, meta-llama/Llama, bigcode / WizardLM) and sharded for tensor parallelism when
-        ``world_size > 1``."""
+        tiiuae/falcon, meta-llama/Llama, bigcode / WizardLM; for a local directory, its path or its last
+        component, e.g. ``.../gpt2-medium``) and sharded for tensor parallelism when ``world_size > 1``."""
         import importlib
 
         model = cls(config, *args, device=device, dtype=dtype, **kwargs)
@@ -282,13 +283,15 @@ class GPTPreTrainedModel(nn.Module):
             (("meta-llama/Llama-",), "llama", "remap_state_dict_hf_llama"),
             (("bigcode/", "WizardLM/"), "bigcode", "remap_state_dict_hf_bigcode"),
         )
+        name = str(model_name)
+        candidates = (name, os.path.basename(os.path.normpath(name)))
         for prefixes, module, fn in families:
-            if model_name.startswith(prefixes):
+            if any(c.startswith(prefixes) for c in candidates):
                 remap = getattr(importlib.import_module(f"culmen.flash_attn.models.{module}"), fn)
                 state_dict = remap(state_dict, config)
                 break
         else:
-            raise NotImplementedError(f"Model {model_name} not supported")
+            raise NotImplementedError(f"Model {name} not supported")
         if world_size > 1:
             state_dict = shard_state_dict_tp(state_dict, config, world_size, rank)
         logger.info(model.load_state_dict(state_dict, strict=strict))
