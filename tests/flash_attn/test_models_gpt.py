@@ -113,6 +113,8 @@ def _mlp(h, p, prefix, cfg):
         return _linear(y * {"swiglu": F.silu, "glu": torch.sigmoid, "geglu": F.gelu}[act](gate), p, prefix + ".fc2")
     if act == "gelu_new":
         y = 0.5 * y * (1 + torch.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y**3)))
+    elif act in ("relu", "sqrelu"):
+        y = F.relu(y) ** (2 if act == "sqrelu" else 1)
     else:
         y = F.gelu(y)
     return _linear(y, p, prefix + ".fc2")
@@ -121,20 +123,27 @@ def _mlp(h, p, prefix, cfg):
 def reference_logits(p: dict, cfg, input_ids):
     """Logits of the architecture ``cfg`` describes, from the parameters ``p`` (flash_attn names)."""
     x = p["transformer.embeddings.word_embeddings.weight"][input_ids]
+    if "transformer.embeddings.project_in.weight" in p:  # OPT-350m: narrower word embeddings
+        x = x @ p["transformer.embeddings.project_in.weight"].T
     if cfg.n_positions > 0:
         x = x + p["transformer.embeddings.position_embeddings.weight"][: input_ids.shape[1]]
     x = x * getattr(cfg, "mup_embeddings_multiplier", 1.0)
     residual = x
     for i in range(cfg.n_layer):
         pre = f"transformer.layers.{i}"
-        if getattr(cfg, "parallel_block", False):
+        if not getattr(cfg, "prenorm", True):  # post-norm: the norms follow the residual adds
+            residual = _norm(residual + _attention(residual, p, pre + ".mixer", cfg, i), p, pre + ".norm1", cfg)
+            residual = _norm(residual + _mlp(residual, p, pre + ".mlp", cfg), p, pre + ".norm2", cfg)
+        elif getattr(cfg, "parallel_block", False):
             h1 = _norm(residual, p, pre + ".norm1", cfg)
             h2 = _norm(residual, p, pre + ".norm2", cfg)
             residual = residual + _attention(h1, p, pre + ".mixer", cfg, i) + _mlp(h2, p, pre + ".mlp", cfg)
         else:
             residual = residual + _attention(_norm(residual, p, pre + ".norm1", cfg), p, pre + ".mixer", cfg, i)
             residual = residual + _mlp(_norm(residual, p, pre + ".norm2", cfg), p, pre + ".mlp", cfg)
-    h = _norm(residual, p, "transformer.ln_f", cfg)
+    h = _norm(residual, p, "transformer.ln_f", cfg) if getattr(cfg, "prenorm", True) else residual
+    if "project_out.weight" in p:
+        h = h @ p["project_out.weight"].T
     h = h * getattr(cfg, "mup_output_multiplier", 1.0) * getattr(cfg, "mup_width_scale", 1.0)
     head = p.get("lm_head.weight", p["transformer.embeddings.word_embeddings.weight"])
     return F.linear(h, head, p.get("lm_head.bias"))
@@ -161,8 +170,21 @@ def _check_against_reference(model, cfg, input_ids, dtype=torch.float32):
         assert_close_tolerance(t.grad, hi[1][n], lo[1][n], name=f"grad {n}")
 
 
-@pytest.mark.parametrize("make_config", [gpt2_config, llama_config, parallel_config],
-                         ids=["gpt2", "llama", "parallel_block"])
+def fused_config():
+    return gpt2_config(fused_mlp=True, fused_bias_fc=True, fused_dropout_add_ln=True, residual_in_fp32=True)
+
+
+def sqrelu_config():
+    return llama_config(activation_function="sqrelu", fused_dense_sqrelu_dense=True, mlp_checkpoint_lvl=[1, 2])
+
+
+def postnorm_config():
+    return gpt2_config(prenorm=False, word_embed_proj_dim=32, activation_function="relu")
+
+
+@pytest.mark.parametrize("make_config", [gpt2_config, llama_config, parallel_config, fused_config, sqrelu_config,
+                                         postnorm_config],
+                         ids=["gpt2", "llama", "parallel_block", "fused", "sqrelu", "postnorm_opt350m"])
 def test_lm_head_model_forward_backward_matches_reference(make_config):
     cfg = make_config()
     model = GPTLMHeadModel(cfg)
@@ -183,6 +205,34 @@ def test_state_dict_keys_and_shapes_follow_flash_attn():
     tied = GPTLMHeadModel(gpt2_config())
     assert tied.lm_head.weight is tied.transformer.embeddings.word_embeddings.weight
     assert tied.lm_head.weight.shape == (104, 48)  # 101 padded to a multiple of 8
+
+
+def test_config_selects_flash_attn_modules():
+    from culmen.flash_attn.modules.block import Block, ParallelBlock
+    from culmen.flash_attn.modules.mlp import GatedMlp, Mlp
+    from culmen.flash_attn.ops.fused_dense import FusedDense, FusedMLP
+    from culmen.flash_attn.ops.triton.layer_norm import RMSNorm
+
+    llama = GPTLMHeadModel(llama_config(window_size=(8, 0), mup_attn_multiplier=2.0, mup_scale_qk_dot_by_d=True))
+    layer = llama.transformer.layers[1]
+    assert isinstance(layer, Block) and isinstance(layer.mlp, GatedMlp) and layer.mlp.activation is F.silu
+    assert isinstance(layer.norm1, RMSNorm) and isinstance(llama.transformer.ln_f, RMSNorm)
+    mixer = layer.mixer
+    assert (mixer.num_heads, mixer.num_heads_kv, mixer.rotary_emb_dim, mixer.causal) == (4, 2, 16, True)
+    assert mixer.inner_attn.softmax_scale == pytest.approx(2.0 / 16)  # muP: 1/d instead of 1/sqrt(d)
+    assert tuple(mixer.inner_attn.window_size) == (8, 0) and mixer.layer_idx == 1 and layer.layer_idx == 1
+    sq = GPTLMHeadModel(sqrelu_config())
+    assert [type(blk.mlp) for blk in sq.transformer.layers] == [FusedMLP, FusedMLP]
+    assert [blk.mlp.checkpoint_lvl for blk in sq.transformer.layers] == [1, 2]
+    fused = GPTLMHeadModel(fused_config())
+    assert isinstance(fused.transformer.layers[0].mixer.Wqkv, FusedDense)
+    assert fused.transformer.layers[0].mlp.activation == "gelu_approx"
+    gpt2 = GPTLMHeadModel(gpt2_config(activation_function="gelu", resid_pdrop=0.1, embd_pdrop=0.2))
+    mlp = gpt2.transformer.layers[0].mlp
+    assert isinstance(mlp, Mlp) and mlp.activation.keywords == {"approximate": "none"}
+    # The blocks' dropout-add-norm order puts the embedding dropout in layer 0's first residual dropout.
+    assert [blk.dropout1.p for blk in gpt2.transformer.layers] == [0.2, 0.1]
+    assert isinstance(GPTLMHeadModel(parallel_config()).transformer.layers[0], ParallelBlock)
 
 
 def test_model_options_and_config_errors():
