@@ -476,6 +476,9 @@ def _patch_loss(model: nn.Module, report: PatchReport) -> None:
     if _kind_of(model) == "cross_entropy":
         report.already_patched["cross_entropy"] += 1
         return
+    if "forward" in model.__dict__:
+        report.notes.append(f"cross_entropy: {type(model).__name__} has an instance-level forward; loss unchanged")
+        return
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     try:
@@ -544,6 +547,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, layer_norm: bool = True, r
         if id(module) in covered:
             continue
         kind = _kind_of(module)
+        if "forward" in module.__dict__:
+            # An instance-level forward (accelerate's offload hooks, a user's wrapper) would shadow a class swap.
+            report.notes.append(f"{name or type(module).__name__}: has an instance-level forward; left alone")
+            continue
         if kind in ("rms_norm", "layer_norm", "mlp"):
             report.already_patched[kind] += 1
             covered.update(id(m) for m in module.modules())

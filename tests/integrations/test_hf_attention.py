@@ -22,7 +22,7 @@ from transformers.masking_utils import (  # noqa: E402
 
 import culmen.integrations.huggingface as culmen_hf  # noqa: E402
 from culmen.integrations import hf_attention  # noqa: E402
-from culmen.testing.tolerance import assert_close_tolerance  # noqa: E402
+from culmen.testing.tolerance import assert_close_tolerance, default_atol  # noqa: E402
 
 V = 80
 
@@ -416,12 +416,14 @@ def test_packed_position_ids_use_the_dense_fallback():
 # ------------------------------------------------------------------------------------------------- GPU
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_gpu_bf16_training_and_static_cache_decoding(family):
-    mod, ref = pair(family, torch.bfloat16, "cuda")
+def bf16_training_and_decoding(family, device):
+    """bf16 model with culmen attention vs the same in eager bf16, both against an fp32 oracle model:
+    loss and logits under the tolerance rule, gradients as one vector in the L2 norm (a whole bf16 model's
+    gradients are chaotic entry by entry, see test_hf_patch.check_training), then decoding through a
+    StaticCache, teacher-forced, against DynamicCache decoding of the references."""
+    mod, ref = pair(family, torch.bfloat16, device)
     hi = hi_copy(ref, torch.float32)
-    ids, mask, labels = padded_batch(device="cuda")
+    ids, mask, labels = padded_batch(device=device)
     outs = {}
     for name, m in (("culmen", mod), ("eager", ref), ("hi", hi)):
         m.train()
@@ -431,16 +433,24 @@ def test_gpu_bf16_training_and_static_cache_decoding(family):
     valid = mask.bool()
     assert_close_tolerance(outs["culmen"].logits[valid], outs["hi"].logits[valid], outs["eager"].logits[valid],
                            name="logits")
-    assert_close_tolerance(outs["culmen"].loss, outs["hi"].loss, outs["eager"].loss, name="loss")
-    for (n, p), p_ref, p_hi in zip(mod.named_parameters(), ref.parameters(), hi.parameters()):
-        assert_close_tolerance(p.grad, p_hi.grad, p_ref.grad, name=n)
-    pids, pmask = _prompt("cuda")
-    steps = torch.randint(3, V, (3, 4), device="cuda")
+    assert_close_tolerance(outs["culmen"].loss, outs["hi"].loss, outs["eager"].loss, name="loss",
+                           atol=default_atol(torch.bfloat16) * max(1.0, abs(outs["hi"].loss.item())))
+    a, h, r = (torch.cat([p.grad.double().flatten() for p in m.parameters()]) for m in (mod, hi, ref))
+    err, base = (a - h).norm().item(), (r - h).norm().item()
+    assert err <= 2 * base + 0.02 * h.norm().item(), f"gradients: |culmen - hi| = {err:.4g}, |eager - hi| = {base:.4g}"
+    pids, pmask = _prompt(device)
+    steps = torch.randint(3, V, (3, 4), device=device)
     with torch.no_grad():
         want = decode_logits(hi.eval(), pids, pmask, steps, transformers.DynamicCache())
         base = decode_logits(ref.eval(), pids, pmask, steps, transformers.DynamicCache())
         got = decode_logits(mod.eval(), pids, pmask, steps, static_cache(mod, 16))
     assert_close_tolerance(got, want, base, name="static cache logits")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_gpu_bf16_training_and_static_cache_decoding(family):
+    bf16_training_and_decoding(family, "cuda")
 
 
 @pytest.mark.gpu
