@@ -233,6 +233,16 @@ def test_config_selects_flash_attn_modules():
     # The blocks' dropout-add-norm order puts the embedding dropout in layer 0's first residual dropout.
     assert [blk.dropout1.p for blk in gpt2.transformer.layers] == [0.2, 0.1]
     assert isinstance(GPTLMHeadModel(parallel_config()).transformer.layers[0], ParallelBlock)
+    extras = GPTLMHeadModel(gpt2_config(use_flash_attn=True, use_alibi=True, attn_dwconv=True,
+                                        qkv_proj_bias=False, out_proj_bias=False, n_positions=0,
+                                        rotary_emb_fraction=0.5, rotary_emb_interleaved=True,
+                                        rotary_emb_scale_base=512.0, rotary_emb_base=500.0))
+    mixer = extras.transformer.layers[0].mixer
+    assert mixer.inner_attn.alibi_slopes is not None and hasattr(mixer, "dwconv_qkv")
+    assert mixer.Wqkv.bias is None and mixer.out_proj.bias is None
+    rot = mixer.rotary_emb
+    assert (mixer.rotary_emb_dim, rot.interleaved, rot.scale_base, rot.base) == (6, True, 512.0, 500.0)
+    assert extras(torch.randint(0, 101, (2, 5))).logits.shape == (2, 5, 104)
 
 
 def test_model_options_and_config_errors():
