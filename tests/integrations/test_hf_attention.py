@@ -186,6 +186,41 @@ def test_packed_cu_seq_lens_kwargs():
     check_fwd_bwd(out, q, k, v, keep[None], 8 ** -0.5, 0.0)
 
 
+@pytest.mark.parametrize("path", ["dense", "varlen", "fallback"])
+def test_dropout_in_training(path):
+    """Dropout reaches the kernels: seeded runs repeat, differ from no dropout, and stay finite."""
+    q, k, v = hf_inputs(2, 4, 2, 8, 8, 16)
+    mask = None
+    if path == "varlen":
+        mask = torch.ones(2, 8, dtype=torch.bool)
+        mask[0, :3] = False
+    elif path == "fallback":
+        mask = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    runs = []
+    for p in (0.4, 0.4, 0.0):
+        torch.manual_seed(7)
+        out, _ = hf_attention.culmen_attention_forward(_Attn(), q, k, v, mask, dropout=p)
+        runs.append(out)
+    valid = mask[:, :, None, None] if path == "varlen" else 1.0  # padding rows are 0 either way
+    assert torch.equal(runs[0], runs[1]) and torch.isfinite(runs[0]).all()
+    assert not torch.allclose(runs[0] * valid, runs[2] * valid)
+    (dq,) = torch.autograd.grad(runs[0].sum(), (q,))
+    assert torch.isfinite(dq).all() and dq.abs().sum() > 0
+
+
+def test_from_pretrained_round_trip(tmp_path):
+    mod, ref = pair("llama")
+    culmen_hf.patch(mod)
+    mod.save_pretrained(tmp_path)  # a patched model saves as the plain architecture
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="culmen")
+    assert back.config._attn_implementation == "culmen" and type(back) is type(ref)
+    ids, mask, _ = padded_batch()
+    with torch.no_grad():
+        a, b = back(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert_close_tolerance(a[valid], b[valid], None, name="logits")
+
+
 def test_bad_two_d_mask_raises():
     q, k, v = hf_inputs(1, 2, 2, 3, 3, 8, requires_grad=False)
     with pytest.raises(ValueError, match="attention_mask"):
