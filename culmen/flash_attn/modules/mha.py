@@ -297,9 +297,10 @@ def _update_kv_cache(kv: Tensor, inference_params: Any, layer_idx: int) -> Tenso
     return cache[b0:b1, :s1]
 
 
-def _seqlen_offset(inference_params: Any) -> int | Tensor:
+def _seqlen_offset(inference_params: Any, batch: int) -> int | Tensor:
+    # The cache (and lengths_per_sample) may be allocated for a larger batch than this call's.
     lengths = inference_params.lengths_per_sample
-    return lengths if lengths is not None else inference_params.seqlen_offset
+    return lengths[:batch] if lengths is not None else inference_params.seqlen_offset
 
 
 class _AttentionCore(nn.Module):
@@ -372,7 +373,8 @@ class _AttentionCore(nn.Module):
                 q, kv = qkv[:, :, 0], qkv[:, :, 1:]
             return self._apply_rotary_update_kvcache_attention(q, kv, inference_params)
         if self.rotary_emb_dim > 0:
-            offset, max_seqlen = _seqlen_offset(inference_params), inference_params.max_seqlen
+            batch = (qkv if qkv is not None else q).shape[0]
+            offset, max_seqlen = _seqlen_offset(inference_params, batch), inference_params.max_seqlen
             if qkv is not None:
                 qkv = self.rotary_emb(qkv, seqlen_offset=offset, max_seqlen=max_seqlen)
             else:

@@ -347,6 +347,11 @@ def attention_range_fwd_ref(q: Tensor, k: Tensor, v: Tensor, k_start: Tensor | N
     j = torch.arange(sk, device=q.device).view(1, 1, 1, 1, -1)
     valid = (j >= start.view(-1, 1, 1, 1, 1)) & (j < end.view(-1, 1, 1, 1, 1))
     vis = _visible(rel, valid, causal, window_size)
+    # Slots outside the range may hold anything (a cache from torch.empty): a zero probability times a
+    # NaN value is still NaN, so they are zeroed rather than only masked.
+    keep = valid.reshape(-1, sk)[:, :, None, None]
+    k = k.masked_fill(~keep, 0)
+    v = v.masked_fill(~keep, 0)
     out, lse, _ = _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi_slopes, 0.0, None, None, 0, 0, False)
     return out.to(q.dtype), lse
 
