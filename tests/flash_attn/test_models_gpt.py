@@ -528,7 +528,7 @@ def _fill_new_caches(monkeypatch, value: float) -> None:
 
 
 @pytest.fixture
-def zeroed_caches(monkeypatch):
+def stale_caches(monkeypatch):
     """Decoding caches start filled with NaN (stale memory, as torch.empty may give): unfilled slots
     must never reach the output."""
     _fill_new_caches(monkeypatch, float("nan"))
@@ -550,7 +550,7 @@ def _full_recompute_greedy(model, ids, max_length):
 
 @pytest.mark.parametrize("make_config", [gpt2_config, llama_config, lambda: llama_config(use_flash_attn=False)],
                          ids=["gpt2", "llama-flash", "llama-torch"])
-def test_greedy_decode_equals_full_recompute(make_config, zeroed_caches):
+def test_greedy_decode_equals_full_recompute(make_config, stale_caches):
     cfg = make_config()
     model = GPTLMHeadModel(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
@@ -562,7 +562,7 @@ def test_greedy_decode_equals_full_recompute(make_config, zeroed_caches):
         torch.testing.assert_close(score, full[:, 4 + t], rtol=1e-4, atol=1e-4)
 
 
-def test_decode_speculative_on_gpt_equals_greedy(zeroed_caches):
+def test_decode_speculative_on_gpt_equals_greedy(stale_caches):
     cfg = llama_config()
     model = GPTLMHeadModel(cfg).eval()
     draft = GPTLMHeadModel(llama_config(n_layer=1)).eval()
@@ -604,7 +604,7 @@ def fake_graphs(monkeypatch):
     return captures
 
 
-def test_graph_decoding_protocol_on_cpu(fake_graphs, zeroed_caches):
+def test_graph_decoding_protocol_on_cpu(fake_graphs, stale_caches):
     model = GPTLMHeadModel(llama_config()).eval()  # rotary dim 16 + flash: the graph-safe decode path
     ids = torch.randint(0, 97, (2, 5))
     want = decode(ids, model, 14)
@@ -626,7 +626,7 @@ def test_graph_decoding_protocol_on_cpu(fake_graphs, zeroed_caches):
     assert fake_graphs[2] == (2, 1, 1) and set(cache.callables) == {(2, 1)} and cache.max_seqlen == 16
 
 
-def test_graph_speculative_decoding_protocol_on_cpu(fake_graphs, zeroed_caches):
+def test_graph_speculative_decoding_protocol_on_cpu(fake_graphs, stale_caches):
     model = GPTLMHeadModel(llama_config()).eval()
     draft = GPTLMHeadModel(llama_config(n_layer=1)).eval()
     ids = torch.randint(0, 97, (1, 4))
