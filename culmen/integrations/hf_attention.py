@@ -32,7 +32,9 @@ What the mask function produces, and what the attention function then runs:
     (no host sync). The queries are taken to be the last tokens before the first unfilled key, which
     is how ``transformers``' caches lay them out. Each row's valid keys are taken to be one contiguous
     run (left padding), as ``generate`` produces;
-  - ``q_len < kv_len`` with autograd: SDPA with the equivalent dense mask (below);
+  - ``q_len < kv_len`` with autograd, and every 2-D mask under ``torch.compile`` (unpadding has
+    data-dependent sizes; culmen's KV-cache op has no traced form yet, and ``transformers`` compiles
+    ``StaticCache`` decoding on GPUs): SDPA with the equivalent dense mask (below);
 
 * anything else (a 4-D mask the caller built, packed sequences found from ``position_ids``, chunked or
   bidirectional patterns, image-token overlays, a mask function this module does not recognise) -> the
@@ -79,11 +81,12 @@ def _derived(mask: Tensor, what: str, make) -> tuple:
 
 def _unpad_meta(mask: Tensor) -> tuple[Tensor, Tensor, int]:
     """``(indices (total,) int64 into batch * seqlen, cu_seqlens (B + 1,) int32, max_seqlen)`` of a 2-D
-    bool mask (one host sync, for ``max_seqlen``)."""
+    bool mask. ``max_seqlen`` is the padded length, a bound the kernels accept: reading the true maximum
+    would cost a host sync (a padded batch's longest row is usually that long anyway)."""
     seqlens = mask.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
     cu = F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
-    return indices, cu, int(seqlens.max().item()) if seqlens.numel() else 0
+    return indices, cu, mask.shape[-1]
 
 
 def _key_range(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -203,6 +206,11 @@ def culmen_attention_forward(
         return flash_attn_func(q, k, v, dropout, scaling, causal and sq > 1, window, cap), None
 
     if attention_mask.dim() == 2 and attention_mask.dtype == torch.bool and attention_mask.shape[-1] == sk:
+        if torch.compiler.is_compiling():
+            # Unpadding has data-dependent sizes and culmen's KV-cache op has no traced form yet: compiled
+            # graphs (transformers compiles StaticCache decoding on GPUs) take the dense-mask path.
+            dense = _dense_mask(attention_mask, sq, window, causal)
+            return _fallback(query, key, value, dense, dropout, scaling, cap, False).contiguous(), None
         if sq == sk:
             indices, cu, max_s = _derived(attention_mask, "unpad", _unpad_meta)
             qu = index_first_axis(q.reshape(B * sq, h, d), indices)

@@ -363,13 +363,40 @@ def test_gpu_bf16_training(family):
     check_training(mod, ref, hi, "cuda")
 
 
+def check_static_generate(mod, ref, device, **compile_kw):
+    ids = torch.randint(3, V, (3, 7), device=device)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
+    mod.eval()
+    ref.eval()
+    want = ref.generate(ids, attention_mask=mask, disable_compile=True, **kw)
+    assert torch.equal(mod.generate(ids, attention_mask=mask, **kw, **compile_kw), want)
+
+
+def test_compiled_static_cache_generate():
+    """transformers compiles StaticCache decoding (fullgraph) on GPUs; every patched piece must trace.
+    Forced here on CPU with dynamo's eager backend."""
+    cc = transformers.CompileConfig(backend="eager", fullgraph=True)
+    if not hasattr(cc, "_compile_all_devices"):
+        pytest.skip("this transformers cannot compile generate on CPU")
+    cc._compile_all_devices = True
+    mod, ref, _, _ = models("gemma3")
+    torch._dynamo.reset()
+    check_static_generate(mod, ref, "cpu", compile_config=cc)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_fp32_generate_dynamic_and_static_cache(family):
     mod, ref, _, _ = models(family, torch.float32, "cuda")
     check_generate(mod, ref, "cuda")
-    ids = torch.randint(3, V, (3, 7), device="cuda")
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
-    assert torch.equal(mod.generate(ids, attention_mask=mask, **kw), ref.generate(ids, attention_mask=mask, **kw))
+    check_static_generate(mod, ref, "cuda", disable_compile=True)
+
+
+@pytest.mark.gpu
+def test_gpu_static_cache_generate_auto_compiled():
+    """On CUDA, generate compiles StaticCache decoding (inductor, CUDA graphs) by default."""
+    mod, ref, _, _ = models("llama", torch.float32, "cuda")
+    torch._dynamo.reset()
+    check_static_generate(mod, ref, "cuda")
