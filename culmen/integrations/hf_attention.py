@@ -37,10 +37,12 @@ What the mask function produces, and what the attention function then runs:
     ``StaticCache`` decoding on GPUs): SDPA with the equivalent dense mask (below);
 
 * anything else (a 4-D mask the caller built, packed sequences found from ``position_ids``, chunked or
-  bidirectional patterns, image-token overlays, a mask function this module does not recognise) -> the
-  4-D bool mask ``transformers`` builds for SDPA -> :func:`torch.nn.functional.scaled_dot_product_attention`
-  with that mask (or, with ``softcap``, the same math written out in PyTorch). Rows that see no key get
-  a uniform mask instead of NaNs. These cases are correct but do not use culmen's kernels.
+  bidirectional patterns, image-token overlays, sliding windows under ``torch.compile`` (the pattern is
+  recognised by reading the mask function's closure, which Dynamo cannot do), a mask function this
+  module does not recognise) -> the 4-D bool mask ``transformers`` builds for SDPA ->
+  :func:`torch.nn.functional.scaled_dot_product_attention` with that mask (or, with ``softcap``, the
+  same math written out in PyTorch). Rows that see no key get a uniform mask instead of NaNs. These
+  cases are correct but do not use culmen's kernels.
 
 Padded query rows (padding tokens themselves) output 0 on the culmen paths; their values differ from
 SDPA's but nothing downstream reads them (no valid query attends a padding key).
@@ -241,6 +243,8 @@ def _classify(mask_function) -> str | None:
 
     if mask_function is causal_mask_function:
         return "causal"
+    if torch.compiler.is_compiling():
+        return None  # Dynamo cannot read closures: compiled sliding-window layers take the dense-mask path
     code = getattr(mask_function, "__code__", None)
     closure = getattr(mask_function, "__closure__", None)
     if code is None or code.co_name != "and_mask" or not closure:

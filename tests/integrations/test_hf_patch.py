@@ -386,6 +386,22 @@ def test_compiled_static_cache_generate():
     check_static_generate(mod, ref, "cpu", compile_config=cc)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_compiled_training_step(family):
+    """A patched model traces whole (fullgraph) for training: loss and gradients as eager."""
+    mod, ref, _, _ = models(family)
+    ids, _, _ = padded_batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(mod.train(), backend="eager", fullgraph=True)
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    want = ref.train()(ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    for (n, p), q in zip(mod.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_fp32_generate_dynamic_and_static_cache(family):
