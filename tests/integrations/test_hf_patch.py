@@ -194,10 +194,13 @@ def test_family_training_generate_and_report(family):
     check_generate(mod, ref)
 
 
-def test_kernels_under_the_interpreter(triton_backend):
-    """Norm, rotary, SwiGLU, attention and fused linear + CE through culmen's Triton kernels."""
-    mod, ref, hi, _ = models("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gpt_neox"])
+def test_kernels_under_the_interpreter(triton_backend, family):
+    """RMSNorm / LayerNorm, full and partial rotary, SwiGLU (separate and packed gate/up), GELU, attention
+    (varlen, KV cache) and fused linear + CE through culmen's Triton kernels (TRITON_INTERPRET on CPU)."""
+    mod, ref, hi, _ = models(family)
     check_training(mod, ref, hi)
+    check_generate(mod, ref)
 
 
 # ------------------------------------------------------------------------------------- patch mechanics
