@@ -164,7 +164,7 @@ def check_training(mod, ref, hi, device="cpu"):
         assert err <= 2 * base + 0.02 * h.norm().item(), f"gradients: |a - hi| = {err:.4g}, |ref - hi| = {base:.4g}"
 
 
-def check_generate(mod, ref, device="cpu"):
+def check_generate(mod, ref, device="cpu", unpadded=True):
     ids = torch.randint(3, V, (3, 7), device=device)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
@@ -172,7 +172,7 @@ def check_generate(mod, ref, device="cpu"):
     ids = ids.masked_fill(mask == 0, 0)
     mod.eval()
     ref.eval()
-    for m in (mask, torch.ones_like(mask)):
+    for m in (mask, torch.ones_like(mask))[:2 if unpadded else 1]:
         want = ref.generate(ids, attention_mask=m, max_new_tokens=5, do_sample=False)
         got = mod.generate(ids, attention_mask=m, max_new_tokens=5, do_sample=False)
         assert torch.equal(got, want)
@@ -200,7 +200,8 @@ def test_kernels_under_the_interpreter(triton_backend, family):
     (varlen, KV cache) and fused linear + CE through culmen's Triton kernels (TRITON_INTERPRET on CPU)."""
     mod, ref, hi, _ = models(family)
     check_training(mod, ref, hi)
-    check_generate(mod, ref)
+    if family == "qwen3":  # the decoding kernels once, left-padded (each interpreted launch is slow)
+        check_generate(mod, ref, unpadded=False)
 
 
 # ------------------------------------------------------------------------------------- patch mechanics
