@@ -259,16 +259,25 @@ def _classify(mask_function) -> str | None:
 
 def culmen_attention_mask(
     batch_size: int,
-    q_length: int,
-    kv_length: int,
+    q_length: int | None = None,
+    kv_length: int | None = None,
     q_offset: int | Tensor = 0,
     kv_offset: int = 0,
     mask_function=None,
     attention_mask: Tensor | None = None,
+    cache_position: Tensor | None = None,
     **kwargs,
 ) -> Tensor | None:
     """The ``transformers`` mask function of ``attn_implementation="culmen"`` (called once per forward and
     mask type by ``create_causal_mask`` and friends, with their keyword arguments).
+
+    Args:
+        batch_size, kv_length, kv_offset, mask_function, attention_mask: as transformers passes them
+            (``attention_mask``: the 2-D ``(batch, seen + q_length)`` padding mask, or None).
+        q_length, q_offset: the queries' count and first position (``q_offset`` is a tensor for a
+            ``StaticCache``). Before transformers 5.4 ``cache_position`` (the queries' positions, a 1-D
+            tensor) is passed instead, and is accepted too.
+        kwargs: the rest of transformers' arguments (``device``, ``allow_is_causal_skip``, ``local_size`` ...).
 
     Returns ``None`` (plain causal / sliding causal, no padding, keys ending at the last query), a 2-D
     bool ``(batch_size, kv_length)`` mask of the attendable keys (padding, a ``StaticCache``'s unfilled
@@ -282,12 +291,22 @@ def culmen_attention_mask(
     if _classify(mask_function) is None:
         kwargs.pop("allow_is_causal_skip", None)
         kwargs.pop("allow_is_bidirectional_skip", None)
-        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                         allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
-    device = kwargs.get("device", attention_mask.device if attention_mask is not None else "cpu")
-    static_offset = isinstance(q_offset, Tensor)
-    tail = static_offset or kv_offset + kv_length != q_offset + q_length
+        where = (dict(cache_position=cache_position) if cache_position is not None
+                 else dict(q_length=q_length, q_offset=q_offset))
+        return sdpa_mask(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
+                         attention_mask=attention_mask, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                         **where, **kwargs)
+    if cache_position is not None:
+        # Older transformers: the query positions as a tensor. Keys past the last query are never attended.
+        q_length = cache_position.shape[0]
+        q_end = cache_position[-1] + 1
+        tail = kv_offset + kv_length != q_length  # more keys than queries: maybe unfilled slots (no host sync)
+        device = cache_position.device
+    else:
+        q_end = q_offset + q_length
+        # A StaticCache's ``q_offset`` is a tensor (its layers advance it in place later on).
+        tail = isinstance(q_offset, Tensor) or kv_offset + kv_length != q_end
+        device = kwargs.get("device", attention_mask.device if attention_mask is not None else "cpu")
     if attention_mask is None and not tail:
         return None
     kpos = torch.arange(kv_length, device=device) + kv_offset
@@ -300,8 +319,7 @@ def culmen_attention_mask(
     else:
         keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
     if tail:
-        # Computed now: a StaticCache's ``q_offset`` is a tensor its layers advance in place later on.
-        keys = keys & (kpos < q_offset + q_length)[None, :]
+        keys = keys & (kpos < q_end)[None, :]  # computed now, before the cache advances
     if not tail and not _tracing(keys) and bool(keys.all()):
         return None
     return keys

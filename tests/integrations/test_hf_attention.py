@@ -279,6 +279,20 @@ def test_mask_function_outputs():
     assert torch.equal(got, torch.tensor([[True] * 3 + [False] * 5] * 2))
 
 
+def test_mask_function_older_cache_position_convention():
+    """transformers before 5.4 passes the query positions (``cache_position``) instead of q_length/q_offset."""
+    pad = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    old = dict(batch_size=2, kv_offset=0, mask_function=causal_mask_function, allow_is_causal_skip=True,
+               dtype=torch.float32, config=None)
+    assert hf_attention.culmen_attention_mask(cache_position=torch.arange(4), kv_length=4, **old) is None
+    got = hf_attention.culmen_attention_mask(cache_position=torch.arange(4), kv_length=4, attention_mask=pad, **old)
+    assert torch.equal(got, pad)
+    # Decoding position 4 of a static cache of 8 slots: slots 5.. are unfilled.
+    got = hf_attention.culmen_attention_mask(cache_position=torch.tensor([4]), kv_length=8,
+                                             attention_mask=torch.ones(2, 5, dtype=torch.bool), **old)
+    assert torch.equal(got, torch.tensor([[True] * 5 + [False] * 3] * 2))
+
+
 def test_mask_function_falls_back_to_a_dense_mask():
     custom = lambda b, h, q, kv: (kv <= q) & (kv != 1)  # noqa: E731
     got = _mask(mask_function=custom)
