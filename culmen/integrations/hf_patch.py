@@ -315,7 +315,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _rotary_takes(q: Tensor, k: Tensor, cos: Tensor, unsqueeze_dim: int) -> bool:
-    return (unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape[1] == q.shape[2]
+    # ``type(...) is int``: some models' versions take ``position_ids`` in that place (passed positionally).
+    return (type(unsqueeze_dim) is int and unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4
+            and cos.dim() == 3 and cos.shape[1] == q.shape[2]
             and k.shape[2] == q.shape[2] and cos.shape[0] in (1, q.shape[0]))
 
 

@@ -344,6 +344,12 @@ def test_rotary_function_against_float64():
             assert_close_tolerance(a, hi_, lo, name=f"{name} rd={rd} rows={rows}")
     with pytest.raises(ValueError, match="unsqueeze_dim"):
         culmen_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    # The drop-in hands other call forms (an older ``position_ids`` argument in that place) to the original.
+    from culmen.integrations.hf_patch import _rotary_for
+
+    seen = []
+    drop_in = _rotary_for(lambda *a, **kw: seen.append((a, kw)) or "original")
+    assert drop_in(q, k, cos, sin, torch.arange(S)) == "original" and len(seen[0][0]) == 5
 
 
 def test_bad_arguments():
