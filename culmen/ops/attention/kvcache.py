@@ -44,7 +44,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool)
     """Rotary of ``x (B, s, h, d)`` at positions ``pos (B, s)`` (fp32 math, x's dtype out); positions are
     clamped into the tables (only unchecked bad ``cache_seqlens`` can reach past them)."""
     pos = pos.clamp(0, cos.shape[0] - 1)
-    return rotary_emb_ref(x.float(), cos[pos].float(), sin[pos].float(), interleaved).to(x.dtype)
+    return rotary_emb_ref(x.float(), cos[pos].float(), sin[pos].float(), interleaved).to(x.dtype).contiguous()
 
 
 def _safe_write(cache: Tensor, new: Tensor, rows: Tensor | None, pos: Tensor, block_table: Tensor | None) -> None:
@@ -177,7 +177,12 @@ class KVCachePlan:
             vd = TensorSpec(shape, strides, v_cache.dtype, v_cache.device)
         else:
             kd, vd = k_cache, v_cache
-        self.attn = AttnPlan("kvcache", q, kd, vd, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
+        # With rotary the attention reads the rotated copy of q (contiguous), not the caller's layout.
+        qa = q
+        if self.rotary:
+            bq, sq, hq, dq = q.shape
+            qa = TensorSpec(tuple(q.shape), (sq * hq * dq, hq * dq, dq, 1), q.dtype, q.device)
+        self.attn = AttnPlan("kvcache", qa, kd, vd, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
                              window_size=tuple(window_size), softcap=softcap, return_lse=return_lse,
                              k_range=2 if cache_leftpad is not None else 1, k_add=s_new)
         self.append = None

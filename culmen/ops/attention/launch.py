@@ -142,6 +142,9 @@ class TensorSpec:
     def is_contiguous(self) -> bool:
         return self._strides == _contiguous_strides(self.shape)
 
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
 
 class AttnPlan:
     """Everything attention derives from one call signature. Holds no tensors.
