@@ -123,8 +123,19 @@ def _pretraining_objective(valid, dense_idx=None):
         gen = torch.Generator().manual_seed(5)
         g1 = torch.randn(logits.shape, generator=gen).to(logits)
         g2 = torch.randn(out.seq_relationship_logits.shape, generator=gen).to(logits)
-        total = out.loss + (logits * g1).sum() * 0.1 + (out.seq_relationship_logits * g2).sum()
-        return total, out.loss, logits, out.seq_relationship_logits
+        loss = out.loss
+        if hf:
+            # transformers rounds its loss to the model dtype (a bf16 scalar near 30 is exact to 0.125 only);
+            # culmen's is fp32, as flash_attn's: recompute the reference loss in fp32 from its own logits.
+            mlm, nsp = out.prediction_logits.float(), out.seq_relationship_logits.float()
+            loss = (torch.nn.functional.cross_entropy(mlm.reshape(-1, mlm.shape[-1]), kw["labels"].reshape(-1))
+                    + torch.nn.functional.cross_entropy(nsp, kw["next_sentence_label"].reshape(-1)))
+            loss = loss.to(out.loss.dtype if out.loss.dtype == torch.float64 else torch.float32)
+        # The sums are taken in fp32 (or fp64): a low-precision sum's rounding would dominate the comparison.
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        total = (loss.to(acc) + (logits.to(acc) * g1.to(acc)).sum() * 0.1
+                 + (out.seq_relationship_logits.to(acc) * g2.to(acc)).sum())
+        return total, loss, logits, out.seq_relationship_logits
     return run
 
 

@@ -39,6 +39,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INTS = (torch.int32, torch.int64)
 
 
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
 def rotary_blocks(seqlen, nheads: int, half: int, rest: int) -> tuple[int, int, int, int, int]:
     """``(BLOCK_S, BLOCK_H, BLOCK_K, BLOCK_P, num_warps)`` for ``half`` pairs and ``rest`` copied columns.
     ``seqlen`` may be symbolic (``torch.compile`` with dynamic shapes): it then caps nothing."""
@@ -46,8 +50,9 @@ def rotary_blocks(seqlen, nheads: int, half: int, rest: int) -> tuple[int, int, 
     block_p = next_pow2(rest)
     row = 2 * block_k + (block_p if rest > 0 else 0)
     target = TUNING["elems"]
-    block_h = min(next_pow2(nheads), max(1, target // row))
-    block_s = max(1, target // (row * block_h))
+    # tl.arange needs powers of two: a row of rest columns makes ``row`` odd-sized, so round down.
+    block_h = min(next_pow2(nheads), _floor_pow2(max(1, target // row)))
+    block_s = _floor_pow2(max(1, target // (row * block_h)))
     if isinstance(seqlen, int):
         block_s = min(next_pow2(seqlen), block_s)
     warps = next_pow2(block_s * block_h * row // (32 * TUNING["elems_per_thread"]))
