@@ -242,8 +242,13 @@ def _initialize(models: Any, optimizers: Any, properties: Any, num_losses: int =
     ]
 
     if properties.patch_torch_functions:
+        from culmen.amp.handle import AmpHandle
+
         dtype = properties.patch_torch_functions_type or torch.float16
-        _start_casts(_model_device_types(models), dtype, verbose=_amp_state.verbosity == 2)
+        engine = _start_casts(_model_device_types(models), dtype, verbose=_amp_state.verbosity == 2)
+        # As Apex's initialize (which calls amp.init): the handle that owns the casts, so that
+        # ``_amp_state.handle._deactivate()`` switches O1 off again.
+        _amp_state.handle = AmpHandle(properties.loss_scale, True, _amp_state.verbosity == 2, engine=engine)
         for model in models:
             _patch_forward(model, None, None, cast_cache=True)
 

@@ -103,7 +103,7 @@ def _start_casts(device_types: list[str], dtype: torch.dtype, allow_banned: bool
 
 
 def init(enabled: bool = True, loss_scale: float | str = "dynamic", enable_caching: bool = True, verbose: bool = False,
-         allow_banned: bool = False):
+         allow_banned: bool = False, patch_type: torch.dtype = torch.float16):
     """Deprecated (as in Apex): start O1 casting and return a handle for loss scaling.
 
     Prefer ``model, optimizer = amp.initialize(model, optimizer, opt_level="O1")``. Casting covers
@@ -115,6 +115,7 @@ def init(enabled: bool = True, loss_scale: float | str = "dynamic", enable_cachi
         enable_caching: cache casts of parameters within one forward of an ``amp.initialize``-d model.
         verbose: print the ops culmen registered for Apex's cast lists.
         allow_banned: run ``binary_cross_entropy`` in fp32 instead of raising on 16-bit inputs.
+        patch_type: the low-precision dtype of the casts, ``torch.float16`` or ``torch.bfloat16``.
 
     Returns:
         An ``AmpHandle`` (``wrap_optimizer``, ``scale_loss``, ``is_active``).
@@ -127,7 +128,9 @@ def init(enabled: bool = True, loss_scale: float | str = "dynamic", enable_cachi
         handle = NoOpHandle()
         _amp_state.handle = handle
         return handle
-    engine = _start_casts(_default_device_types(), torch.float16, allow_banned=allow_banned,
+    if patch_type not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"amp.init: patch_type must be torch.float16 or torch.bfloat16, got {patch_type!r}")
+    engine = _start_casts(_default_device_types(), patch_type, allow_banned=allow_banned,
                           enable_caching=enable_caching, verbose=verbose)
     handle = AmpHandle(loss_scale, enable_caching, verbose, engine=engine)
     _amp_state.handle = handle

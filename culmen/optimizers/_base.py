@@ -360,7 +360,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _found_inf_flag(self, found_inf: Tensor, device: torch.device) -> Tensor:
         """``found_inf`` (GradScaler's float tensor, any device) copied into a persistent int32 flag."""
         flag = self._flag("inf", device)
-        flag.copy_(found_inf.reshape(-1)[:1], non_blocking=True)
+        flag.copy_(found_inf.reshape(-1)[:1], non_blocking=flag.device.type != "cpu")  # to the host: blocking
         return flag
 
     # ------------------------------------------------------------------------------ GradScaler
@@ -386,7 +386,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 return scale, None
             found = list(per_device.values())
             dev = found[0].device
-            found_inf = found[0] if len(found) == 1 else sum(t.to(dev, non_blocking=True) for t in found)
+            found_inf = found[0] if len(found) == 1 else sum(t.to(dev, non_blocking=dev.type != "cpu") for t in found)
             return scale, found_inf
         return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
 
@@ -410,7 +410,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for g in grads:
             by_dev.setdefault(g.device, []).append(g)
         for dev, gs in by_dev.items():
-            torch._foreach_mul_(gs, inv_scale.to(dev, non_blocking=True).reshape(()))
+            torch._foreach_mul_(gs, inv_scale.to(dev, non_blocking=dev.type != "cpu").reshape(()))
 
     def _momentum_sets(self, group: dict, live: list, found_inf: Any, fresh: Any) -> dict[bool, list[int]]:
         """Indices of ``live`` split by ``first_run`` (no momentum buffer yet), creating new buffers with ``fresh``.

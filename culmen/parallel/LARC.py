@@ -117,7 +117,7 @@ class LARC:
             gs = [grads[i] for i in idx]
             if weight_decay != 0:
                 torch._foreach_add_(gs, [params[i].detach() for i in idx], alpha=weight_decay)
-            f = factor.to(d, non_blocking=True)
+            f = factor.to(d, non_blocking=d.type != "cpu")  # a copy to the host must block
             torch._foreach_mul_(gs, [f[i] for i in idx])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -117,3 +117,25 @@ def test_disabled_init_is_noop():
     wrapped = handle.wrap_optimizer(opt)
     with wrapped.scale_loss(loss) as s:
         assert s is loss
+
+
+def test_init_patch_type_bfloat16_and_bad_value():
+    with pytest.warns(amp.DeprecatedFeatureWarning):
+        handle = amp.init(patch_type=torch.bfloat16)
+    x, w = torch.randn(2, 3, device=DEV), torch.randn(3, 3, device=DEV)
+    assert F.linear(x, w).dtype == torch.bfloat16
+    handle._deactivate()
+    assert F.linear(x, w).dtype == torch.float32
+    with pytest.raises(ValueError, match="patch_type"):
+        amp.init(patch_type=torch.float32)
+
+
+def test_initialize_o1_handle_deactivates_casts():
+    # Apex's tests switch O1 off with _amp_state.handle._deactivate() after amp.initialize.
+    model, opt = fresh(opt_cls=torch.optim.SGD, lr=0.1, bn=False)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x, w = torch.randn(2, 3, device=DEV), torch.randn(3, 3, device=DEV)
+    assert F.linear(x, w).dtype == torch.float16
+    assert isinstance(amp._amp_state.handle, AmpHandle)
+    amp._amp_state.handle._deactivate()
+    assert F.linear(x, w).dtype == torch.float32

@@ -113,3 +113,11 @@ def test_common_utils_skips_follow_the_environment():
     env["APEX_TEST_WITH_ROCM"], env["APEX_SKIP_FLAKY_TEST"] = "0", "1"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "1"
+
+
+def test_extension_rms_norm_rounds_like_apex_in_16_bit():
+    # Apex's kernel rounds x * rsigma to the weight dtype, then scales by gamma in that dtype.
+    x, gamma = randn((7, 48)), (torch.rand(48) + 0.5).to(torch.bfloat16)
+    z, rsigma = fln.rmsnorm_fwd(x, gamma, 1e-5)
+    want = (x * torch.rsqrt(x.square().mean(1, keepdim=True) + 1e-5)).to(torch.bfloat16) * gamma
+    assert z.dtype == torch.bfloat16 and torch.equal(z, want)

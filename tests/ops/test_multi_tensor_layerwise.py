@@ -33,7 +33,8 @@ def backend(request):
 def _hysteresis_rule(s, gt, ht, f, gf, bf, gi, h):
     """The rule, written as plain Python on numbers (float64, rounded to fp32 like the kernel)."""
     def f32(x):
-        return float(torch.tensor(x, dtype=torch.float32))
+        y = float(torch.tensor(x, dtype=torch.float32))
+        return 0.0 if abs(y) < torch.finfo(torch.float32).tiny else y  # Apex's fast-math build flushes to zero
 
     if f > 0:
         ht -= 1
@@ -99,6 +100,15 @@ def test_update_scale_hysteresis_rules(backend):
     s, gt, ht = _scaler_state(3.0, 1)
     amp_C.update_scale_hysteresis(s, gt, ht, ok, 1.1, 0.5, 1, 1)
     assert s.item() == float(torch.tensor(3.0 * 1.1, dtype=torch.float32))
+    # Backing off below the smallest normal fp32 gives 0 (Apex's kernel flushes subnormals), and 0 stays 0.
+    tiny = torch.finfo(torch.float32).tiny
+    s, gt, ht = _scaler_state(tiny * 2, 1)
+    amp_C.update_scale_hysteresis(s, gt, ht, inf, 2.0, 0.5, 100, 1)
+    assert s.item() == tiny
+    amp_C.update_scale_hysteresis(s, gt, ht, inf, 2.0, 0.5, 100, 1)
+    assert s.item() == 0.0
+    amp_C.update_scale_hysteresis(s, gt, ht, ok, 2.0, 0.5, 1, 1)
+    assert s.item() == 0.0
 
 
 def test_update_scale_hysteresis_errors():

@@ -188,11 +188,13 @@ def test_empty_and_bad_arguments():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("first", ["cuda", "cpu"])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
-def test_mixed_devices_and_dtypes_gpu(norm_type):
-    """Gradients on CUDA and CPU, fp32/fp16/fp64 in one call (Apex's clip_grad test): torch's numbers."""
+def test_mixed_devices_and_dtypes_gpu(norm_type, first):
+    """Gradients on CUDA and CPU, fp32/fp16/fp64 in one call (Apex's clip_grad test): torch's numbers. With
+    the first gradient on the CPU the total norm is reduced there: the CUDA norms must have landed."""
     a, b = [], []
-    for i, (dev, dt) in enumerate([("cuda", torch.float32), ("cpu", torch.float64), ("cuda", torch.float16),
+    for i, (dev, dt) in enumerate([(first, torch.float32), ("cpu", torch.float64), ("cuda", torch.float16),
                                    ("cuda", torch.float64), ("cpu", torch.float32), ("cuda", torch.float32)]):
         x, y = _twins([dt], device=dev, seed=i)
         a += x

@@ -71,7 +71,10 @@ def total_norm(grads: list[Tensor], norm_type: float = 2.0, foreach: bool | None
     for dev, gs in fused.items():
         norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, _zero_flag(dev), [gs], False)
         norms.append(norm)
-    stacked = torch.stack([n.reshape(()).to(device=first, dtype=acc, non_blocking=True) for n in norms])
+    # A copy to the host must block (a non_blocking device-to-host copy returns before the data lands, and
+    # the CPU reduction would read it early); copies to a GPU are stream-ordered and can overlap.
+    to_gpu = first.type != "cpu"
+    stacked = torch.stack([n.reshape(()).to(device=first, dtype=acc, non_blocking=to_gpu) for n in norms])
     return torch.linalg.vector_norm(stacked, norm_type)
 
 
@@ -123,10 +126,10 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if foreach is False:
         for g in grads:
-            g.mul_(coef.to(g.device, non_blocking=True))
+            g.mul_(coef.to(g.device, non_blocking=g.device.type != "cpu"))
     else:
         for (dev, _), gs in _by_device_dtype(grads).items():
-            torch._foreach_mul_(gs, coef.to(dev, non_blocking=True))
+            torch._foreach_mul_(gs, coef.to(dev, non_blocking=dev.type != "cpu"))
     return norm
 
 

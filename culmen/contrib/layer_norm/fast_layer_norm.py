@@ -46,8 +46,9 @@ def rmsnorm_fwd(x: Tensor, gamma: Tensor, epsilon: float) -> tuple[Tensor, Tenso
     """``(z, rsigma)``: RMSNorm of ``x`` ``(..., H)`` -> ``z`` (``gamma.dtype``), ``rsigma`` ``(rows,)`` fp32."""
     xf = _rows(x, gamma, "rmsnorm_fwd")
     rsigma = torch.rsqrt(xf.square().mean(1) + epsilon)
-    z = xf * rsigma[:, None] * gamma.float()
-    return z.to(gamma.dtype).view(x.shape), rsigma
+    # Apex's kernel rounds the normalized row to the weight dtype before scaling by gamma (in that dtype).
+    z = (xf * rsigma[:, None]).to(gamma.dtype) * gamma
+    return z.view(x.shape), rsigma
 
 
 def rmsnorm_bwd(dz: Tensor, x: Tensor, rsigma: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor, Tensor]:

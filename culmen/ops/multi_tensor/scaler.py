@@ -13,7 +13,8 @@ Apex's ``amp_C.update_scale_hysteresis``, used by Megatron/NeMo-style grad scale
   the scale is multiplied by ``growth_factor`` (kept unchanged if the product is not finite in fp32)
   and the tracker restarts at 0. The hysteresis tracker is restored to ``hysteresis``.
 
-The products are computed in float64 and rounded to fp32, like Apex (its factors are doubles).
+The products are computed in float64 and rounded to fp32, like Apex (its factors are doubles); a product
+below the smallest normal fp32 is flushed to 0, as Apex's fast-math build of the kernel does.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ if triton is not None:
         s64 = s.to(tl.float64)
         grown = (s64 * g_hi + s64 * g_lo).to(tl.float32)  # exact product up to the last fp64 rounding
         shrunk = (s64 * b_hi + s64 * b_lo).to(tl.float32)
+        # Apex's kernel is built with --use_fast_math (flush-to-zero): a product below the smallest
+        # normal fp32 becomes 0, and a scale backed off that far stays 0.
+        grown = tl.where(tl.abs(grown) < 1.1754943508222875e-38, 0.0, grown)
+        shrunk = tl.where(tl.abs(shrunk) < 1.1754943508222875e-38, 0.0, shrunk)
         grown_ok = (grown - grown) == 0.0  # finite
         s = tl.where(backoff, shrunk, tl.where(grow & grown_ok, grown, s))
         gt = tl.where(clean & (grow == 0), succ, 0)
@@ -78,8 +83,11 @@ def update_scale_hysteresis_ref(current_scale: torch.Tensor, growth_tracker: tor
     succ = gt + 1
     grow = clean & (succ == growth_interval)
     s64 = s.double()
+    tiny = torch.finfo(torch.float32).tiny
     grown = (s64 * growth_factor).float()
     shrunk = (s64 * backoff_factor).float()
+    grown = torch.where(grown.abs() < tiny, torch.zeros_like(grown), grown)  # flush-to-zero, as Apex's build
+    shrunk = torch.where(shrunk.abs() < tiny, torch.zeros_like(shrunk), shrunk)
     s_new = torch.where(backoff, shrunk, torch.where(grow & torch.isfinite(grown), grown, s))
     gt_new = torch.where(clean & ~grow, succ, torch.zeros_like(gt))
     ht_new = torch.where(f <= 0, torch.full_like(ht, hysteresis), ht_new)
