@@ -31,6 +31,7 @@ from culmen.ops.backend import check_values_on
 from culmen.ops.common.launch import Launch, cdiv, next_pow2, stream_getter
 from culmen.ops.common.launch import aligned_16 as _aligned
 from culmen.ops.common.plans import PlanCache
+from culmen.ops.rotary import rotary
 from culmen.ops.rotary.reference import rotary_emb_ref
 
 PLANS = PlanCache("attention_kvcache")
@@ -217,7 +218,19 @@ class KVCachePlan:
         if self.check_values:
             checks.check_kvcache_values(cache_seqlens, self.s_new, self.capacity, self.page, cache_leftpad,
                                         cache_batch_idx, self.n_cache_rows, block_table)
-        if self.rotary:
+        if self.rotary and self.attn.use_kernel:
+            # culmen's rotary kernel, one launch each (decoding replays this per layer per token; the
+            # PyTorch formula is a dozen small kernels). Positions past the tables pass through unrotated.
+            if k is not None:
+                k = rotary(k, rotary_cos, rotary_sin, seqlen_offsets=cache_seqlens, interleaved=self.interleaved,
+                           out_layout="contiguous")
+            if self.q_at_tokens:
+                q = rotary(q, rotary_cos, rotary_sin, seqlen_offsets=cache_seqlens, interleaved=self.interleaved,
+                           out_layout="contiguous")
+            else:
+                q = _rotate(q, rotary_cos, rotary_sin, _positions(cache_seqlens, 1).expand(B, q.shape[1]),
+                            self.interleaved)
+        elif self.rotary:
             if k is not None:
                 k = _rotate(k, rotary_cos, rotary_sin, _positions(cache_seqlens, self.s_new), self.interleaved)
             qpos = (_positions(cache_seqlens, q.shape[1]) if self.q_at_tokens
