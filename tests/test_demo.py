@@ -1,55 +1,176 @@
-"""culmen demo: a short CPU run trains and the loss falls."""
+"""culmen demo: the byte-level GPT trains on the standard library's sources, evaluates, samples, and the
+command's exit status follows the loss."""
+
+from __future__ import annotations
 
 import io
+import math
+import os
+from pathlib import Path
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-from culmen.demo import DemoConfig, TinyLM, make_batch, run_demo
+import culmen.demo as demo
+from culmen.demo import DemoConfig, DemoResult, Progress, build_model, lm_loss, load_corpus, run_demo, sample_batch
 
 
-def test_demo_loss_decreases_on_cpu(monkeypatch):
-    monkeypatch.delenv("CULMEN_BACKEND", raising=False)
-    cfg = DemoConfig(steps=12, log_every=4)
+def tiny(**kw) -> DemoConfig:
+    base = dict(d_model=64, n_layer=1, n_head=2, seq=32, batch=8, steps=30, lr=1e-2, warmup=3, eval_batches=2,
+                sample_len=24, log_every=10)
+    base.update(kw)
+    return DemoConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def test_corpus_is_the_standard_library_in_sorted_order(corpus):
+    root = Path(os.__file__).parent
+    files = sorted(root.glob("*.py"))
+    assert corpus.source == str(root) and corpus.n_files == len(files) > 20
+    held = b"\n\n".join(p.read_bytes() for i, p in enumerate(files) if i % 10 == 9)
+    assert corpus.held_out.dtype == torch.uint8 and bytes(corpus.held_out.tolist()[:5000]) == held[:5000]
+    assert corpus.held_out.numel() == len(held)
+    # Every file once, plus a two-byte separator between neighbours in each part.
+    assert corpus.train.numel() + corpus.held_out.numel() == sum(p.stat().st_size for p in files) + 2 * (len(files) - 2)
+    again = load_corpus()
+    assert torch.equal(again.train, corpus.train) and torch.equal(again.held_out, corpus.held_out)
+
+
+def test_corpus_split_and_fallback(tmp_path):
+    for i in range(12):
+        (tmp_path / f"m{i:02d}.py").write_bytes(bytes([65 + i]) * 3)
+    c = load_corpus(tmp_path, every=5)
+    assert bytes(c.held_out.tolist()) == b"EEE\n\nJJJ"  # files 4 and 9
+    assert bytes(c.train.tolist()).split(b"\n\n") == [bytes([65 + i]) * 3 for i in range(12) if i not in (4, 9)]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    c = load_corpus(empty)
+    assert c.source == str(Path(demo.__file__).parent) and b"culmen" in bytes(c.train[:200000].tolist())
+
+
+def test_sample_batch_windows_are_seeded_slices():
+    data = torch.arange(200, dtype=torch.uint8)
+    b = sample_batch(data, 5, 17, torch.Generator().manual_seed(3))
+    assert b.shape == (5, 18) and b.dtype == torch.int64
+    assert torch.equal(b[:, 1:] - b[:, :-1], torch.ones(5, 17, dtype=torch.int64))  # contiguous windows
+    assert int(b.max()) < 200
+    assert torch.equal(b, sample_batch(data, 5, 17, torch.Generator().manual_seed(3)))
+    assert not torch.equal(b, sample_batch(data, 5, 17, torch.Generator().manual_seed(4)))
+    with pytest.raises(ValueError, match="seq=199"):
+        sample_batch(data, 1, 199, torch.Generator())
+
+
+def test_model_is_a_byte_level_flash_attn_gpt():
+    from culmen.flash_attn.models.gpt import GPTLMHeadModel
+    from culmen.flash_attn.modules.mlp import GatedMlp
+    from culmen.flash_attn.ops.triton.layer_norm import RMSNorm
+
+    cfg = tiny(n_layer=2)
+    model = build_model(cfg, torch.device("cpu"))
+    assert isinstance(model, GPTLMHeadModel)
+    assert model.lm_head.weight is model.transformer.embeddings.word_embeddings.weight
+    assert model.lm_head.weight.shape == (256, cfg.d_model)
+    assert model.transformer.fused_dropout_add_ln and isinstance(model.transformer.ln_f, RMSNorm)
+    for layer in model.transformer.layers:
+        assert layer.fused_dropout_add_ln and isinstance(layer.norm1, RMSNorm)
+        assert isinstance(layer.mlp, GatedMlp) and layer.mlp.activation is F.silu
+        assert layer.mixer.use_flash_attn and layer.mixer.rotary_emb_dim == cfg.d_model // cfg.n_head
+
+
+def test_fused_loss_equals_cross_entropy_of_the_logits():
+    cfg = tiny(n_layer=2)
+    model = build_model(cfg, torch.device("cpu"))
+    tokens = torch.randint(0, 256, (3, 21))
+    loss = lm_loss(model, tokens)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    ref = F.cross_entropy(logits.double().reshape(-1, 256), tokens[:, 1:].reshape(-1))
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert abs(float(loss.detach()) - float(ref)) < 1e-5 * float(ref)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_demo_trains_evaluates_and_samples(corpus):
+    cfg = tiny()
     buf = io.StringIO()
-    result = run_demo(cfg, "cpu", out=buf)
-    assert len(result.losses) == 12
-    assert result.final_loss < 0.7 * result.initial_loss, result.losses
-    assert result.backend == "reference" and result.tokens_per_s > 0
+    result = run_demo(cfg, "cpu", out=buf, corpus=corpus)
+    assert len(result.losses) == 30 and all(math.isfinite(x) for x in result.losses)
+    assert result.initial_loss > 4.5  # about ln(256) = 5.55 at the start
+    assert result.final_loss < result.initial_loss - 1.2, result.losses
+    assert result.loss_fell and result.eval_loss < result.initial_loss - 1.0
+    assert result.tokens_per_s > 0
+    assert result.sample.startswith("def ") and len(result.sample) > 4
     out = buf.getvalue()
-    assert "norm backend reference" in out and "step   12" in out
+    assert "culmen.flash_attn.models.gpt" in out and "step   30/30" in out and "step   10/30" in out
+    assert "held-out loss" in out and "tokens/s" in out
+    assert "    " + result.sample.splitlines()[0] in out
 
 
-def test_synthetic_task_follows_the_rule():
-    cfg = DemoConfig(vocab=17, batch=3, seq=9)
-    inputs, targets = make_batch(cfg, torch.device("cpu"), torch.Generator().manual_seed(1))
-    assert inputs.shape == targets.shape == (3, 9)
-    assert torch.equal(targets, (inputs * 3 + 1) % 17)
+def test_sample_is_reproducible_from_its_seed():
+    cfg = tiny(sample_len=20, top_k=0, temperature=1.0)  # untrained model: every byte is plausible
+    model = build_model(cfg, torch.device("cpu"))
+    a = demo.generate_sample(model, cfg, torch.device("cpu"), seed=5)
+    b = demo.generate_sample(model, cfg, torch.device("cpu"), seed=5)
+    c = demo.generate_sample(model, cfg, torch.device("cpu"), seed=6)
+    assert a == b != c and a.startswith("def ")
 
 
-def test_model_uses_culmen_layer_norm(monkeypatch):
-    """The blocks call culmen's fused layer_norm with a residual and dropout, and a final RMSNorm."""
-    import culmen.demo as demo
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
-    calls = []
-    real = demo.layer_norm
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
+def test_progress_bar_on_a_terminal_and_lines_elsewhere():
+    tty = _Tty()
+    bar = Progress(4, tty, every=2, width=8)
+    for step in range(1, 5):
+        bar.update(step, 3.0 - step / 10, 1234.0)
+    text = tty.getvalue()
+    assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
+    assert "[##------] 1/4" in text and "[########] 4/4" in text and "1,234 tok/s" in text
+    plain = io.StringIO()
+    bar = Progress(5, plain, every=2)
+    for step in range(1, 6):
+        bar.update(step, 2.5, 10.0)
+    lines = plain.getvalue().splitlines()
+    assert [ln.split()[1] for ln in lines] == ["1/5", "2/5", "4/5", "5/5"] and "\r" not in plain.getvalue()
 
-    monkeypatch.setattr(demo, "layer_norm", spy)
-    cfg = DemoConfig(n_blocks=2, batch=2, seq=4)
-    model = TinyLM(cfg)
-    logits = model(torch.randint(0, cfg.vocab, (2, 4)))
-    assert logits.shape == (2, 4, cfg.vocab)
-    assert len(calls) == 3
-    assert calls[0]["residual"] is None and calls[1]["residual"] is not None
-    assert all(c["dropout_p"] == cfg.dropout_p for c in calls)
-    assert calls[1]["return_residual"] and calls[2]["is_rms_norm"]
+
+def test_learning_rate_warms_up_then_decays():
+    cfg = tiny(steps=100, warmup=10, lr=1.0)
+    lrs = [demo._lr_at(s, cfg) for s in range(1, 101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="steps"):
+        tiny(steps=1).validate()
+    with pytest.raises(ValueError, match="n_head"):
+        tiny(d_model=60, n_head=4).validate()
 
 
 def test_cli_demo_exit_status(capsys):
     from culmen.cli import main
 
-    assert main(["demo", "--steps", "6", "--device", "cpu"]) == 0
-    assert "loss fell" in capsys.readouterr().out
+    assert main(["demo", "--steps", "25", "--device", "cpu", "--seq", "32", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "loss fell" in out and "sample (top-10" in out and "8x32 bytes/step" in out
+    assert main(["demo", "--steps", "1", "--device", "cpu"]) == 2
+    assert "steps must be >= 2" in capsys.readouterr().err
+
+
+def test_cli_demo_fails_when_the_loss_does_not_fall(monkeypatch, capsys):
+    from culmen.cli import main
+
+    monkeypatch.setattr(demo, "run_demo", lambda cfg, dev, seed=0: DemoResult("cpu", losses=[3.0, 3.1, 3.2]))
+    assert main(["demo", "--steps", "3", "--device", "cpu"]) == 1
+    assert "LOSS DID NOT FALL" in capsys.readouterr().out
+    monkeypatch.setattr(demo, "run_demo", lambda cfg, dev, seed=0: DemoResult("cpu", losses=[3.0, math.nan]))
+    assert main(["demo", "--steps", "3", "--device", "cpu"]) == 1
