@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TextIO
 
 import torch
@@ -123,20 +124,43 @@ def sample_batch(data: Tensor, batch: int, seq: int, generator: torch.Generator)
 # --------------------------------------------------------------------------------------------- model
 
 
+class PlainGPT2Config(SimpleNamespace):
+    """The ``transformers.GPT2Config`` fields ``GPTLMHeadModel`` reads, for machines without ``transformers``
+    (``make demo`` installs only torch, triton and numpy; culmen's GPT model checks the config's class only
+    when ``transformers`` is importable). The Hugging Face aliases (``hidden_size`` ...) are set too."""
+
+    def __init__(self, *, n_embd: int, n_layer: int, n_head: int, n_positions: int = 1024, **fields) -> None:
+        defaults = dict(vocab_size=50257, n_inner=None, activation_function="gelu_new", resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.1, layer_norm_epsilon=1e-5, initializer_range=0.02,
+                        scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, tie_word_embeddings=True)
+        defaults.update(fields)
+        super().__init__(n_embd=n_embd, hidden_size=n_embd, n_layer=n_layer, num_hidden_layers=n_layer,
+                         n_head=n_head, num_attention_heads=n_head, n_positions=n_positions,
+                         max_position_embeddings=n_positions, **defaults)
+
+
+def gpt2_config(**fields):
+    """``transformers.GPT2Config(**fields)`` (flash_attn's model config), or ``PlainGPT2Config`` without
+    ``transformers``. ``fields`` use GPT-2's names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``)."""
+    try:
+        from transformers import GPT2Config
+    except ImportError:
+        return PlainGPT2Config(**fields)
+    return GPT2Config(**fields)
+
+
 def build_model(cfg: DemoConfig, device: torch.device):
     """A byte-level ``GPTLMHeadModel`` (vocab 256, tied embeddings) in ``cfg.dtype`` on ``device``."""
-    from transformers import GPT2Config
-
     from culmen.flash_attn.models.gpt import GPTLMHeadModel
 
-    config = GPT2Config(
+    config = gpt2_config(
         vocab_size=256, n_embd=cfg.d_model, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        n_positions=0,  # no learned positions: rotary only
         # SwiGLU with ~8/3 d hidden units (GatedMlp rounds up to a multiple of 128 by default).
         n_inner=(8 * cfg.d_model) // 3, activation_function="swiglu",
         rms_norm=True, rotary_emb_fraction=1.0, use_flash_attn=True, fused_dropout_add_ln=True,
         residual_in_fp32=True, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=0.0,
         qkv_proj_bias=False, out_proj_bias=False, mlp_fc1_bias=False, mlp_fc2_bias=False,
-        max_position_embeddings=0,  # rotary positions only
         bos_token_id=None, eos_token_id=None, tie_word_embeddings=True,
     )
     return GPTLMHeadModel(config, device=device, dtype=cfg.dtype)

@@ -174,3 +174,24 @@ def test_cli_demo_fails_when_the_loss_does_not_fall(monkeypatch, capsys):
     assert "LOSS DID NOT FALL" in capsys.readouterr().out
     monkeypatch.setattr(demo, "run_demo", lambda cfg, dev, seed=0: DemoResult("cpu", losses=[3.0, math.nan]))
     assert main(["demo", "--steps", "3", "--device", "cpu"]) == 1
+
+
+def test_demo_model_without_transformers(monkeypatch):
+    """``make demo`` installs no ``transformers``: the plain config builds the very same model."""
+    import sys
+
+    import culmen.flash_attn.models.gpt as gpt
+
+    cfg = tiny(n_layer=2)
+    torch.manual_seed(7)
+    with_hf = build_model(cfg, torch.device("cpu"))
+    assert type(with_hf.config).__name__ == "GPT2Config"
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    monkeypatch.setattr(gpt, "GPT2Config", None)  # as gpt.py sets it where transformers is missing
+    torch.manual_seed(7)
+    plain = build_model(cfg, torch.device("cpu"))
+    assert isinstance(plain.config, demo.PlainGPT2Config)
+    a, b = with_hf.state_dict(), plain.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    tokens = torch.randint(0, 256, (2, 17))
+    assert torch.equal(lm_loss(with_hf, tokens), lm_loss(plain, tokens))
