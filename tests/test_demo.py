@@ -195,3 +195,17 @@ def test_demo_model_without_transformers(monkeypatch):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     tokens = torch.randint(0, 256, (2, 17))
     assert torch.equal(lm_loss(with_hf, tokens), lm_loss(plain, tokens))
+
+
+@pytest.mark.gpu
+def test_demo_on_cuda_bf16_with_graph_decoding(corpus):
+    """The CUDA configuration (bf16 parameters, Triton kernels, CUDA-graph sampling), shortened."""
+    cfg = DemoConfig.for_device(torch.device("cuda"))
+    assert cfg.dtype == torch.bfloat16
+    cfg.n_layer, cfg.steps, cfg.warmup, cfg.eval_batches, cfg.sample_len = 2, 40, 4, 2, 32
+    buf = io.StringIO()
+    result = run_demo(cfg, "cuda", out=buf, corpus=corpus)
+    assert result.loss_fell and result.final_loss < result.initial_loss - 0.7, result.losses
+    assert math.isfinite(result.eval_loss) and result.eval_loss < result.initial_loss
+    assert result.sample.startswith("def ") and result.tokens_per_s > 0
+    assert "bfloat16" in buf.getvalue()
