@@ -13,7 +13,8 @@ runs in C++ at the dispatcher) and adds only what differs in Apex:
    ``torch.library`` for as long as O1 is active. Whether torch already has a kernel is asked from
    the dispatcher, so the gaps follow the installed PyTorch version.
 3. ``binary_cross_entropy`` follows Apex (``NotImplementedError`` on 16-bit inputs unless
-   ``allow_banned``, then fp32), ``grid_sampler`` runs in fp32 (torch promotes on CUDA), and
+   ``allow_banned``, then fp32), so do the in-place forms of the fp32 functions (``Tensor.exp_`` on a
+   16-bit tensor raises ``NotImplementedError``), ``grid_sampler`` runs in fp32 (torch promotes on CUDA), and
    ``Tensor.cpu()`` of a 16-bit accelerator tensor returns fp32.
 4. User registrations (``register_half_function`` ...) and Apex's fp32 functions that are Python
    compositions without an ATen op (``F.softmin``, ``F.normalize`` ...) are patched in Python.
@@ -183,7 +184,12 @@ def _make_kernel(op: torch._ops.OpOverload, policy: str, key: str, device_type: 
         return t.device.type == device_type
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        if policy == "banned":
+        if policy == "inplace_error":
+            if any(t.dtype in LOW_DTYPES and eligible(t) for t in _iter_tensors((args, kwargs))):
+                dt = next(t.dtype for t in _iter_tensors((args, kwargs)) if t.dtype in LOW_DTYPES)
+                raise NotImplementedError(f"Cannot call in-place function {op_name} with {dt} arguments under amp "
+                                          f"O1 (Apex runs {op_name.rstrip('_')} in fp32).")
+        elif policy == "banned":
             if any(t.dtype in LOW_DTYPES and eligible(t) for t in _iter_tensors((args, kwargs))):
                 if not allow_banned:
                     raise NotImplementedError(_banned_message(op_name))
@@ -219,6 +225,7 @@ def _register_apex_lists(lib: torch.library.Library, device_type: str, allow_ban
     plan += [(n, "float", True) for n in lists.ATEN_FP32_OVERRIDE]
     plan += [(n, "promote", False) for n in lists.ATEN_PROMOTE]
     plan += [(n, "banned", True) for n in lists.ATEN_BANNED]
+    plan += [(n, "inplace_error", False) for n in lists.ATEN_INPLACE_ERROR]
     covered: list[str] = []
     with warnings.catch_warnings():
         # Replacing torch's own kernel (banned / grid_sampler) warns once; that is intended here.

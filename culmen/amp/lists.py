@@ -108,6 +108,10 @@ ATEN_FP32: tuple[str, ...] = (
 """ATen ops behind the fp32 lists (losses map to their ATen op, ``interpolate`` to upsample, ``norm`` to
 the ``linalg`` norms it calls)."""
 
+ATEN_INPLACE_ERROR: tuple[str, ...] = tuple(f"{n}_" for n in TORCH_FP32_FUNCS)
+"""In-place forms of the fp32 functions (``Tensor.exp_`` ...): on a 16-bit tensor Apex's O1 raises
+``NotImplementedError`` (the result could not be kept in fp32); on fp32 tensors they run."""
+
 ATEN_FP32_OVERRIDE: tuple[str, ...] = ("grid_sampler",)
 """fp32 in Apex but promoted by ``torch.autocast`` on CUDA: culmen replaces torch's policy."""
 

@@ -42,7 +42,7 @@ import torch
 from culmen.bench.registry import BenchConfig, SuiteResult, register_suite
 from culmen.bench.train_step import ModelRun, TrainOptions, _release, _sync, measure_training
 
-TRAIN_IMPLS = ("hf_sdpa", "hf_liger", "hf_culmen", "fa_gpt")
+TRAIN_IMPLS = ("hf_sdpa", "hf_culmen", "fa_gpt", "hf_liger")
 DECODE_IMPLS = ("hf_dynamic", "fa_gpt_cg", "fa_gpt", "hf_static_compile")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -122,15 +122,35 @@ def build_hf(arch: Arch, impl: str, weights: dict[str, torch.Tensor], device: to
     if impl == "hf_liger":
         if arch.family != "llama":
             raise RuntimeError("Liger-Kernel has no GPT-2 patch")
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(model=model)
+        _apply_liger_to_instance(model)
     elif impl == "hf_culmen":
         from culmen.integrations.huggingface import patch
 
         patch(model)
         model.config._attn_implementation = attn
     return model.train()
+
+
+def _apply_liger_to_instance(model: torch.nn.Module) -> None:
+    """``apply_liger_kernel_to_llama(model=model)``, kept to this one model: Liger also rebinds names in
+    ``transformers``' LLaMA module and the class's ``forward`` (its fused loss), which would leak into
+    every LLaMA built later in the process (the other rows, the decode suite)."""
+    import types
+
+    import transformers.models.llama.modeling_llama as mod
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    saved = dict(vars(mod))
+    cls = type(model)
+    saved_forward = cls.__dict__.get("forward")
+    apply_liger_kernel_to_llama(model=model)
+    patched_forward = cls.__dict__.get("forward")
+    if patched_forward is not saved_forward:
+        model.forward = types.MethodType(patched_forward, model)
+        cls.forward = saved_forward
+    for name, value in saved.items():
+        if vars(mod).get(name) is not value:
+            setattr(mod, name, value)
 
 
 def build_fa_gpt(arch: Arch, weights: dict[str, torch.Tensor], device: torch.device,

@@ -139,3 +139,19 @@ def test_initialize_o1_handle_deactivates_casts():
     assert isinstance(amp._amp_state.handle, AmpHandle)
     amp._amp_state.handle._deactivate()
     assert F.linear(x, w).dtype == torch.float32
+
+
+@pytest.mark.parametrize("lp", [torch.float16, torch.bfloat16])
+def test_inplace_fp32_functions_refuse_16_bit_tensors(lp):
+    # Apex's O1 raises for Tensor.exp_ & co on a 16-bit tensor (the fp32 result cannot be kept in place).
+    with pytest.warns(amp.DeprecatedFeatureWarning):
+        handle = amp.init(patch_type=lp)
+    x = torch.randn(5, device=DEV)
+    x.exp_()
+    assert x.dtype == torch.float32
+    for fn in (lambda t: t.exp_(), lambda t: t.log_(), lambda t: t.pow_(2), lambda t: t.cumsum_(0)):
+        with pytest.raises(NotImplementedError, match="in-place"):
+            fn(torch.rand(5, device=DEV, dtype=lp))
+    assert torch.rand(5, device=DEV, dtype=lp).exp().dtype == torch.float32  # out of place: fp32
+    handle._deactivate()
+    torch.rand(5, device=DEV, dtype=lp).exp_()  # O1 off: allowed again
