@@ -1,9 +1,9 @@
 """Apex's ``apex.transformer`` (Megatron-core's predecessor) on culmen.
 
 Kept light: importing ``culmen.transformer`` imports only the enums; the submodules
-(``functional`` and, as they arrive, ``parallel_state``, ``tensor_parallel``, ``pipeline_parallel``,
-``amp``, ``utils``) load on first attribute access, as ``import apex.transformer`` users expect
-them to be reachable.
+(``functional``, ``parallel_state``, ``tensor_parallel``, ``pipeline_parallel``, ``amp``, ``utils``,
+``layers``, ``microbatches``, ``log_util``, ``_data``) load on first attribute access, as
+``import apex.transformer`` users expect them to be reachable.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from culmen.transformer.enums import AttnMaskType, AttnType, LayerType, ModelTyp
 
 __all__ = ["AttnMaskType", "AttnType", "LayerType", "ModelType", "functional"]
 
-_SUBMODULES = ("amp", "functional", "parallel_state", "pipeline_parallel", "tensor_parallel", "utils")
+_SUBMODULES = (
+    "_data", "amp", "functional", "layers", "log_util", "microbatches", "parallel_state", "pipeline_parallel",
+    "tensor_parallel", "utils",
+)
 
 
 def __getattr__(name: str):
