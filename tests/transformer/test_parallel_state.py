@@ -225,6 +225,25 @@ def _group_sum(rank: int, group) -> int:
     return int(t.item())
 
 
+def _check_1d_split(rank, tp, tp_rank, failures):
+    from culmen.transformer.utils import DivisibilityError, gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
+
+    # Same full tensor on every rank of the TP group: its chunk, then the gather, must give it back.
+    full = torch.arange(6 * tp, dtype=torch.float64).view(3, 2 * tp) * (1 + rank // tp)
+    chunk = split_tensor_into_1d_equal_chunks(full)
+    if not torch.equal(chunk, full.view(-1)[tp_rank * 6:(tp_rank + 1) * 6]) or chunk.data_ptr() != \
+            full.view(-1)[tp_rank * 6:].data_ptr():
+        failures.append(f"split chunk of tp rank {tp_rank}: {chunk}")
+    back = gather_split_1d_tensor(chunk.clone())
+    if back.dtype != torch.float64 or not torch.equal(back, full.view(-1)):
+        failures.append(f"gather_split_1d_tensor: {back}")
+    try:
+        split_tensor_into_1d_equal_chunks(torch.ones(2 * tp + 1))
+        failures.append("no error for a numel not divisible by tp")
+    except DivisibilityError:
+        pass
+
+
 def _real_worker(rank: int, world: int, configs):
     from culmen.transformer import parallel_state as ps
 
@@ -247,6 +266,8 @@ def _real_worker(rank: int, world: int, configs):
         emb = dist.get_process_group_ranks(ps.get_embedding_group()) if ps.is_rank_in_embedding_group(True) else None
         if emb is not None and _group_sum(rank, ps.get_embedding_group()) != sum(r + 1 for r in emb):
             failures.append(f"{(tp, pp)} embedding all_reduce")
+        if tp > 1:
+            _check_1d_split(rank, tp, exp["tp"].index(rank), failures)
         info = ps.get_rank_info()
         want = (exp["dp"].index(rank), exp["tp"].index(rank), exp["pp"].index(rank), 0 if vpp else None)
         if info != want:
