@@ -331,3 +331,80 @@ def test_single_rank_layers_are_dense():
     finally:
         ps.set_tensor_model_parallel_world_size(None)
         ps.set_tensor_model_parallel_rank(None)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_wgrad_accumulation_bf16_into_fp32_on_gpu():
+    """The CUDA path of gradient_accumulation_fusion: bf16 operands accumulated by cuBLAS into fp32."""
+    from culmen.testing.tolerance import assert_close_tolerance
+    from culmen.transformer.tensor_parallel import layers
+
+    torch.manual_seed(0)
+    go = torch.randn(1000, 123, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1000, 257, device="cuda", dtype=torch.bfloat16)
+    start = torch.randn(123, 257, device="cuda")
+    main_grad = start.clone()
+    layers._accumulate_wgrad(main_grad, go, x)
+    hi = start.double() + go.double().t() @ x.double()
+    lo = start + (go.t() @ x).float()
+    assert_close_tolerance(main_grad, hi, lo, name="main_grad")
+
+
+def _nccl_mlp_worker(rank: int, world: int) -> list[str]:
+    import torch
+    import torch.nn.functional as F
+
+    from culmen.testing.tolerance import assert_close_tolerance
+    from culmen.transformer import parallel_state as ps
+    from culmen.transformer import tensor_parallel as tpl
+
+    ps.initialize_model_parallel(world)
+    tpl.model_parallel_cuda_manual_seed(3)
+    failures: list[str] = []
+    s, b, d, d_h = 64 * world, 3, 96, 256 * world
+    rows = slice(rank * (s // world), (rank + 1) * (s // world))
+    hcols = slice(rank * (d_h // world), (rank + 1) * (d_h // world))
+    torch.manual_seed(8)
+    kw = dict(use_cpu_initialization=True, keep_master_weight_for_test=True, sequence_parallel_enabled=True,
+              gradient_accumulation_fusion=True, params_dtype=torch.bfloat16)
+    fc1 = tpl.ColumnParallelLinear(d, d_h, gather_output=False, no_async_tensor_model_parallel_allreduce=True,
+                                   **kw).cuda()
+    fc2 = tpl.RowParallelLinear(d_h, d, input_is_parallel=True, **kw).cuda()
+    for p in (fc1.weight, fc2.weight):
+        p.main_grad = torch.zeros(p.shape, device="cuda", dtype=torch.float32)
+    w1, w2 = fc1.master_weight.cuda(), fc2.master_weight.cuda()
+    x = torch.randn(s, b, d, device="cuda").bfloat16()
+    dy = torch.randn(s, b, d, device="cuda").bfloat16()
+
+    def mlp(x, w1, w2):
+        x, w1, w2 = (t.clone().requires_grad_() for t in (x, w1, w2))
+        y = F.linear(F.gelu(F.linear(x, w1)), w2)
+        y.backward(dy.to(x.dtype))
+        return y.detach(), x.grad, w1.grad, w2.grad
+
+    hi, lo = mlp(x.double(), w1.double(), w2.double()), mlp(x, w1, w2)
+    xin = x[rows].clone().requires_grad_()
+    y = fc2(F.gelu(fc1(xin)[0]))[0]
+    y.backward(dy[rows])
+    # out and dx are sums of per-rank bf16 partials, each rounded before the bf16 reduce-scatter (as in
+    # Apex / Megatron): up to three roundings where the dense bf16 GEMM rounds once, hence factor 4.
+    for name, got, h, lo_, f in (("out", y, hi[0][rows], lo[0][rows], 4.0),
+                                 ("dx", xin.grad, hi[1][rows], lo[1][rows], 4.0),
+                                 ("main_grad1", fc1.weight.main_grad, hi[2][hcols], lo[2][hcols], 2.0),
+                                 ("main_grad2", fc2.weight.main_grad, hi[3][:, hcols], lo[3][:, hcols], 2.0)):
+        try:
+            assert_close_tolerance(got, h, lo_, factor=f, name=f"rank {rank} {name}")
+        except AssertionError as e:
+            failures.append(str(e))
+    return failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL tensor parallelism")
+def test_sequence_parallel_mlp_bf16_over_nccl():
+    results = run_group(_nccl_mlp_worker, 2, backend="nccl", timeout=300)
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures)
