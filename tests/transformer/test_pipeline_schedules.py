@@ -310,7 +310,7 @@ def worker_2(rank, world):
     _guard(failures, run_case, rank, pp=2, m=5, forward_only=True)
     _guard(failures, run_case, rank, pp=2, m=4, deallocate_pipeline_outputs=True)
     _guard(failures, run_case, rank, pp=2, m=3, async_comm=True)
-    _guard(failures, run_case, rank, pp=2, m=4, dtype=F32)
+    _guard(failures, run_case, rank, pp=2, m=4, dtype=F32, wrap_with_ddp=True)
     # interleaved, 2 virtual stages on 2 stages
     _guard(failures, run_case, rank, pp=2, vpp=2, m=4)
     _guard(failures, run_case, rank, pp=2, vpp=2, m=2)  # m == pp: all forwards first
@@ -332,6 +332,9 @@ def worker_4(rank, world):
     _guard(failures, run_case, rank, pp=4, m=5, forward_only=True)
     _guard(failures, run_case, rank, pp=4, m=6, deallocate_pipeline_outputs=True, async_comm=True)
     _guard(failures, run_case, rank, pp=2, m=4)  # 2 stages x 2 data-parallel ranks (own batches)
+    # DDP chunks on 2 data-parallel ranks: gradients averaged over both ranks' batches
+    _guard(failures, run_case, rank, pp=2, m=4, wrap_with_ddp=True)
+    _guard(failures, run_case, rank, pp=2, vpp=2, m=4, wrap_with_ddp=True, overlap_p2p_comm=True)
     _guard(failures, run_case, rank, pp=4, vpp=2, m=8)
     _guard(failures, run_case, rank, pp=4, vpp=2, m=4, overlap_p2p_comm=True)
     _guard(failures, run_case, rank, pp=4, vpp=2, m=8, forward_only=True)

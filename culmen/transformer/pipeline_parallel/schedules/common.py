@@ -15,10 +15,13 @@ Apex's ``apex.transformer.pipeline_parallel.schedules.common``. The contracts:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.autograd.variable import Variable
 
 from culmen.transformer import parallel_state
@@ -70,6 +73,50 @@ def _set_default_tp_attributes(param: torch.nn.Parameter) -> None:
                 setattr(param, name, value)
     else:
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+
+
+class _DDPGradSync:
+    """Data-parallel gradient reduction for DDP-wrapped chunks driven by a pipelined schedule.
+
+    ``torch.nn.parallel.DistributedDataParallel`` reduces gradients only for a backward whose forward
+    ran outside ``no_sync`` and before the next forward; pipelined schedules run several forwards
+    before their backwards, so DDP would reduce some microbatches and silently skip the others (Apex
+    left that to ``custom_sync_context_handler`` / ``custom_grad_sync_func``). The schedules therefore
+    run DDP chunks under ``no_sync`` and call ``all_reduce`` once at the end: one flattened all-reduce
+    per (dtype, device) over each chunk's process group, averaged like DDP.
+    """
+
+    def __init__(self, chunks: list[torch.nn.parallel.DistributedDataParallel]):
+        self.chunks = chunks
+
+    @classmethod
+    def for_model(cls, chunks: list[torch.nn.Module]) -> _DDPGradSync | None:
+        ddp = [c for c in chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)]
+        return cls(ddp) if ddp else None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with contextlib.ExitStack() as stack:
+            for chunk in self.chunks:
+                stack.enter_context(chunk.no_sync())
+            yield
+
+    def all_reduce(self) -> None:
+        for chunk in self.chunks:
+            group = chunk.process_group
+            world = dist.get_world_size(group)
+            if world == 1:
+                continue
+            buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for p in chunk.parameters():
+                if p.requires_grad and p.grad is not None:
+                    buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+            for grads in buckets.values():
+                flat = _flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=group)
+                flat.div_(world)
+                for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    g.copy_(reduced)
 
 
 def _model_device() -> torch.device:

@@ -23,6 +23,7 @@ from culmen.transformer.pipeline_parallel.schedules.common import (
     Batch,
     FwdStepFunc,
     PipelineConfigError,
+    _DDPGradSync,
     backward_step,
     forward_step,
     free_output_tensor,
@@ -82,7 +83,8 @@ def _forward_backward_pipelining_with_interleaving(
             reduction; left only for each chunk's last backward (or for ``custom_grad_sync_func``).
         custom_grad_sync_func: called with a chunk's ``parameters()`` once its last backward is
             done on every stage (launches its gradient reduction); chunks not reached during the
-            schedule are synchronized at its end.
+            schedule are synchronized at its end. Without either hook, DDP-wrapped chunks run under
+            ``no_sync`` and their gradients are all-reduced (averaged) over their group at the end.
         custom_param_sync_func: called with a chunk's ``parameters()`` before its first forward
             (chunks 0 and 1 at the start, the later ones just ahead of their first microbatch).
         sync_batch_comm: synchronize the device after each exchange (CUDA).
@@ -158,6 +160,11 @@ def _forward_backward_pipelining_with_interleaving(
         return k // group_size == total // group_size - 1 and (k % group_size) % pp == pp - 1
 
     sync_context_handler = custom_sync_context_handler or contextlib.nullcontext
+    ddp_sync = None
+    if custom_sync_context_handler is None and custom_grad_sync_func is None:
+        ddp_sync = _DDPGradSync.for_model(model)
+        if ddp_sync is not None:
+            sync_context_handler = ddp_sync.no_sync
     sync_context = None
 
     def disable_grad_sync() -> None:
@@ -358,4 +365,6 @@ def _forward_backward_pipelining_with_interleaving(
         for c in range(num_model_chunks):
             if c not in grad_synced:
                 custom_grad_sync_func(model[c].parameters())
+    if ddp_sync is not None and not forward_only:
+        ddp_sync.all_reduce()
     return losses_reduced

@@ -22,6 +22,7 @@ from culmen.transformer.pipeline_parallel.schedules.common import (
     Batch,
     FwdStepFunc,
     PipelineConfigError,
+    _DDPGradSync,
     backward_step,
     forward_step,
     free_output_tensor,
@@ -178,7 +179,9 @@ def forward_backward_pipelining_without_interleaving(
         custom_sync_context_handler: factory of a context that suppresses asynchronous gradient
             reduction; entered for the whole schedule except stage 0's last backward.
         custom_grad_sync_func: called (no arguments) at the end on every stage but the first, to
-            launch the gradient reduction.
+            launch the gradient reduction. Without either hook, a DDP-wrapped ``model`` runs under
+            ``no_sync`` and its gradients are all-reduced (averaged) over its group at the end, so
+            they are right for any number of data-parallel ranks (Apex's were not).
         sync_batch_comm: synchronize the device after each exchange (CUDA).
         num_micro_batches_with_partial_activation_checkpoints: when set, ``forward_step_func`` gets
             a third argument: whether this microbatch checkpoints all layers.
@@ -196,6 +199,11 @@ def forward_backward_pipelining_without_interleaving(
     model = chunks[0]
 
     sync_context_handler = custom_sync_context_handler or contextlib.nullcontext
+    ddp_sync = None
+    if custom_sync_context_handler is None and custom_grad_sync_func is None:
+        ddp_sync = _DDPGradSync.for_model(chunks)
+        if ddp_sync is not None:
+            sync_context_handler = ddp_sync.no_sync
     sync_context = None
 
     def disable_grad_sync() -> None:
@@ -297,5 +305,7 @@ def forward_backward_pipelining_without_interleaving(
     enable_grad_sync()
     if rank != 0 and custom_grad_sync_func is not None:
         custom_grad_sync_func()
+    if ddp_sync is not None and not forward_only:
+        ddp_sync.all_reduce()
     return losses_reduced
 
