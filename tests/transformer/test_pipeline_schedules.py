@@ -354,6 +354,38 @@ def test_schedules_4_ranks():
     _check(run_group(worker_4, 4, timeout=120))
 
 
+def _failing_worker(rank, world):
+    from culmen.transformer import parallel_state as ps
+    from culmen.transformer.pipeline_parallel import get_forward_backward_func
+
+    ps.initialize_model_parallel(1, 2)
+    set_microbatches(4, 1)
+    stage = Stage(2 * rank, 2, rank == 0, rank == 1, F64)
+    calls = []
+
+    def step(batch, model):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise ValueError("injected failure on the last stage")
+        return forward_step_func(batch, model)
+
+    get_forward_backward_func(None, 2)(step, make_batch(4, 0, F64), stage, forward_only=False,
+                                       tensor_shape=(SEQ, MB, HID), dtype=F64)
+    return "finished"
+
+
+def test_failing_stage_fails_its_peer():
+    """A stage that raises mid-schedule makes the stage waiting on it fail too (within the process-group
+    timeout), instead of hanging."""
+    import time
+
+    t0 = time.monotonic()
+    results = run_group(_failing_worker, 2, timeout=60, pg_timeout=10, expect_errors=True)
+    assert time.monotonic() - t0 < 45
+    assert all(not isinstance(r, str) for r in results), results
+    assert "injected failure" in str(results[1])
+
+
 def _gpu_worker(rank, world):
     torch.cuda.set_device(rank)
     failures: list[str] = []
