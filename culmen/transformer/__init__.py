@@ -16,7 +16,7 @@ __all__ = ["AttnMaskType", "AttnType", "LayerType", "ModelType", "functional"]
 
 _SUBMODULES = (
     "_data", "amp", "functional", "layers", "log_util", "microbatches", "parallel_state", "pipeline_parallel",
-    "tensor_parallel", "utils",
+    "tensor_parallel", "testing", "utils",
 )
 
 
