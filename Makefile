@@ -2,7 +2,8 @@
 # they create .venv, install what is missing once (stamp files in .venv), then run.
 #   make demo   train a tiny model with culmen's kernels (CPU: < 1 min)
 #   make test   ruff + the CPU test suite (2 xdist workers); matplotlib for the bench --plot tests,
-#               transformers + safetensors for the flash_attn model remaps and the Hugging Face integration
+#               transformers + safetensors for the flash_attn model remaps and the Hugging Face integration,
+#               expecttest for PyTorch's multi-process test helpers (culmen.distributed_testing)
 #
 # torch: when $(PYTHON) already imports torch (a GPU user's CUDA/ROCm build, conda, an outer venv),
 # .venv reuses that torch and the triton/numpy beside it (scripts/reuse_torch.py puts their site
@@ -44,7 +45,7 @@ $(STAMP_BASE): pyproject.toml Makefile | $(PY)
 	touch $@
 
 $(STAMP_TEST): $(STAMP_BASE) Makefile
-	$(PIP) install pytest pytest-xdist ruff matplotlib transformers safetensors
+	$(PIP) install pytest pytest-xdist ruff matplotlib transformers safetensors expecttest
 	touch $@
 
 demo: $(STAMP_BASE)

@@ -26,7 +26,13 @@ import unittest
 
 import torch
 from torch import distributed as dist
-from torch.testing._internal import common_distributed, common_utils
+
+try:
+    from torch.testing._internal import common_distributed, common_utils
+except ModuleNotFoundError as exc:  # torch's test helpers import the 'expecttest' package
+    raise ModuleNotFoundError(
+        f"culmen.distributed_testing (like Apex's) builds on PyTorch's multi-process test helpers, which need "
+        f"the {exc.name!r} package: pip install {exc.name}", name=exc.name) from exc
 
 __all__ = ["DistributedTestBase", "NcclDistributedTestBase", "UccDistributedTestBase", "HAS_UCC"]
 
