@@ -496,8 +496,8 @@ def get_num_layers(args, is_encoder_and_decoder_model: bool) -> int:
         return args.num_layers
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     standalone = bool(args.standalone_embedding_stage)
-    transformer_pp = getattr(args, "transformer_pipeline_model_parallel_size",
-                             parallel_state.get_pipeline_model_parallel_world_size())
+    # From parallel_state, not from the parsed arguments: tests size the pipeline after parsing.
+    transformer_pp = parallel_state.get_pipeline_model_parallel_world_size() - (1 if standalone else 0)
     if is_encoder_and_decoder_model:
         split = args.pipeline_model_parallel_split_rank
         if split is None:
@@ -563,7 +563,8 @@ class ParallelTransformer(MegatronModule):
 
         enc_dec = self.model_type == ModelType.encoder_and_decoder
         self.num_layers = get_num_layers(args, enc_dec)
-        vpp = args.virtual_pipeline_model_parallel_size
+        vpp = (parallel_state.get_virtual_pipeline_model_parallel_world_size()
+               or args.virtual_pipeline_model_parallel_size)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         if vpp is not None and parallel_state.get_pipeline_model_parallel_world_size() > 1:
             if args.num_layers % vpp != 0:
