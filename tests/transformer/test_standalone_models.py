@@ -21,6 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -248,3 +249,167 @@ def test_gpt_and_bert_tensor_parallel_equal_one_rank():
     results = run_group(_tp_worker, 2, timeout=110)
     for rank, failures in enumerate(results):
         assert failures == [], f"rank {rank}:\n" + "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------ pipeline parallelism
+
+M = 4  # microbatches
+
+
+def _pp_forward_step(batch, model):
+    tokens, labels = batch
+    per_token = _gpt_loss(model, tokens, labels)
+
+    def loss_func(out):
+        loss = out.mean()
+        return loss, {"loss": loss.detach()}
+
+    return per_token, loss_func
+
+
+def _pp_worker(rank, world):
+    import torch.distributed as dist
+
+    from culmen.transformer import parallel_state as ps
+    from culmen.transformer.pipeline_parallel import build_model, get_forward_backward_func
+    from culmen.transformer.pipeline_parallel import utils as pp_utils
+    from culmen.transformer.testing.standalone_gpt import GPTModel, gpt_model_provider
+
+    failures = []
+    try:
+        _setup_args()
+        tokens, labels = _data(11, b=M * B)
+
+        # The whole model in one process on the same microbatches: gradient of the mean microbatch loss.
+        _init_parallel(1)
+        ref = GPTModel()
+        ref_losses = []
+        for k in range(M):
+            loss = _gpt_loss(ref, tokens[k * B:(k + 1) * B], labels[k * B:(k + 1) * B]).mean()
+            (loss / M).backward()
+            ref_losses.append(loss.detach())
+        ref_sd = {k: v.detach().clone() for k, v in ref.named_parameters()}
+        ref_grads = {k: v.grad.clone() for k, v in ref.named_parameters()}
+
+        _init_parallel(1, 2)
+        pp_utils._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+        pp_utils.setup_microbatch_calculator(rank, None, M * B, B, 1)
+        (model,) = build_model(gpt_model_provider, wrap_with_ddp=False)
+        stage = ps.get_pipeline_model_parallel_rank()
+        per_stage = LAYERS // 2
+
+        def to_ref_name(name: str) -> str:
+            # Stage-local layer i is global layer i + stage * per_stage; the last stage's copy of the
+            # word embeddings is the input embedding.
+            if name == "word_embeddings.weight":
+                return "language_model.embedding.word_embeddings.weight"
+            prefix = "language_model.encoder.layers."
+            if name.startswith(prefix):
+                i, rest = name[len(prefix):].split(".", 1)
+                return f"{prefix}{int(i) + stage * per_stage}.{rest}"
+            return name
+
+        shared = model.word_embeddings_weight()
+        if stage == 1:
+            # initialize_word_embeddings must have copied stage 0's embedding into the zeroed copy.
+            first = ref_sd["language_model.embedding.word_embeddings.weight"].clone()
+            got = shared.detach().clone()
+            dist.broadcast(first, src=0, group=ps.get_embedding_group())
+            if not torch.equal(got, first):
+                failures.append("last stage's word embeddings differ from the first stage's after init")
+        else:
+            dist.broadcast(shared.detach().clone(), src=0, group=ps.get_embedding_group())
+        _load_shards(model, ref_sd, to_ref_name)
+
+        fwd_bwd = get_forward_backward_func(None, 2)
+        losses = fwd_bwd(_pp_forward_step, [tokens, labels], model, forward_only=False, tensor_shape=(S, B, H),
+                         dtype=F64)
+        # The two copies of the tied word embeddings train as one parameter.
+        dist.all_reduce(model.word_embeddings_weight().grad, group=ps.get_embedding_group())
+        grads = _full_grads(model, to_ref_name)
+        expected_names = {to_ref_name(n) for n, _ in model.named_parameters()}
+        if stage == 1:
+            if len(losses) != M:
+                failures.append(f"last stage returned {len(losses)} losses, expected {M}")
+            for k, (got, want) in enumerate(zip(losses, ref_losses)):
+                _check(failures, f"pp microbatch {k} loss", got["loss"], want)
+            if "language_model.encoder.final_layernorm.weight" not in expected_names:
+                failures.append("last stage has no final layer norm")
+        elif losses:
+            failures.append(f"first stage returned losses: {losses}")
+        for name in expected_names:
+            _check(failures, f"pp stage {stage} grad {name}", grads[name], ref_grads[name])
+        # Every reference parameter lives on some stage.
+        names = [None, None]
+        dist.all_gather_object(names, sorted(expected_names))
+        missing = set(ref_grads) - set(names[0]) - set(names[1])
+        if missing:
+            failures.append(f"parameters on no stage: {sorted(missing)}")
+    except Exception:
+        failures.append(traceback.format_exc())
+    return failures
+
+
+def test_gpt_two_stage_1f1b_equals_one_process():
+    results = run_group(_pp_worker, 2, timeout=110)
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank}:\n" + "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------ in-process
+
+
+def test_parse_args_derives_megatron_settings_and_rejects_bad_sizes(capsys):
+    from culmen.transformer.testing.arguments import parse_args
+
+    args = parse_args(defaults=dict(MODEL_ARGS), args=["--bf16", "--sequence-parallel"])
+    assert (args.kv_channels, args.ffn_hidden_size, args.global_batch_size) == (H // HEADS, 4 * H, B)
+    assert args.params_dtype == torch.bfloat16 and args.accumulate_allreduce_grads_in_fp32
+    assert args.gradient_accumulation_fusion and not args.async_tensor_model_parallel_allreduce
+    assert args.apply_query_key_layer_scaling and args.bert_binary_head and args.masked_softmax_fusion
+    plain = parse_args(defaults=dict(MODEL_ARGS), args=["--checkpoint-activations"])
+    assert plain.params_dtype == torch.float32 and not plain.gradient_accumulation_fusion
+    assert plain.async_tensor_model_parallel_allreduce
+    assert (plain.recompute_granularity, plain.recompute_method) == ("full", "uniform")
+    off = parse_args(defaults=dict(MODEL_ARGS), args=["--no-async-tensor-model-parallel-allreduce"])
+    assert not off.async_tensor_model_parallel_allreduce
+    # A command-line value wins over a default.
+    assert parse_args(defaults=dict(MODEL_ARGS), args=["--hidden-size", "64"]).hidden_size == 64
+
+    bad = [
+        (["--fp16", "--bf16"], "fp16"),
+        (["--batch-size", "4"], "micro-batch-size"),
+        (["--num-attention-heads", "5"], "num_attention_heads (5)"),
+        (["--seq-length", "32"], "max_position_embeddings (16) < seq_length (32)"),
+    ]
+    for argv, words in bad:
+        defaults = {k: v for k, v in MODEL_ARGS.items() if f"--{k.replace('_', '-')}" not in argv}
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            parse_args(defaults=defaults, args=argv)
+    with pytest.raises(ValueError, match="num_layers argument is None"):
+        parse_args(defaults={k: v for k, v in MODEL_ARGS.items() if k != "num_layers"}, args=[])
+    capsys.readouterr()
+
+
+def test_global_vars_guard_and_reset(capsys):
+    from culmen.transformer.testing import global_vars as gv
+
+    gv.destroy_global_vars()
+    with pytest.raises(RuntimeError, match="args is not initialized"):
+        gv.get_args()
+    with pytest.raises(AssertionError, match="timers is not initialized"):  # Apex asserted
+        gv.get_timers()
+    gv.set_global_variables(args_defaults=dict(MODEL_ARGS), args=[], override_args={"seed": 7})
+    try:
+        assert gv.get_args().seed == 7 and gv.get_tensorboard_writer() is None and gv.get_adlr_autoresume() is None
+        with pytest.raises(RuntimeError, match="already initialized"):
+            gv.set_global_variables(args_defaults=dict(MODEL_ARGS), args=[])
+        gv._build_num_microbatches_calculator(gv.get_args())
+        assert gv.get_num_microbatches() == 1 and gv.get_current_global_batch_size() == B
+        timer = gv.get_timers()("step")
+        timer.start()
+        timer.stop()
+        assert timer.elapsed() >= 0.0
+    finally:
+        gv.destroy_global_vars()
+    capsys.readouterr()
