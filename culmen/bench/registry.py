@@ -33,6 +33,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "culmen.bench.group_norm",
     "culmen.bench.train_step",
     "culmen.bench.hf_models",
+    "culmen.bench.parallel_models",
 )
 
 CULMEN = "culmen"
