@@ -9,6 +9,8 @@ Tiny models (2 layers, hidden 32, 4 heads, vocab 64, sequence 16), float64 param
   (and summing the sequence-parallel partial gradients over the TP group);
 * BERT (padding mask, token types, binary head) with TP=2, with and without sequence parallelism,
   equals the one-rank BERT (LM loss, binary logits, every gradient);
+* ``commons.ToyParallelMLP`` through its step function (TP=2, with and without sequence parallelism)
+  equals TP=1; ``MyModel`` / ``fwd_step_func`` / ``IdentityLayer`` behave as Apex's tests expect;
 * a 2-stage 1F1B pipeline GPT (``get_forward_backward_func``) equals one process running the whole
   model on the same microbatches (losses, every gradient; the tied word embeddings' two copies are
   all-reduced as a training loop must);
@@ -184,6 +186,49 @@ def _bert_run(model, tokens, labels, types, attn, order):
     return lm_loss, binary_logits
 
 
+def _commons_cases(failures):
+    """``commons``: ToyParallelMLP (TP=2, with and without sequence parallelism) through its step function
+    equals TP=1; MyModel's step function and input routing."""
+    import torch.distributed as dist
+
+    from culmen.transformer import parallel_state as ps
+    from culmen.transformer.testing import commons
+
+    x = torch.randn(B, S, H, dtype=F64, generator=torch.Generator().manual_seed(3))
+    _init_parallel(1)
+    mlp = commons.mlp_provider_func(H, True, True).double()
+    out, loss_func = commons.ToyParallelMLPFwdBwdStepFunc(False)([x], mlp)
+    loss_func(out)[0].backward()
+    ref_out, ref_sd = out.detach(), {k: v.detach().clone() for k, v in mlp.named_parameters()}
+    ref_grads = {k: v.grad.clone() for k, v in mlp.named_parameters()}
+    for sp in (False, True):
+        _init_parallel(2)
+        model = commons.mlp_provider_func(H, True, True, sequence_parallel_enabled=sp).double()
+        _load_shards(model, ref_sd)
+        out, loss_func = commons.ToyParallelMLPFwdBwdStepFunc(sp)([x], model)
+        loss_func(out)[0].backward()  # with sp each rank sums its own tokens: the partial losses add up
+        if sp:
+            parts = [torch.empty_like(out) for _ in range(2)]
+            dist.all_gather(parts, out.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+            out = torch.cat(parts)
+        _check(failures, f"ToyParallelMLP sp={sp} output", out, ref_out)
+        grads = _full_grads(model)
+        for name, g in ref_grads.items():
+            _check(failures, f"ToyParallelMLP sp={sp} grad {name}", grads[name], g)
+
+    model = commons.model_provider_func(H, True, True).double()
+    out, loss_func = commons.fwd_step_func([x], model)
+    loss, reduced = loss_func(out)
+    _check(failures, "MyModel loss", loss, out.sum())
+    _check(failures, "MyModel averaged loss", reduced["avg"].reshape(()), loss)
+    received = torch.randn(S, B, H, dtype=F64)
+    model.set_input_tensor(received)
+    _check(failures, "MyModel received input", model(None), model.layer(received))
+    layer = commons.IdentityLayer((3, 5), scale=2.0)
+    if layer().shape != (3, 5) or layer() is not layer.weight:
+        failures.append("IdentityLayer does not return its weight")
+
+
 def _tp_worker(rank, world):
     from culmen.transformer.testing.global_vars import get_args
     from culmen.transformer.testing.standalone_bert import bert_model_provider
@@ -238,6 +283,7 @@ def _tp_worker(rank, world):
             for name, g in bert_grads.items():
                 _check(failures, f"bert tp2 sp={sp} grad {name}", grads[name], g)
         args.sequence_parallel = False
+        _commons_cases(failures)
         if get_args().padded_vocab_size != VOCAB:
             failures.append("arguments changed by the runs")
     except Exception:
