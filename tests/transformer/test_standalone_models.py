@@ -48,6 +48,7 @@ def _setup_args():
     args.padded_vocab_size = VOCAB
     args.hidden_dropout = args.attention_dropout = 0.0
     args.params_dtype = F64
+    args.use_cpu_initialization = True  # CPU tensors for gloo even on a host with GPUs
     return args
 
 
@@ -196,14 +197,14 @@ def _commons_cases(failures):
 
     x = torch.randn(B, S, H, dtype=F64, generator=torch.Generator().manual_seed(3))
     _init_parallel(1)
-    mlp = commons.mlp_provider_func(H, True, True).double()
+    mlp = commons.mlp_provider_func(H, True, True).double().cpu()
     out, loss_func = commons.ToyParallelMLPFwdBwdStepFunc(False)([x], mlp)
     loss_func(out)[0].backward()
     ref_out, ref_sd = out.detach(), {k: v.detach().clone() for k, v in mlp.named_parameters()}
     ref_grads = {k: v.grad.clone() for k, v in mlp.named_parameters()}
     for sp in (False, True):
         _init_parallel(2)
-        model = commons.mlp_provider_func(H, True, True, sequence_parallel_enabled=sp).double()
+        model = commons.mlp_provider_func(H, True, True, sequence_parallel_enabled=sp).double().cpu()
         _load_shards(model, ref_sd)
         out, loss_func = commons.ToyParallelMLPFwdBwdStepFunc(sp)([x], model)
         loss_func(out)[0].backward()  # with sp each rank sums its own tokens: the partial losses add up
@@ -216,7 +217,7 @@ def _commons_cases(failures):
         for name, g in ref_grads.items():
             _check(failures, f"ToyParallelMLP sp={sp} grad {name}", grads[name], g)
 
-    model = commons.model_provider_func(H, True, True).double()
+    model = commons.model_provider_func(H, True, True).double().cpu()
     out, loss_func = commons.fwd_step_func([x], model)
     loss, reduced = loss_func(out)
     _check(failures, "MyModel loss", loss, out.sum())
