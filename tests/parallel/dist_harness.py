@@ -7,6 +7,7 @@ checks into one group: the worker returns a list of failures (or values), the te
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import tempfile
@@ -38,7 +39,12 @@ def _child(fn, rank, world, init_file, backend, pg_timeout, env, args, q):
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         out = fn(rank, world, *args)
-        q.put((rank, "ok", out))
+        # As bytes, not as tensors: torch's queue pickling shares tensor storage through a file descriptor
+        # that the parent must fetch from this process while it is alive, and a worker that exits first
+        # makes the parent's get() fail (seen in CI: FileNotFoundError in resource_sharer).
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        q.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # reported to the parent
         q.put((rank, "err", (type(e).__name__, str(e), traceback.format_exc())))
     finally:
@@ -47,6 +53,12 @@ def _child(fn, rank, world, init_file, backend, pg_timeout, env, args, q):
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _load(payload: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def run_group(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeout: float = 120.0,
@@ -89,7 +101,7 @@ def run_group(fn: Callable, world: int, *args: Any, backend: str = "gloo", timeo
                     continue
                 if results[rank] is not None:
                     continue
-                results[rank] = payload if status == "ok" else RankError(rank, *payload)
+                results[rank] = _load(payload) if status == "ok" else RankError(rank, *payload)
                 got += 1
         finally:
             for p in procs:

@@ -11,4 +11,5 @@ def test_distributed_test_base_reexports_the_bases():
 
     for name in ("DistributedTestBase", "NcclDistributedTestBase", "UccDistributedTestBase"):
         assert getattr(dtb, name) is getattr(dt, name)
+    assert isinstance(dtb.HAS_UCC, bool)
     assert transformer.testing.__name__ == "culmen.transformer.testing"  # lazy submodule

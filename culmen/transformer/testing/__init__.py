@@ -1,2 +1,3 @@
-"""``apex.transformer.testing``: the helpers Apex's model-parallel tests import. So far the distributed
-unittest bases (``distributed_test_base``); Apex's standalone GPT/BERT are not here yet."""
+"""``apex.transformer.testing``: what Apex's model-parallel tests import: the distributed unittest bases
+(``distributed_test_base``), ``commons``, ``global_vars``, ``arguments`` and the standalone Megatron-style
+models (``standalone_gpt``, ``standalone_bert``, built on ``standalone_transformer_lm``)."""
