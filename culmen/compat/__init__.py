@@ -32,6 +32,7 @@ __all__ = ["ALIASES", "EXTENSION_MODULES", "child_args", "install", "installed",
 ALIASES: dict[str, str] = {
     "apex": "culmen",
     "flash_attn": "culmen.flash_attn",
+    "flash_attn_interface": "culmen.flash_attn_3",
 }
 
 # Apex / flash_attn compiled extension modules that culmen provides in Python, e.g.

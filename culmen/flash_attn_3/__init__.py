@@ -1,0 +1,24 @@
+"""FlashAttention-3's interface (``flash_attn_interface``, the module FA3's ``hopper/`` package installs).
+
+``import culmen.flash_attn_3 as fa3`` or, through culmen's import alias (``culmen.compat``),
+``from flash_attn_interface import flash_attn_func``. See ``culmen.flash_attn_3.interface`` for what is
+honoured and what raises ``NotImplementedError`` (tracked in issue 17).
+"""
+
+from culmen.flash_attn_3.combine import flash_attn_combine
+from culmen.flash_attn_3.interface import (
+    flash_attn_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    get_scheduler_metadata,
+)
+
+__all__ = [
+    "flash_attn_combine",
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "get_scheduler_metadata",
+]
