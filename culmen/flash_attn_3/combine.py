@@ -49,9 +49,11 @@ def _combine_kernel(O_part, LSE_part, Out, LSE_out, n_rows, S, H, D, num_splits,
     # All splits empty: a 0 reference keeps exp() finite (every weight is then exp(-inf) = 0).
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(lse - m_safe[:, None]), 1)
-    inv = tl.where(total > 0.0, 1.0 / total, 0.0)
+    seen = total > 0.0
+    safe_total = tl.where(seen, total, 1.0)  # no 1/0 or log(0) evaluated for rows with no key
+    inv = tl.where(seen, 1.0 / safe_total, 0.0)
     if pid_d == 0:
-        lse_final = tl.log(total) + m  # -inf for a row with no key
+        lse_final = tl.where(seen, tl.log(safe_total) + m, float("-inf"))
         tl.store(LSE_out + b * lo_b + s * lo_s + h * lo_h, lse_final, mask=rmask)
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
