@@ -58,6 +58,8 @@ from torch import Tensor
 from torch.autograd import Variable
 from torch.nn import Module
 
+from culmen.ops.common.collectives import all_gather_single
+
 ReduceOp = dist.ReduceOp
 
 __all__ = ["DistributedDataParallel", "Reducer", "ReduceOp", "flat_dist_call", "extract_tensors"]
@@ -153,8 +155,7 @@ def _verify_same_params(named: Sequence[tuple[str, Tensor]], group, device: torc
     sig = torch.tensor([len(desc), zlib.crc32("\n".join(desc).encode())], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     allsig = torch.empty((world * 2,), dtype=torch.int64, device=device)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(allsig, sig, group=group)
+    all_gather_single(allsig, sig, group=group)
     allsig = allsig.view(world, 2)
     if bool((allsig == allsig[0]).all()):
         return

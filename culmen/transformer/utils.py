@@ -7,17 +7,13 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from culmen.ops.common.collectives import all_gather_single
 from culmen.transformer import parallel_state
 
 __all__ = ["DivisibilityError", "ensure_divisibility", "divide", "split_tensor_into_1d_equal_chunks",
-           "gather_split_1d_tensor", "all_gather_into_tensor", "reduce_scatter_tensor"]
+           "gather_split_1d_tensor"]
 
-# torch 2.13 renamed the flat collectives (*_single) and deprecates the old names; older torch
-# (the GPU machine's 2.11) has only the old ones. Same arguments either way.
-all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class DivisibilityError(ValueError, AssertionError):
@@ -60,6 +56,6 @@ def gather_split_1d_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """
     world = parallel_state.get_tensor_model_parallel_world_size()
     gathered = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    all_gather_into_tensor(gathered, tensor.contiguous().view(-1),
+    all_gather_single(gathered, tensor.contiguous().view(-1),
                            group=parallel_state.get_tensor_model_parallel_group())
     return gathered

@@ -34,9 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# torch 2.13 renamed the tensor collectives (the old names warn); torch 2.11 has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from culmen.ops.common.collectives import all_gather_single, reduce_scatter_single
 
 _ALIGN = 16  # shard sizes are multiples of this many elements (aligned vector access on GPUs)
 _HALF = (torch.float16, torch.bfloat16)
@@ -358,7 +356,7 @@ class ZeroBase(torch.optim.Optimizer):
             self._finish_bucket(self._inflight[0])
         buf = self._bucket_buffer(b)
         b.rs_out = torch.empty(b.shard_size, dtype=self.grad_sync_dtype, device=self.device)
-        b.work = _reduce_scatter(b.rs_out, buf, group=self.distributed_process_group, async_op=True)
+        b.work = reduce_scatter_single(b.rs_out, buf, group=self.distributed_process_group, async_op=True)
         self._inflight.append(b)
 
     def _finish_bucket(self, b: Bucket) -> None:
@@ -459,7 +457,7 @@ class ZeroBase(torch.optim.Optimizer):
     def _launch_param_sync(self) -> None:
         for b in reversed(self.buckets):  # forward uses the last bucket (first layers) first
             local = self._local_param_out(b)
-            b.param_work = _all_gather(b.param_out, local.clone(), group=self.distributed_process_group,
+            b.param_work = all_gather_single(b.param_out, local.clone(), group=self.distributed_process_group,
                                                        async_op=True)
         self._params_pending = True
 

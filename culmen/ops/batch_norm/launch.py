@@ -42,6 +42,7 @@ from culmen.ops.batch_norm.kernels import (
     _bn_stats_nhwc_kernel,
 )
 from culmen.ops.batch_norm.reference import stat_dtype
+from culmen.ops.common.collectives import all_gather_single
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter
 from culmen.ops.common.launch import aligned_16 as _aligned
 from culmen.ops.common.launch import size_hint as _hint
@@ -161,11 +162,6 @@ def group_size(process_group) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(process_group)
-
-
-def _all_gather(out: Tensor, inp: Tensor, group) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
 
 
 def _check_tensor(name: str, t, dev: torch.device) -> None:
@@ -403,8 +399,8 @@ class BNPlan:
                     args = (ws, self.o_part, self.splits, C, W, self.o_local, None, None, 0.0, 0.0)
                     self.merge.traced(*args) if traced else self.merge(stream, aligned, *args)
                 n = self.rows * W
-                _all_gather(ws[self.o_gather:self.o_gather + self.world * n], ws[self.o_local:self.o_local + n],
-                            self.group)
+                all_gather_single(ws[self.o_gather:self.o_gather + self.world * n], ws[self.o_local:self.o_local + n],
+                                  group=self.group)
             args = (ws, self.final_src, self.final_rows, C, W, self.o_stats, running_mean, running_var,
                     float(momentum), self.eps)
             self.final.traced(*args) if traced else self.final(stream, aligned, *args)

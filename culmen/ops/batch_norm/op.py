@@ -28,6 +28,7 @@ from culmen.ops.batch_norm.reference import (
     bn_stats_ref,
     stat_dtype,
 )
+from culmen.ops.common.collectives import all_gather_single
 from culmen.ops.common.launch import traceable_kernels
 
 register_op("batch_norm_fwd", "normalization", "(synchronized) batch norm (+ residual z + ReLU), fp32 statistics")
@@ -80,7 +81,7 @@ def _forward_ref(plan: BNPlan, x, z, weight, bias, running_mean, running_var, mo
         local = bn_stats_ref(xc, plan.cl)  # one packed row
         if plan.world > 1:
             gathered = local.new_empty((plan.world, local.shape[1]))
-            dist.all_gather_into_tensor(gathered.view(-1), local.view(-1), group=plan.group)
+            all_gather_single(gathered.view(-1), local.view(-1), group=plan.group)
             local = gathered
         mean, invstd, count = bn_combine_ref(local, running_mean, running_var, momentum, plan.eps)
     else:

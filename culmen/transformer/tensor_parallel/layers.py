@@ -27,13 +27,12 @@ import torch.nn.init as init
 from torch import Tensor
 from torch.nn.parameter import Parameter
 
+from culmen.ops.common.collectives import all_gather_raw, reduce_scatter_raw
 from culmen.transformer import parallel_state
 from culmen.transformer.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_first_dim,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    reduce_scatter_first_dim,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
@@ -243,8 +242,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         else:
             ctx.save_for_backward(weight)
         if sequence_parallel_enabled:
-            world = parallel_state.get_tensor_model_parallel_world_size()
-            total_input = gather_first_dim(input, world, parallel_state.get_tensor_model_parallel_group())
+            total_input, _ = all_gather_raw(input, parallel_state.get_tensor_model_parallel_group())
         else:
             total_input = input
         return F.linear(total_input, weight, bias)
@@ -258,20 +256,19 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             input = None
         sp = ctx.sequence_parallel_enabled
         group = parallel_state.get_tensor_model_parallel_group() if (sp or ctx.async_grad_allreduce) else None
-        world = parallel_state.get_tensor_model_parallel_world_size() if sp else 1
 
         gather_handle = None
         total_input = input
         if sp and ctx.compute_weight_gradient:
             # The weight gradient needs the full input again; gather it while the input gradient runs.
-            total_input, gather_handle = gather_first_dim(input, world, group, async_op=True)
+            total_input, gather_handle = all_gather_raw(input, group, async_op=True)
 
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
 
         comm_handle = None
         if grad_input is not None:
             if sp:
-                grad_input, comm_handle = reduce_scatter_first_dim(grad_input, world, group, async_op=True)
+                grad_input, comm_handle = reduce_scatter_raw(grad_input, group, async_op=True)
             elif ctx.async_grad_allreduce:
                 comm_handle = dist.all_reduce(grad_input, group=group, async_op=True)
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from culmen.ops.common.collectives import all_gather_raw, reduce_scatter_raw
 from culmen.transformer import parallel_state
 from culmen.transformer.tensor_parallel.utils import divide
 
@@ -40,12 +41,6 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
 ]
-
-# torch 2.13 renamed the single-tensor collectives (the old names warn); the GPU machine's 2.11 has only
-# the old ones. Same signatures.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 _world = parallel_state.get_tensor_model_parallel_world_size
 _group = parallel_state.get_tensor_model_parallel_group
@@ -79,24 +74,6 @@ def _split_along_first_dim(input_: Tensor) -> Tensor:
     return input_[rank * n:(rank + 1) * n].contiguous()
 
 
-def gather_first_dim(input_: Tensor, world: int, group, async_op: bool = False):
-    """All-gather ``input_ (n, ...)`` into a new ``(world * n, ...)`` tensor; with ``async_op`` also the
-    work handle (wait on it before reading the result)."""
-    out = torch.empty((world * input_.shape[0],) + tuple(input_.shape[1:]), dtype=input_.dtype,
-                      device=input_.device)
-    handle = all_gather_single(out, input_.contiguous(), group=group, async_op=async_op)
-    return (out, handle) if async_op else out
-
-
-def reduce_scatter_first_dim(input_: Tensor, world: int, group, async_op: bool = False):
-    """Reduce-scatter ``input_ (world * n, ...)`` (sum) into a new ``(n, ...)`` tensor holding this rank's
-    rows; with ``async_op`` also the work handle."""
-    n = divide(input_.shape[0], world)
-    out = torch.empty((n,) + tuple(input_.shape[1:]), dtype=input_.dtype, device=input_.device)
-    handle = reduce_scatter_single(out, input_.contiguous(), group=group, async_op=async_op)
-    return (out, handle) if async_op else out
-
-
 def _gather_along_last_dim(input_: Tensor) -> Tensor:
     """Concatenate every rank's ``input_`` along the last dimension (rank order)."""
     world = _world()
@@ -104,7 +81,7 @@ def _gather_along_last_dim(input_: Tensor) -> Tensor:
         return input_
     group = _group()
     # One flat all-gather (rank-major), then one copy that interleaves the chunks into the last dim.
-    stacked = gather_first_dim(input_.unsqueeze(0), world, group)
+    stacked, _ = all_gather_raw(input_.unsqueeze(0), group)
     return torch.cat(stacked.unbind(0), dim=-1)
 
 
@@ -112,14 +89,14 @@ def _gather_along_first_dim(input_: Tensor) -> Tensor:
     world = _world()
     if world == 1:
         return input_
-    return gather_first_dim(input_, world, _group())
+    return all_gather_raw(input_, _group())[0]
 
 
 def _reduce_scatter_along_first_dim(input_: Tensor) -> Tensor:
     world = _world()
     if world == 1:
         return input_
-    return reduce_scatter_first_dim(input_, world, _group())
+    return reduce_scatter_raw(input_, _group())[0]
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):

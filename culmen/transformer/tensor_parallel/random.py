@@ -177,7 +177,7 @@ def _split_1d_chunk(t: Tensor) -> Tensor:
 def _gather_1d_chunks(chunk: Tensor, shape: torch.Size) -> Tensor:
     world = parallel_state.get_tensor_model_parallel_world_size()
     out = torch.empty(world * chunk.numel(), dtype=chunk.dtype, device=chunk.device)
-    from culmen.transformer.tensor_parallel.mappings import all_gather_single
+    from culmen.ops.common.collectives import all_gather_single
 
     all_gather_single(out, chunk, group=parallel_state.get_tensor_model_parallel_group())
     return out.view(shape)
