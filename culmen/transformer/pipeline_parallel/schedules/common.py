@@ -119,6 +119,36 @@ class _DDPGradSync:
                     g.copy_(reduced)
 
 
+class _GradSyncToggle:
+    """Suppresses data-parallel gradient reduction between ``disable()`` and ``enable()`` (idempotent),
+    through ``custom_sync_context_handler`` or, for DDP-wrapped chunks and no custom hooks, through
+    :class:`_DDPGradSync` (whose deferred reduction ``finish`` runs once the backward passes are done)."""
+
+    def __init__(self, chunks: list[torch.nn.Module], custom_sync_context_handler, custom_grad_sync_func) -> None:
+        self.handler = custom_sync_context_handler or contextlib.nullcontext
+        self.ddp: _DDPGradSync | None = None
+        if custom_sync_context_handler is None and custom_grad_sync_func is None:
+            self.ddp = _DDPGradSync.for_model(chunks)
+            if self.ddp is not None:
+                self.handler = self.ddp.no_sync
+        self._context = None
+
+    def disable(self) -> None:
+        if self._context is None:
+            self._context = self.handler()
+            self._context.__enter__()
+
+    def enable(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+
+    def finish(self, forward_only: bool) -> None:
+        """The DDP chunks' one deferred all-reduce (nothing with custom hooks or in forward-only mode)."""
+        if self.ddp is not None and not forward_only:
+            self.ddp.all_reduce()
+
+
 def _model_device() -> torch.device:
     # Chunks go where the pipeline's messages live (host memory for gloo, the current GPU otherwise),
     # so a received activation can enter the chunk as is.

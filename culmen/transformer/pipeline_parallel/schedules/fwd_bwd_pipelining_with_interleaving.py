@@ -9,7 +9,6 @@ then 1F1B, then the remaining backwards. The number of microbatches ``m`` must b
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from culmen.transformer.pipeline_parallel.schedules.common import (
     Batch,
     FwdStepFunc,
     PipelineConfigError,
-    _DDPGradSync,
+    _GradSyncToggle,
     backward_step,
     forward_step,
     free_output_tensor,
@@ -159,25 +158,8 @@ def _forward_backward_pipelining_with_interleaving(
     def is_last_microbatch_for_chunk(k: int) -> bool:
         return k // group_size == total // group_size - 1 and (k % group_size) % pp == pp - 1
 
-    sync_context_handler = custom_sync_context_handler or contextlib.nullcontext
-    ddp_sync = None
-    if custom_sync_context_handler is None and custom_grad_sync_func is None:
-        ddp_sync = _DDPGradSync.for_model(model)
-        if ddp_sync is not None:
-            sync_context_handler = ddp_sync.no_sync
-    sync_context = None
-
-    def disable_grad_sync() -> None:
-        nonlocal sync_context
-        if sync_context is None:
-            sync_context = sync_context_handler()
-            sync_context.__enter__()
-
-    def enable_grad_sync() -> None:
-        nonlocal sync_context
-        if sync_context is not None:
-            sync_context.__exit__(None, None, None)
-            sync_context = None
+    grad_sync = _GradSyncToggle(model, custom_sync_context_handler, custom_grad_sync_func)
+    disable_grad_sync, enable_grad_sync = grad_sync.disable, grad_sync.enable
 
     input_tensors: list[list[Any]] = [[] for _ in range(num_model_chunks)]
     output_tensors: list[list[Any]] = [[] for _ in range(num_model_chunks)]
@@ -365,6 +347,5 @@ def _forward_backward_pipelining_with_interleaving(
         for c in range(num_model_chunks):
             if c not in grad_synced:
                 custom_grad_sync_func(model[c].parameters())
-    if ddp_sync is not None and not forward_only:
-        ddp_sync.all_reduce()
+    grad_sync.finish(forward_only)
     return losses_reduced

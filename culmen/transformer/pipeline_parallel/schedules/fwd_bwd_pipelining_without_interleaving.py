@@ -7,7 +7,6 @@ backward until every forward is done, then runs the remaining backwards (cool-do
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +21,7 @@ from culmen.transformer.pipeline_parallel.schedules.common import (
     Batch,
     FwdStepFunc,
     PipelineConfigError,
-    _DDPGradSync,
+    _GradSyncToggle,
     backward_step,
     forward_step,
     free_output_tensor,
@@ -198,25 +197,8 @@ def forward_backward_pipelining_without_interleaving(
         raise PipelineConfigError(f"`model` is expected be a `nn.Module`, but got a list of {len(chunks)} modules")
     model = chunks[0]
 
-    sync_context_handler = custom_sync_context_handler or contextlib.nullcontext
-    ddp_sync = None
-    if custom_sync_context_handler is None and custom_grad_sync_func is None:
-        ddp_sync = _DDPGradSync.for_model(chunks)
-        if ddp_sync is not None:
-            sync_context_handler = ddp_sync.no_sync
-    sync_context = None
-
-    def disable_grad_sync() -> None:
-        nonlocal sync_context
-        if sync_context is None:
-            sync_context = sync_context_handler()
-            sync_context.__enter__()
-
-    def enable_grad_sync() -> None:
-        nonlocal sync_context
-        if sync_context is not None:
-            sync_context.__exit__(None, None, None)
-            sync_context = None
+    grad_sync = _GradSyncToggle(chunks, custom_sync_context_handler, custom_grad_sync_func)
+    disable_grad_sync, enable_grad_sync = grad_sync.disable, grad_sync.enable
 
     num_microbatches = get_num_microbatches()
     rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -305,7 +287,6 @@ def forward_backward_pipelining_without_interleaving(
     enable_grad_sync()
     if rank != 0 and custom_grad_sync_func is not None:
         custom_grad_sync_func()
-    if ddp_sync is not None and not forward_only:
-        ddp_sync.all_reduce()
+    grad_sync.finish(forward_only)
     return losses_reduced
 
