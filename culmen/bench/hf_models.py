@@ -40,6 +40,7 @@ from typing import Any, TextIO
 import torch
 
 from culmen.bench.registry import BenchConfig, SuiteResult, register_suite
+from culmen.bench.runner import short_error
 from culmen.bench.train_step import ModelRun, TrainOptions, _release, _sync, measure_training
 
 TRAIN_IMPLS = ("hf_sdpa", "hf_culmen", "fa_gpt", "hf_liger")
@@ -229,8 +230,7 @@ def run_train_impl(arch: Arch, impl: str, weights: dict[str, torch.Tensor], opts
         res.params = sum(p.numel() for p in model.parameters())
         measure_training(res, forward, opt, model, _layers(model), device, opts, arch.tokens)
     except Exception as exc:
-        msg = str(exc).strip().splitlines()
-        res.error = f"{type(exc).__name__}: {msg[0][:200] if msg else ''}"
+        res.error = short_error(exc, 200)
     finally:
         _release(device)
     return res
@@ -382,8 +382,7 @@ def _time_decode(impl: str, arch: Arch, weights: dict[str, torch.Tensor], dev: t
         r.update(total_ms=total, ms_per_token=total / new, tokens=seq_ids[0, prompt:].tolist(),
                  deterministic=bool(torch.equal(seq_ids, first_ids)))
     except Exception as exc:
-        msg = str(exc).strip().splitlines()
-        r["error"] = f"{type(exc).__name__}: {msg[0][:200] if msg else ''}"
+        r["error"] = short_error(exc, 200)
     return r
 
 

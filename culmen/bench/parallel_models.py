@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import gc
 import json
 import math
 import os
@@ -69,6 +68,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from culmen.bench.registry import BenchConfig, SuiteResult, register_suite
+from culmen.bench.runner import short_error
+from culmen.bench.train_step import _release
 
 SECTIONS = ("tp", "pipeline", "zero")
 TP_IMPLS = ("torch_tp", "culmen_tp", "culmen_tp_sp")
@@ -322,18 +323,6 @@ def _batch(shape: GPTShape, rows: int, device: torch.device, seed: int) -> tuple
     return tokens.to(device), labels.to(device)
 
 
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
-def _error(exc: BaseException) -> str:
-    msg = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {msg[0][:300] if msg else ''}"
-
-
 class _AdamW:
     """``torch.optim.AdamW`` (fused on CUDA); if the fused kernel refuses the params (DTensor support varies
     by torch version) the first step falls back to ``foreach`` and says so in ``note``."""
@@ -348,7 +337,7 @@ class _AdamW:
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             if not self.fused:
                 raise
-            self.fused, self.note = False, f"fused AdamW failed ({_error(exc)}); foreach used"
+            self.fused, self.note = False, f"fused AdamW failed ({short_error(exc, 300)}); foreach used"
             self.opt = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=0.0, foreach=True)
             self.opt.step()
 
@@ -445,7 +434,7 @@ def run_tp(rank: int, world: int, shape: GPTShape, dtype: torch.dtype, device: t
         try:
             row = _tp_impl(impl, shape, dtype, device, world, opts)
         except Exception as exc:  # one failing implementation must not hide the others
-            row = {"impl": impl, "error": _error(exc), "traceback": traceback.format_exc()[-2000:]}
+            row = {"impl": impl, "error": short_error(exc, 300), "traceback": traceback.format_exc()[-2000:]}
         _release(device)
         dist.barrier()
         rows.append(row)
@@ -513,7 +502,7 @@ def run_pipeline(rank: int, world: int, shape: GPTShape, dtype: torch.dtype, dev
             model.zero_grad(set_to_none=True)
         mine = {"bubble": sum(bubbles) / len(bubbles), "ms": sum(totals) / len(totals)}
     except Exception as exc:
-        mine = {"error": _error(exc), "traceback": traceback.format_exc()[-2000:]}
+        mine = {"error": short_error(exc, 300), "traceback": traceback.format_exc()[-2000:]}
     per_stage: list[Any] = [None] * world
     dist.all_gather_object(per_stage, mine)
     errors = [s["error"] for s in per_stage if "error" in s]
@@ -595,7 +584,7 @@ def run_zero(rank: int, world: int, shape: GPTShape, dtype: torch.dtype, device:
         try:
             row = _zero_impl(impl, rank, world, shape, dtype, device, opts)
         except Exception as exc:
-            row = {"impl": impl, "error": _error(exc), "traceback": traceback.format_exc()[-2000:]}
+            row = {"impl": impl, "error": short_error(exc, 300), "traceback": traceback.format_exc()[-2000:]}
         _release(device)
         if impl != "fused_adam_1gpu":
             row["ms"] = _slowest(row.get("ms"), device)
@@ -666,7 +655,7 @@ def spawn_section(section: str, world: int, opts: dict[str, Any], timeout: float
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-            return [{"impl": section, "error": _error(exc), "traceback": str(exc)[-3000:]}]
+            return [{"impl": section, "error": short_error(exc, 300), "traceback": str(exc)[-3000:]}]
         with open(out) as f:
             return json.load(f)
 

@@ -225,7 +225,7 @@ def graph_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float | None,
         return time_ms(fn, device, timer="graph"), None
     except Exception as exc:  # uncapturable calls (host syncs, CPU tensors ...): the column says n/a
         torch.cuda.synchronize(device)
-        return None, _short_error(exc)
+        return None, short_error(exc)
 
 
 def _copy_ms(nbytes: int, device: torch.device, quick: bool) -> float:
@@ -377,9 +377,10 @@ def _row(rec: Record, first: bool, reference: str) -> str:
 # ------------------------------------------------------------------------------------------- run
 
 
-def _short_error(exc: BaseException) -> str:
+def short_error(exc: BaseException, width: int = 160) -> str:
+    """``"Type: first line of the message"`` (cut to ``width`` characters): a failure in one table cell."""
     msg = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {msg[0][:160] if msg else ''}"
+    return f"{type(exc).__name__}: {msg[0][:width] if msg else ''}"
 
 
 def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, roof_gbps: float,
@@ -395,7 +396,7 @@ def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, r
             result = case.providers[name]()
             _sync(device)
         except Exception as exc:  # e.g. torch.compile or a kernel failing: reported, others go on
-            rec.error = _short_error(exc)
+            rec.error = short_error(exc)
             if os.environ.get("CULMEN_BENCH_TRACEBACK"):
                 traceback.print_exc(file=out)
             continue
@@ -423,7 +424,7 @@ def _run_case(bench: Benchmark, case: Case, device: torch.device, quick: bool, r
             if rec.host_us is None:
                 rec.host_error = "the call waits for the GPU (a host sync inside)"
         except Exception as exc:
-            rec.error = _short_error(exc)
+            rec.error = short_error(exc)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue

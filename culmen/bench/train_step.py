@@ -74,6 +74,7 @@ from culmen.bench.models import (
     with_overrides,
 )
 from culmen.bench.registry import BenchConfig, SuiteResult, register_suite
+from culmen.bench.runner import short_error
 
 MODES = ("eager", "compile")
 COMPILE_SCOPES = ("model", "block")
@@ -229,8 +230,7 @@ def run_model(cfg: ModelConfig, impl: str, mode: str, opts: TrainOptions, device
     try:
         _train(res, cfg, impl, mode, opts, device, tokens, labels)
     except Exception as exc:
-        msg = str(exc).strip().splitlines()
-        res.error = f"{type(exc).__name__}: {msg[0][:200] if msg else ''}"
+        res.error = short_error(exc, 200)
         if os.environ.get("CULMEN_BENCH_TRACEBACK"):
             traceback.print_exc()
     finally:
