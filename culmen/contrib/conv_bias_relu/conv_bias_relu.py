@@ -1,0 +1,271 @@
+"""Apex's ``apex.contrib.conv_bias_relu``: a 2-D convolution fused with its bias / scale / mask / ReLU epilogue.
+
+``ConvBiasReLU(x, weight, bias, padding, stride)``, ``ConvBias(...)``, ``ConvBiasMaskReLU(x, weight, bias, mask,
+padding, stride)`` and ``ConvFrozenScaleBiasReLU(x, weight, scale, bias, padding, stride)`` are the ``apply`` of
+the autograd functions ``ConvBiasReLU_`` ... with Apex's argument order.
+
+Differences from Apex's cuDNN-frontend version: the convolution runs through PyTorch (``F.conv2d``, cuDNN on
+NVIDIA GPUs) and the epilogue in one Triton pass (``culmen.ops.conv_epilogue``) instead of one cuDNN fused
+graph; any device (CPU included), fp16 / bf16 / fp32 / fp64, ``padding`` and ``stride`` given as an int or a
+pair, and inputs in any memory format (they are made channels-last, Apex's required layout; the output is
+channels-last). As in Apex, CUDA autocast casts the inputs to fp16, and ``ConvFrozenScaleBiasReLU`` gives no
+gradient to ``scale`` and ``bias``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from culmen.ops.common.function import raw_apply
+from culmen.ops.conv_epilogue import conv_epilogue_fwd_ref, epilogue_plan
+
+__all__ = ["ConvBias", "ConvBiasMaskReLU", "ConvBiasReLU", "ConvFrozenScaleBiasReLU", "ConvBiasReLU_",
+           "ConvBiasMaskReLU_", "ConvBias_", "ConvFrozenScaleBiasReLU_", "fused_conv_epilogue"]
+
+_CL = torch.channels_last
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_conv_bwd = torch.ops.aten.convolution_backward.default
+_CHECKED: set = set()  # call signatures whose arguments passed the checks (keeps repeated calls cheap)
+
+
+def _pair(v, name: str, lo: int) -> tuple[int, int]:
+    if isinstance(v, bool):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {v!r}")
+    if isinstance(v, int):
+        v = (v, v)
+    if not (isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                 for i in v)):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {v!r}")
+    if min(v) < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v!r}")
+    return int(v[0]), int(v[1])
+
+
+def _check(x, weight, vectors: tuple, mask, padding, stride, res=None, res_weight=None, res_stride=None):
+    """Validate a call (once per signature); returns ``(padding, stride)`` as pairs."""
+    pad = _pair(padding, "padding", 0)
+    st = _pair(stride, "stride", 1)
+    try:
+        key = (x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device,
+               tuple(None if v is None else (v.shape, v.device) for _, v in vectors),
+               None if mask is None else (mask.shape, mask.device),
+               None if res is None else (res.shape, res.device),
+               None if res_weight is None else (res_weight.shape, res_weight.dtype), res_stride, pad, st)
+    except AttributeError:
+        key = None
+    if key is not None and key in _CHECKED:
+        return pad, st
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D ((N, C, H, W) / (K, C, R, S)), got shape {tuple(t.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight has {weight.shape[1]} input channels, x has {x.shape[1]} (shape {tuple(x.shape)})")
+    K = weight.shape[0]
+    ho = (x.shape[2] + 2 * pad[0] - weight.shape[2]) // st[0] + 1
+    wo = (x.shape[3] + 2 * pad[1] - weight.shape[3]) // st[1] + 1
+    if ho < 1 or wo < 1:
+        raise ValueError(f"the kernel {tuple(weight.shape[2:])} does not fit x {tuple(x.shape[2:])} padded by "
+                         f"{pad}")
+    for name, v in vectors:
+        if v is None:
+            continue
+        if not isinstance(v, Tensor) or v.dtype not in _FLOATS:
+            got = v.dtype if isinstance(v, Tensor) else type(v).__name__
+            raise TypeError(f"{name} must be a floating-point tensor, got {got}")
+        if v.numel() != K:
+            raise ValueError(f"{name} must have one element per output channel ({K}), got shape {tuple(v.shape)}")
+    out = (x.shape[0], K, ho, wo)
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        if tuple(mask.shape) != out:
+            raise ValueError(f"mask must have the output's shape {out}, got {tuple(mask.shape)}")
+    if res is not None and res_weight is None and tuple(res.shape) != out:
+        raise ValueError(f"the residual must have the output's shape {out}, got {tuple(res.shape)}")
+    if key is not None:
+        _CHECKED.add(key)
+    return pad, st
+
+
+def _cl(t: Tensor | None) -> Tensor | None:
+    if t is None or t.is_contiguous(memory_format=_CL):
+        return t
+    return t.contiguous(memory_format=_CL)
+
+
+def _forward(ctx, x, weight, scale, bias, res, res_weight, res_scale, mask, pad, st, res_stride, relu):
+    """Shared forward: conv(x) [+ conv(res) or res], epilogue; what the backward needs goes on ``ctx``."""
+    x, weight = _cl(x), _cl(weight)
+    c = F.conv2d(x, weight, None, st, pad)
+    r = res
+    if res_weight is not None:
+        res, res_weight = _cl(res), _cl(res_weight)
+        r = F.conv2d(res, res_weight, None, res_stride)
+    plan = epilogue_plan(c, scale, bias, r, res_scale, mask, relu)
+    y = plan.forward(c, scale, bias, r, res_scale, mask)
+    ctx.plan = plan
+    ctx.conv = (st, pad, res_stride)
+    ctx.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+    ctx.has_res = res is not None
+    ctx.save_for_backward(x, weight, res if res_weight is not None else None, res_weight, scale, res_scale, mask,
+                          y if relu else None)
+    return y
+
+
+def _backward(ctx, dy, need_x: bool, need_w: bool, need_b: bool, need_res: bool, need_rw: bool):
+    """Shared backward: ``(dx, dweight, dbias, dres, dres_weight)``, ``None`` where not needed."""
+    x, weight, res, res_weight, scale, res_scale, mask, y = ctx.saved_tensors
+    st, pad, res_stride = ctx.conv
+    need_dr = ctx.has_res and (need_res or need_rw)
+    dc, dr, s = ctx.plan.backward(dy, y, mask, scale, res_scale, need_x or need_w, need_dr,
+                                  need_b and ctx.bias_meta is not None)
+    dx = dw = db = dres = drw = None
+    if need_x or need_w:
+        dx, dw, _ = _conv_bwd(dc, x, weight, None, st, pad, (1, 1), False, (0, 0), 1, (need_x, need_w, False))
+    if s is not None:
+        shape, dtype = ctx.bias_meta
+        db = s.to(dtype).reshape(shape)
+    if need_dr:
+        if res_weight is not None:
+            dres, drw, _ = _conv_bwd(dr, res, res_weight, None, res_stride, (0, 0), (1, 1), False, (0, 0), 1,
+                                     (need_res, need_rw, False))
+        else:
+            dres = dr
+    return dx, dw, db, dres, drw
+
+
+_fwd_amp = torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float16)
+_bwd_amp = torch.amp.custom_bwd(device_type="cuda")
+
+
+class ConvBiasReLU_(torch.autograd.Function):
+    """``relu(conv2d(x, weight, stride, padding) + bias)``.
+
+    ``forward(x, weight, bias, padding, stride)``: ``x`` ``(N, C, H, W)``, ``weight`` ``(K, C, R, S)`` of ``x``'s
+    dtype, ``bias`` with ``K`` elements (Apex passes ``(1, K, 1, 1)``; its gradient has its shape), ``padding``
+    and ``stride`` ints (or pairs). Returns ``(N, K, Ho, Wo)`` channels-last in ``x``'s dtype; gradients
+    for ``x``, ``weight`` and ``bias``.
+    """
+
+    @staticmethod
+    @_fwd_amp
+    def forward(ctx, x, weight, bias, padding, stride):
+        pad, st = _check(x, weight, (("bias", bias),), None, padding, stride)
+        return _forward(ctx, x, weight, None, bias, None, None, None, None, pad, st, None, True)
+
+    @staticmethod
+    @_bwd_amp
+    def backward(ctx, grad_output):
+        n = ctx.needs_input_grad
+        dx, dw, db, _, _ = _backward(ctx, grad_output, n[0], n[1], n[2], False, False)
+        return dx, dw, db, None, None
+
+
+class ConvBias_(torch.autograd.Function):
+    """``conv2d(x, weight, stride, padding) + bias``; arguments and gradients as ``ConvBiasReLU_``."""
+
+    @staticmethod
+    @_fwd_amp
+    def forward(ctx, x, weight, bias, padding, stride):
+        pad, st = _check(x, weight, (("bias", bias),), None, padding, stride)
+        return _forward(ctx, x, weight, None, bias, None, None, None, None, pad, st, None, False)
+
+    @staticmethod
+    @_bwd_amp
+    def backward(ctx, grad_output):
+        n = ctx.needs_input_grad
+        dx, dw, db, _, _ = _backward(ctx, grad_output, n[0], n[1], n[2], False, False)
+        return dx, dw, db, None, None
+
+
+class ConvBiasMaskReLU_(torch.autograd.Function):
+    """``relu((conv2d(x, weight, stride, padding) + bias) * mask)``.
+
+    ``forward(x, weight, bias, mask, padding, stride)``: as ``ConvBiasReLU_`` plus ``mask`` of the output's shape
+    ``(N, K, Ho, Wo)`` (Apex: int8 0/1; bool and float masks work too). No gradient for ``mask``.
+    """
+
+    @staticmethod
+    @_fwd_amp
+    def forward(ctx, x, weight, bias, mask, padding, stride):
+        pad, st = _check(x, weight, (("bias", bias),), mask, padding, stride)
+        return _forward(ctx, x, weight, None, bias, None, None, None, mask, pad, st, None, True)
+
+    @staticmethod
+    @_bwd_amp
+    def backward(ctx, grad_output):
+        n = ctx.needs_input_grad
+        dx, dw, db, _, _ = _backward(ctx, grad_output, n[0], n[1], n[2], False, False)
+        return dx, dw, db, None, None, None
+
+
+class ConvFrozenScaleBiasReLU_(torch.autograd.Function):
+    """``relu(conv2d(x, weight, stride, padding) * scale + bias)`` with a frozen (batch-norm) ``scale`` and ``bias``.
+
+    ``forward(x, weight, scale, bias, padding, stride)``: ``scale`` and ``bias`` with ``K`` elements each.
+    Gradients for ``x`` and ``weight`` only, as in Apex.
+    """
+
+    @staticmethod
+    @_fwd_amp
+    def forward(ctx, x, weight, scale, bias, padding, stride):
+        pad, st = _check(x, weight, (("scale", scale), ("bias", bias)), None, padding, stride)
+        return _forward(ctx, x, weight, scale, bias, None, None, None, None, pad, st, None, True)
+
+    @staticmethod
+    @_bwd_amp
+    def backward(ctx, grad_output):
+        n = ctx.needs_input_grad
+        dx, dw, _, _, _ = _backward(ctx, grad_output, n[0], n[1], False, False, False)
+        return dx, dw, None, None, None, None
+
+
+class _FusedConvEpilogue(torch.autograd.Function):
+    """``act(conv(x) * scale + bias + r * res_scale)`` with ``r = res`` or ``conv1x1(res, res_weight, res_stride)``:
+    the last stage of a ResNet bottleneck. ``scale`` / ``res_scale`` are frozen; ``bias`` is frozen too."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale, bias, res, res_weight, res_scale, pad, st, res_stride, relu):
+        return _forward(ctx, x, weight, scale, bias, res, res_weight, res_scale, None, pad, st, res_stride, relu)
+
+    @staticmethod
+    def backward(ctx, dy):
+        n = ctx.needs_input_grad
+        dx, dw, _, dres, drw = _backward(ctx, dy, n[0], n[1], False, n[4], n[5])
+        return dx, dw, None, None, dres, drw, None, None, None, None, None
+
+
+def fused_conv_epilogue(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None, padding=0, stride=1,
+                        relu: bool = True, res: Tensor | None = None, res_weight: Tensor | None = None,
+                        res_scale: Tensor | None = None, res_stride=1) -> Tensor:
+    """``act(conv2d(x, weight) * scale + bias + r * res_scale)`` where ``r`` is ``res`` itself or, with
+    ``res_weight`` ``(K, C', 1, 1)``, the 1x1 convolution of ``res`` with stride ``res_stride``.
+
+    ``x`` ``(N, C, H, W)``; ``scale``, ``bias``, ``res_scale``: ``K`` elements or ``None``, constants (no
+    gradient: frozen batch-norm factors). Differentiable in ``x``, ``weight``, ``res`` and ``res_weight``. Under
+    ``torch.compile`` the same formula runs as plain PyTorch ops.
+    """
+    pad, st = _check(x, weight, (("scale", scale), ("bias", bias), ("res_scale", res_scale)), None, padding, stride,
+                     res, res_weight, None if res_weight is None else _pair(res_stride, "res_stride", 1))
+    rst = _pair(res_stride, "res_stride", 1)
+    if torch.compiler.is_compiling():
+        c = F.conv2d(x, weight, None, st, pad)
+        r = res if res_weight is None else F.conv2d(res, res_weight, None, rst)
+        return conv_epilogue_fwd_ref(c, scale, bias, r, res_scale, None, relu)
+    return _FusedConvEpilogue.apply(x, weight, scale, bias, res, res_weight, res_scale, pad, st, rst, bool(relu))
+
+
+ConvBiasReLU = raw_apply(ConvBiasReLU_)
+ConvBiasMaskReLU = raw_apply(ConvBiasMaskReLU_)
+ConvBias = raw_apply(ConvBias_)
+ConvFrozenScaleBiasReLU = raw_apply(ConvFrozenScaleBiasReLU_)
