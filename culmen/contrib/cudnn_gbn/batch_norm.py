@@ -1,0 +1,78 @@
+"""Apex's ``apex.contrib.cudnn_gbn``: ``GroupBatchNorm2d``, batch norm whose training statistics cover the batches
+of ``group_size`` ranks.
+
+Built on culmen's synchronized batch norm (``culmen.ops.batch_norm``: Triton statistics and normalization, fp32
+statistics all-gathered over the group with ``torch.distributed``).
+
+Differences from Apex's cuDNN version (peer-memory buffers, CUDA only, fp16 only, channels-last only, channels a
+multiple of 8): any device, fp16 / bf16 / fp32 / fp64, NCHW or channels-last (the output keeps the input's
+layout), any channel count; the groups are contiguous ranks ``[g * group_size, (g + 1) * group_size)`` as in
+Apex; ``minibatch_mean`` / ``minibatch_inv_var`` exist but are not written (the batch statistics stay inside
+the autograd graph); ``momentum=None`` gives the cumulative average.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from culmen.contrib.groupbn.batch_norm import rank_group
+from culmen.ops.batch_norm import sync_batch_norm
+
+__all__ = ["GroupBatchNorm2d"]
+
+
+class GroupBatchNorm2d(_BatchNorm):
+    """Batch norm over ``(N, C, H, W)`` input, synchronized in training across groups of ``group_size`` ranks.
+
+    Args:
+        num_features: ``C``.
+        group_size: ranks normalized together (a divisor of the world size; 1 without ``torch.distributed``).
+            Every rank of a group must run the layer in step.
+        eps, momentum, affine, track_running_stats: as ``torch.nn.BatchNorm2d``.
+
+    ``forward(input)``: ``(N, C, H, W)`` fp16/bf16/fp32/fp64 (under autocast, cast to the autocast dtype as in
+    Apex); returns ``input``'s dtype, shape and memory format. Evaluation with running statistics uses
+    ``F.batch_norm``. The weight and bias gradients are this rank's share (a data-parallel all-reduce adds
+    them up, as in Apex).
+    """
+
+    def __init__(self, num_features: int, group_size: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True) -> None:
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats)
+        self._group = rank_group(group_size, "group_size")
+        self.group_size = group_size
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.group_id = rank // group_size
+        self.group_rank = rank % group_size
+        self.minibatch_mean = torch.zeros(num_features)
+        self.minibatch_inv_var = torch.zeros(num_features)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() != 4:
+            raise ValueError(f"expected 4D input (got {input.dim()}D input)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"input has {input.shape[1]} channels, GroupBatchNorm2d expects {self.num_features}")
+        dev = input.device.type
+        if torch.is_autocast_enabled(dev):
+            input = input.to(torch.get_autocast_dtype(dev))
+        if not self.training and self.track_running_stats:
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
+                                self.eps)
+        group = self._group
+        if group is None:  # built before torch.distributed was initialized (or never distributed)
+            group = self._group = rank_group(self.group_size, "group_size")
+        factor = 0.0
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        keep = self.training and self.track_running_stats
+        return sync_batch_norm(input, self.weight, self.bias, self.running_mean if keep else None,
+                               self.running_var if keep else None, True, factor, self.eps, process_group=group)
