@@ -19,8 +19,9 @@ Layouts (every tensor is one time step, rows contiguous):
   ``DXG``'s) and the direct part ``dh z`` of the gradient of ``h`` (plus an optional ``dy`` of the previous
   step, so the caller's GEMM adds the recurrent part in place).
 
-Programs tile ``(BLOCK_B, BLOCK_H)`` of the ``(B, H)`` step; the math runs in fp32 (fp64 for fp64 tensors) whatever the storage
-dtype, and stores cast to each output's own dtype (the sequence path keeps the cell-gradient carry in fp32).
+Programs tile ``(BLOCK_B, BLOCK_H)`` of the ``(B, H)`` step; the math runs in fp32 (fp64 for fp64 tensors)
+whatever the storage dtype, and stores cast to each output's own dtype (the sequence path keeps the
+cell-gradient carry in fp32).
 """
 
 import triton

@@ -162,10 +162,10 @@ def _dw_hh(dG: Tensor, Y: Tensor, h0: Tensor, reverse: bool) -> Tensor:
 
 
 def _input_grads(ctx, dG: Tensor, x: Tensor, w_ih: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    T, B, I = x.shape
+    T, B, In = x.shape
     d2 = dG.reshape(T * B, -1)
-    dx = torch.mm(d2, w_ih).view(T, B, I) if ctx.needs_input_grad[0] else None
-    dw = torch.mm(d2.t(), x.reshape(T * B, I)) if ctx.needs_input_grad[1] else None
+    dx = torch.mm(d2, w_ih).view(T, B, In) if ctx.needs_input_grad[0] else None
+    dw = torch.mm(d2.t(), x.reshape(T * B, In)) if ctx.needs_input_grad[1] else None
     db = d2.sum(0) if ctx.needs_input_grad[2] else None
     return dx, dw, db
 
@@ -174,9 +174,9 @@ class _LSTMSeqFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_ih: Tensor, bias: Tensor | None, w_hh: Tensor, h0: Tensor, c0: Tensor,
                 reverse: bool):
-        T, B, I = x.shape
+        T, B, In = x.shape
         H = w_hh.shape[1]
-        x2 = x.reshape(T * B, I)
+        x2 = x.reshape(T * B, In)
         G = (torch.addmm(bias, x2, w_ih.t()) if bias is not None else torch.mm(x2, w_ih.t())).view(T, B, 4 * H)
         Y = x.new_empty(T, B, H)
         CS = x.new_empty(T, B, H)
@@ -240,9 +240,9 @@ class _GRUSeqFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_ih: Tensor, b_ih: Tensor | None, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor,
                 reverse: bool):
-        T, B, I = x.shape
+        T, B, In = x.shape
         H = w_hh.shape[1]
-        x2 = x.reshape(T * B, I)
+        x2 = x.reshape(T * B, In)
         XG = (torch.addmm(b_ih, x2, w_ih.t()) if b_ih is not None else torch.mm(x2, w_ih.t())).view(T, B, 3 * H)
         HG = x.new_empty(T, B, 3 * H)
         Y = x.new_empty(T, B, H)
@@ -313,13 +313,13 @@ def _prepare(name: str, x: Tensor, weights: tuple, states: tuple, gate_mult: int
     if x.dim() != 3:
         raise ValueError(f"{name}: input must be (T, B, input_size), got shape {tuple(x.shape)}")
     w_ih, bias_ih, w_hh, bias_hh = weights
-    T, B, I = x.shape
+    T, B, In = x.shape
     if T == 0 or B == 0:
         raise ValueError(f"{name}: input must have at least one time step and one row, got shape {tuple(x.shape)}")
     G, H = w_hh.shape
     if G != gate_mult * H:
         raise ValueError(f"{name}: w_hh must be ({gate_mult} * H, H), got {tuple(w_hh.shape)}")
-    _check_2d("w_ih", w_ih, G, I)
+    _check_2d("w_ih", w_ih, G, In)
     for bname, b in (("b_ih", bias_ih), ("b_hh", bias_hh)):
         if b is not None and tuple(b.shape) != (G,):
             raise ValueError(f"{name}: {bname} must be ({G},), got {tuple(b.shape)}")

@@ -1,0 +1,16 @@
+"""``apex.RNN``: stacked and bidirectional LSTM, GRU, ReLU / tanh RNN and multiplicative LSTM layers with
+an optional output projection and hidden states kept across calls (``init_hidden``, ``reset_hidden``,
+``detach_hidden``, ``init_inference``).
+
+Modules as in Apex: ``models`` (the factories ``LSTM``, ``GRU``, ``ReLU``, ``Tanh``, ``mLSTM``),
+``RNNBackend`` (``RNNCell``, ``stackedRNN``, ``bidirectionalRNN``) and ``cells`` (``mLSTMRNNCell`` and
+the step functions). Apex removed this package in 2025; culmen keeps it, on fused Triton cells
+(``culmen.ops.rnn``) with a PyTorch path on CPU. See ``RNNBackend``'s docstring for where culmen
+differs from Apex (the bugs it fixes).
+"""
+
+from culmen.RNN import RNNBackend, cells, models  # noqa: F401
+from culmen.RNN.models import GRU, LSTM, ReLU, Tanh, mLSTM  # noqa: F401  (Apex's package namespace)
+
+# Apex's __all__: a star import of apex.RNN gives the ``models`` module; the factories are attributes.
+__all__ = ["models"]
