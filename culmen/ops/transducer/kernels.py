@@ -51,11 +51,11 @@ def _pack_base(BOFF, b):
 def _joint_keep(F, G, RNG, b, t, u, h, T, U, H, f_off, g_off, hm, p_drop,
                 RELU: tl.constexpr, DROPOUT: tl.constexpr):
     """The ReLU / dropout keep-mask of a ``(BLOCK_U, BLOCK_H)`` tile of rows ``(b, t, u)`` (recomputed in
-    the backward exactly as the forward computed it: ``f + g`` in the input dtype, the same counters)."""
+    the backward exactly as the forward computed it: the sign of ``f + g``, the same counters)."""
     keep = hm
     if RELU:
-        fv = tl.load(F + f_off, mask=hm, other=0.0)
-        gv = tl.load(G + g_off, mask=hm, other=0.0)
+        fv = tl.load(F + f_off, mask=hm, other=0.0).to(tl.float32)
+        gv = tl.load(G + g_off, mask=hm, other=0.0).to(tl.float32)
         keep = keep & ((fv + gv) > 0)
     if DROPOUT:
         seed = tl.load(RNG)
@@ -84,12 +84,13 @@ def _joint_fwd_kernel(F, G, FLEN, GLEN, BOFF, RNG, OUT, MASK, T, U, H, packed_ro
     valid = (u < tl.where(t < fl, gl, 0)) & hm
     f_off = bt.to(tl.int64) * H + h
     g_off = (b.to(tl.int64) * U + tl.minimum(u, U - 1)) * H + h
-    fv = tl.load(F + f_off, mask=valid, other=0.0)
-    gv = tl.load(G + g_off, mask=valid, other=0.0)
+    # fp32 sums: one rounding to the output dtype, the same as an add in that dtype
+    fv = tl.load(F + f_off, mask=valid, other=0.0).to(tl.float32)
+    gv = tl.load(G + g_off, mask=valid, other=0.0).to(tl.float32)
     out = fv + gv
     if RELU or DROPOUT:
         keep = _joint_keep(F, G, RNG, b, t, u, h, T, U, H, f_off, g_off, valid, p_drop, RELU, DROPOUT)
-        out = tl.where(keep, (out.to(tl.float32) * scale).to(out.dtype), 0.0)
+        out = tl.where(keep, out * scale, 0.0)
     if PACK:
         row = _pack_base(BOFF, b) + t * gl + u
         smask = valid & (row < packed_rows)

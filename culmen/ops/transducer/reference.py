@@ -48,13 +48,14 @@ def grid_rows(t_len: Tensor, u_len: Tensor, T: int, U: int, packed: bool, batch_
 
 
 def joint_keep_mask(f: Tensor, g: Tensor, relu: bool, dropout_p: float | None, rng: Tensor | None) -> Tensor:
-    """The dense ``(B, T, U, H)`` bool keep-mask of ReLU (``f + g > 0`` in the input dtype) and dropout
+    """The dense ``(B, T, U, H)`` bool keep-mask of ReLU (``f + g > 0``, summed in fp32) and dropout
     (``tl.rand(seed, off + ((b*T + t)*U + u)*H + h) >= p``, replayed bit-exactly on the host)."""
     B, T, H = f.shape
     U = g.shape[1]
     keep = torch.ones((B, T, U, H), dtype=torch.bool, device=f.device)
     if relu:
-        keep &= (f.unsqueeze(2) + g.unsqueeze(1)) > 0
+        acc = _acc(f.dtype)
+        keep &= (f.to(acc).unsqueeze(2) + g.to(acc).unsqueeze(1)) > 0
     if dropout_p is not None:
         from culmen.ops.attention.dropout import philox_rand
 
@@ -74,11 +75,13 @@ def transducer_joint_fwd_ref(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor,
     """
     B, T, H = f.shape
     U = g.shape[1]
-    h = f.unsqueeze(2) + g.unsqueeze(1)
+    acc = _acc(f.dtype)
+    h = f.to(acc).unsqueeze(2) + g.to(acc).unsqueeze(1)
     keep = None
     if relu or dropout_p is not None:
         keep = joint_keep_mask(f, g, relu, dropout_p, rng)
-        h = torch.where(keep, (h.to(_acc(h.dtype)) * scale).to(h.dtype), h.new_zeros(()))
+        h = torch.where(keep, h * scale, h.new_zeros(()))
+    h = h.to(f.dtype)
     n_rows = packed_batch if pack_output else B * T * U
     rows, valid = grid_rows(f_len, g_len, T, U, pack_output, batch_offset, n_rows)
     if not pack_output:

@@ -1,0 +1,6 @@
+"""``apex.contrib.transducer``: the RNN-T joint (``TransducerJoint``) and loss (``TransducerLoss``) on
+culmen's Triton kernels (``culmen.ops.transducer``)."""
+
+from culmen.contrib.transducer.transducer import TransducerJoint, TransducerLoss
+
+__all__ = ["TransducerJoint", "TransducerLoss"]
