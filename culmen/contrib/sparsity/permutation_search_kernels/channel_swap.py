@@ -154,7 +154,7 @@ def progressive_channel_swap(matrix, time_limit: float = 60.0, improvement_thres
                              permutation=None, seed: int | None = None, batch_pairs: int = 4096):
     """Random channel swaps until ``time_limit`` seconds pass: each round scores ``batch_pairs`` random
     stripe pairs and applies their best non-overlapping swaps that gain more than
-    ``improvement_threshold``. Stops early once it has scored about twice the number of stripe pairs
+    ``improvement_threshold`` (at least a millionth of the mean stripe score). Stops early once it has scored about twice the number of stripe pairs
     in a row without a gain. Returns ``(matrix[:, order], seconds, order)``."""
     start = time.perf_counter()
     absmat, base = _prepare(matrix, permutation)
@@ -169,6 +169,8 @@ def progressive_channel_swap(matrix, time_limit: float = 60.0, improvement_thres
     batch = min(batch_pairs, npairs)
     all_pairs = torch.triu_indices(nst, nst, 1).t().contiguous() if npairs <= batch_pairs else None
     best_total, best_local = float(stripe_scores(cur).double().sum()), local.clone()
+    # float32 scoring noise must not count as a gain, or swaps could cycle until the time limit.
+    threshold = max(float(improvement_threshold), 1e-6 * best_total / nst)
     fruitless = 0
     while time.perf_counter() - start < time_limit and fruitless < 2 * npairs:
         if all_pairs is not None:
@@ -178,7 +180,7 @@ def progressive_channel_swap(matrix, time_limit: float = 60.0, improvement_thres
             b = (a + torch.randint(1, nst, (batch,), generator=gen)) % nst  # never the same stripe
             pairs = torch.stack([torch.minimum(a, b), torch.maximum(a, b)], 1)
         gains = swap_gains(cur, pairs.to(absmat.device), stripe_scores(cur))
-        applied = _apply_best(cur, local, pairs.tolist(), gains, improvement_threshold, set())
+        applied = _apply_best(cur, local, pairs.tolist(), gains, threshold, set())
         if applied:
             total = float(stripe_scores(cur).double().sum())
             if total > best_total:
