@@ -154,7 +154,8 @@ def _models():
     for mod in [*mlp.modules(), *conv.modules()]:
         if isinstance(mod, (nn.Linear, nn.Conv2d)):  # heavy-tailed input channels
             with torch.no_grad():
-                mod.weight.mul_(torch.rand(mod.weight.shape[1]).pow(4).mul(4).add(0.1).view(1, -1, *[1] * (mod.weight.dim() - 2)))
+                scale = torch.rand(mod.weight.shape[1]).pow(4).mul(4).add(0.1)
+                mod.weight.mul_(scale.view(1, -1, *[1] * (mod.weight.dim() - 2)))
     return {"mlp": (mlp.double().eval(), torch.randn(5, 16, dtype=torch.float64)),
             "conv": (conv.double().eval(), torch.randn(2, 8, 6, 6, dtype=torch.float64)),
             "residual": (_Residual().double().eval(), torch.randn(5, 16, dtype=torch.float64))}

@@ -154,8 +154,9 @@ def progressive_channel_swap(matrix, time_limit: float = 60.0, improvement_thres
                              permutation=None, seed: int | None = None, batch_pairs: int = 4096):
     """Random channel swaps until ``time_limit`` seconds pass: each round scores ``batch_pairs`` random
     stripe pairs and applies their best non-overlapping swaps that gain more than
-    ``improvement_threshold`` (at least a millionth of the mean stripe score). Stops early once it has scored about twice the number of stripe pairs
-    in a row without a gain. Returns ``(matrix[:, order], seconds, order)``."""
+    ``improvement_threshold`` (at least a millionth of the mean stripe score). Stops early once it has
+    scored about twice the number of stripe pairs in a row without a gain.
+    Returns ``(matrix[:, order], seconds, order)``."""
     start = time.perf_counter()
     absmat, base = _prepare(matrix, permutation)
     c = absmat.shape[1]
