@@ -160,7 +160,7 @@ class ASP:
                 for b_name, b in module.named_buffers(recurse=False):
                     if b_name in ("running_mean", "running_var"):
                         cls.__all_parameters.append((module_name, module, b_name, b))
-            cls.__permutation_output_dir = "."
+            cls.__permutation_output_dir = cls.__permutation_output_dir or "."
             Permutation.set_permutation_params_from_asp(cls.__model, cls.__sparse_parameters, cls.__all_parameters,
                                                         cls.__verbosity)
             Permutation.set_identical_seed()
