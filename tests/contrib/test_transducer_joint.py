@@ -190,6 +190,19 @@ def test_apex_import_path_through_the_alias():
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr
 
 
+def test_apex_function_stand_in_and_non_contiguous_inputs(triton_backend):
+    from culmen.contrib.transducer.transducer import TransducerJointFunc
+
+    f, g, f_len, g_len = _inputs(torch.float32)
+    wide = randn((3, 4, 74))
+    wide[..., ::2] = g.detach()
+    probe: list = []
+    h = TransducerJointFunc.apply(f, wide[..., ::2], f_len, g_len, False, True, False, None, 0, 1, 4, 0.0, probe)
+    assert len(probe) == 1 and probe[0].shape == h.shape
+    ref = _oracle(f, g, f_len, g_len, False, True, None, 1.0, torch.ones(h.shape), torch.float64)[0]
+    assert_close_tolerance(h, ref, None, name="h")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("pack,relu", [(False, False), (True, True)])
@@ -210,3 +223,34 @@ def test_joint_gpu(dtype, pack, relu):
     lo = _oracle(*cpu[:4], pack, relu, None, 1.0, cpu[4], torch.float32)
     for name, a, r_hi, r_lo in zip(("h", "df", "dg"), (h, df, dg), hi, lo):
         assert_close_tolerance(a.cpu(), r_hi, r_lo.to(dtype), name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pack", [False, True])
+def test_joint_dropout_gpu(pack):
+    dev = "cuda"
+    f, g, f_len, g_len = _inputs(torch.float16, B=3, T=33, U=9, H=130, device=dev)
+    f_len = torch.tensor([33, 20, 7], dtype=torch.int32, device=dev)
+    g_len = torch.tensor([9, 4, 1], dtype=torch.int32, device=dev)
+    boff = torch.cumsum(f_len * g_len, 0)
+    p = 0.25
+    joint = TransducerJoint(pack_output=pack, relu=True, dropout=True, dropout_prob=p, probe_mask=True)
+    h = joint(f, g, f_len, g_len, boff, int(boff[-1])) if pack else joint(f, g, f_len, g_len)
+    dh = randn(h.shape, torch.float16, dev)
+    df, dg = torch.autograd.grad(h, (f, g), dh)
+    cpu = [t.cpu() for t in (f, g, f_len, g_len)]
+    m = joint.mask_probe[0].cpu()
+    dense = _unpack_mask(m, cpu[2], cpu[3], 33, 9) if pack else m
+    hi = _oracle(*cpu, pack, True, dense, 1 / (1 - p), dh.cpu(), torch.float64)
+    for name, a, r in zip(("h", "df", "dg"), (h, df, dg), hi):
+        assert_close_tolerance(a.cpu(), r, None, name=name)
+    # the same mask drawn by the reference (Philox replayed on the host) from the same generator state
+    from culmen.ops.backend import use_backend as ub
+
+    torch.manual_seed(5)
+    joint2 = TransducerJoint(dropout=True, dropout_prob=p, probe_mask=True)
+    joint2(f, g, f_len, g_len)
+    torch.manual_seed(5)
+    with ub("reference"):
+        joint2(f.double(), g.double(), f_len, g_len)
+    assert torch.equal(joint2.mask_probe[0], joint2.mask_probe[1])

@@ -79,7 +79,7 @@ def test_loss_and_gradient_match_oracle(backend, dtype, packed, fuse):
 def test_blank_zero_last_and_debug_list(backend):
     K = 5
     x, label, f_len, y_len = _inputs(torch.float32, B=2, T=4, U=3, K=K, blank=0)
-    label = label.clamp(1, K - 1)
+    label, f_len, y_len = label.clamp(1, K - 1).long(), f_len.long(), y_len.long()  # int64 works too
     for blank in (0, K - 1):
         lab = label if blank == 0 else label.clamp(0, K - 2)
         dbg: list = []
@@ -105,6 +105,18 @@ def test_no_grad_call_and_non_contiguous_logits(triton_backend):
         loss = TransducerLoss()(wide[..., :7], label, f_len, y_len, 3)
     ref = rnnt_loss_ref(x.detach().double(), label, f_len, y_len, 3)
     assert_close_tolerance(loss, ref, None, name="loss")
+
+
+def test_plain_pytorch_benchmark_peer_is_a_correct_loss():
+    from culmen.bench.transducer import rnnt_loss_torch
+
+    x, label, f_len, y_len = _inputs(torch.float32, blank=0)
+    label = label.clamp(min=1)
+    loss = rnnt_loss_torch(x, label, f_len, y_len, 0)
+    (dx,) = torch.autograd.grad(loss.sum(), x)
+    hi = _oracle(x, label, f_len, y_len, 0, torch.ones(3), torch.float64)
+    torch.testing.assert_close(loss.double(), hi[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), hi[1], rtol=1e-4, atol=1e-5)
 
 
 def test_matches_torchaudio_when_installed():
