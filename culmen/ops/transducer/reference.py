@@ -150,7 +150,6 @@ def rnnt_loss_fwd_ref(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, bl
     lpb = torch.where(valid, lpb, lpb.new_full((), NEG))
     alpha = lpb.new_full((B, T, U), NEG)
     alpha[:, 0, 0] = 0.0
-    tt = torch.arange(T, device=x.device)
     for n in range(1, T + U - 1):
         uu = u[(n - u >= 0) & (n - u < T)]
         t = n - uu
@@ -168,7 +167,6 @@ def rnnt_loss_fwd_ref(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, bl
         val = _logaddexp(beta[:, t + 1, uu] + lpb[:, t, uu], beta[:, t, uu + 1] + lpe[:, t, uu])
         beta[:, t, uu] = torch.where(vpad[:, t, uu], val, beta[:, t, uu])
     beta = beta[:, :T, :U].contiguous()
-    del tt
     return {"loss": (-beta[:, 0, 0]).to(x.dtype), "alpha": alpha, "beta": beta, "lse": lse, "lpb": lpb, "lpe": lpe}
 
 
