@@ -228,7 +228,7 @@ def _pair_attn_bwd_dbias_kernel(Q, K, V, BIAS, MSK, DO, LSE, DELTA, DB,
     b_base = BIAS + kz1 * sb1 + kz2 * sb2 + kh * sbh
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r in range(0, R):
-        r64 = tl.full([], r, tl.int64)
+        r64 = tl.cast(r, tl.int64)
         rh = r64 % RH
         rz = r64 // RH
         z1 = kz1 + rz // RZ2
