@@ -159,3 +159,17 @@ def test_gpu_asp_training_with_semi_structured_layers():
             torch.testing.assert_close(model(x), ref, rtol=2e-2, atol=2e-2)  # tracks the updated weights
         for *_, p, mask, _ in ASP.sparse_parameters():
             assert bool((p[~mask] == 0).all())
+
+
+def test_benchmark_cases_run_and_agree_with_dense_on_cpu():
+    from culmen.bench import sparsity
+    from culmen.bench.registry import BenchConfig
+    from culmen.bench.runner import default_check
+
+    cases = list(sparsity.sparsity_linear_bench(BenchConfig(device=torch.device("cpu"), quick=True)))
+    assert [c.label.split()[-1] for c in cases] == ["fwd", "fwd+bwd", "fwd", "fwd+bwd"]
+    for case in cases:
+        outs = {name: provider() for name, provider in case.providers.items()}
+        diffs = default_check(outs["culmen"], outs["torch"])
+        assert diffs and max(diffs.values()) == 0.0  # dense fallback on CPU: identical math
+        assert any("device cpu" in note for note in case.notes)
