@@ -309,6 +309,30 @@ def time_training(step: Callable[[], torch.Tensor], device: torch.device, steps:
             "peak_gib": _gib(torch.cuda.max_memory_allocated(device) - base) if cuda else None}
 
 
+def _profile(step: Callable[[], Any], device: torch.device, name: str, steps: int = 3) -> None:
+    """With ``CULMEN_BENCH_PROFILE=<dir>``: profile ``steps`` more steps into ``<dir>/<name>.txt`` (ops
+    by device time, then by host time) for finding where a step's time goes; otherwise nothing."""
+    out_dir = os.environ.get("CULMEN_BENCH_PROFILE")
+    if not out_dir or device.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    table = prof.key_averages()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
+        print(f"{name}: {steps} steps, {wall:.1f} ms/step under the profiler", file=f)
+        print(table.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70), file=f)
+        print(table.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70), file=f)
+    prof.export_chrome_trace(os.path.join(out_dir, f"{name}.json"))
+
+
 def _slowest(ms: float | None, device: torch.device, group: Any = None) -> float | None:
     """The largest ``ms`` over the ranks of ``group`` (a collective: every rank calls it)."""
     t = torch.tensor([ms if ms is not None else -1.0], dtype=torch.float64, device=device)
@@ -340,6 +364,25 @@ class _AdamW:
             self.fused, self.note = False, f"fused AdamW failed ({short_error(exc, 300)}); foreach used"
             self.opt = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=0.0, foreach=True)
             self.opt.step()
+
+
+class _Optimizers:
+    """One :class:`_AdamW` per kind of param: PyTorch TP leaves the norms as plain tensors beside the
+    DTensor weights, and torch's multi-tensor AdamW refuses a mix of the two in one call."""
+
+    def __init__(self, params: list[torch.Tensor], device: torch.device) -> None:
+        kinds: dict[bool, list[torch.Tensor]] = {}
+        for p in params:
+            kinds.setdefault(hasattr(p, "device_mesh"), []).append(p)
+        self.opts = [_AdamW(ps, device) for ps in kinds.values()]
+
+    @property
+    def note(self) -> str | None:
+        return "; ".join(o.note for o in self.opts if o.note) or None
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
 
 
 # ------------------------------------------------------------------------------------------ sections
@@ -386,10 +429,11 @@ def _tp_impl(impl: str, shape: GPTShape, dtype: torch.dtype, device: torch.devic
             from torch.distributed.tensor.parallel import loss_parallel
 
             stack.enter_context(loss_parallel())  # both forward and backward of the loss need it
+        torch.manual_seed(opts["seed"])  # every implementation starts from the same draws
         model = _build_tp(impl, shape, dtype, device, world)
         sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel_enabled", False)]
         tp_group = ps.get_tensor_model_parallel_group()
-        opt = _AdamW(list(model.parameters()), device)
+        opt = _Optimizers(list(model.parameters()), device)
 
         def step() -> torch.Tensor:
             loss = model(tokens, labels)
@@ -456,6 +500,29 @@ def _bubble(clock: _Clock) -> tuple[float, float]:
     return 1.0 - busy / total, total
 
 
+def stage_layers(shape: GPTShape, stages: int) -> list[int]:
+    """Blocks per pipeline stage balancing the work: the last stage also runs the LM head and the loss,
+    costed in blocks by their matmul FLOPs per token (``2 d V`` against a block's ``24 d^2 + 4 s d``)
+    plus a tenth for the fp32 softmax; the cut minimises the slowest stage (1F1B's bubble assumes equal
+    stages)."""
+    if stages < 1 or shape.layers < stages:
+        raise ValueError(f"stages must be in [1, layers={shape.layers}], got {stages}")
+    block = 24 * shape.d ** 2 + 4 * shape.seq * shape.d
+    head = 2 * shape.d * shape.vocab / block + 0.1
+    best: tuple[tuple[float, float], list[int]] | None = None
+    for last in range(1, shape.layers - stages + 2):
+        rest, n = shape.layers - last, stages - 1
+        counts = [rest // n + (i < rest % n) for i in range(n)] + [last] if n else [last]
+        if (n and min(counts[:-1]) < 1) or (not n and last != shape.layers):
+            continue
+        costs = counts[:-1] + [last + head]
+        key = (max(costs), max(costs) - min(costs))  # the slowest stage, then the spread
+        if best is None or key < best[0]:
+            best = (key, counts)
+    assert best is not None
+    return best[1]
+
+
 def run_pipeline(rank: int, world: int, shape: GPTShape, dtype: torch.dtype, device: torch.device,
                  opts: dict[str, Any]) -> list[dict[str, Any]]:
     """Section ``pipeline``: 1F1B over ``world`` stages; per-stage idle fraction from timestamps."""
@@ -467,13 +534,13 @@ def run_pipeline(rank: int, world: int, shape: GPTShape, dtype: torch.dtype, dev
     row: dict[str, Any] = {"impl": "culmen_1f1b", "stages": world, "microbatches": m, "micro_batch": mb,
                            "theory": (world - 1) / (m + world - 1)}
     try:
-        if shape.layers % world:
-            raise ValueError(f"layers ({shape.layers}) must divide by the number of stages ({world})")
         ps.initialize_model_parallel(1, world)
         pp_utils._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
         pp_utils.setup_microbatch_calculator(rank, None, m * mb, mb, 1)
-        per = shape.layers // world
-        model = GPT(shape, _Linears("plain", dtype, device), range(rank * per, (rank + 1) * per),
+        counts = stage_layers(shape, world)
+        row["stage_layers"] = counts
+        first = sum(counts[:rank])
+        model = GPT(shape, _Linears("plain", dtype, device), range(first, first + counts[rank]),
                     pre=rank == 0, post=rank == world - 1)
         schedule = get_forward_backward_func(None, world)
         batch = list(_batch(shape, m * mb, device, opts["seed"]))
@@ -528,6 +595,7 @@ def _zero_impl(impl: str, rank: int, world: int, shape: GPTShape, dtype: torch.d
     cuda = device.type == "cuda"
     base = _allocated(device)
     tokens, labels = _batch(shape, shape.zero_batch, device, opts["seed"] + rank)
+    torch.manual_seed(opts["seed"])  # the same initial weights on every rank and for every implementation
     if impl == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -552,7 +620,8 @@ def _zero_impl(impl: str, rank: int, world: int, shape: GPTShape, dtype: torch.d
         half = dtype != torch.float32
         opt = DistributedFusedAdam(model.parameters(), lr=1e-4, device=device, dtype=torch.float32,
                                    grad_sync_dtype=dtype, param_sync_dtype=dtype, store_param_remainders=half,
-                                   overlap_grad_sync=True, overlap_param_sync=True)
+                                   overlap_grad_sync=True, overlap_param_sync=True,
+                                   contiguous_grad_buffer=True, contiguous_param_buffer=True)
     else:
         opt = _AdamW(list(model.parameters()), device)
 
@@ -571,6 +640,7 @@ def _zero_impl(impl: str, rank: int, world: int, shape: GPTShape, dtype: torch.d
     row["opt_gib"] = _gib(_allocated(device) - before_opt) if cuda else None
     row["steady_gib"] = _gib(_allocated(device) - base) if cuda else None
     row.update(time_training(step, device, opts["steps"], opts["warmup"], base))
+    _profile(step, device, f"zero-{impl}-rank{rank}")
     row["note"] = getattr(opt, "note", note)
     row["tokens_per_s"] = row["gpus"] * shape.zero_batch * shape.seq / (row["ms"] / 1e3)
     return row

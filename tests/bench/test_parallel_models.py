@@ -149,3 +149,15 @@ def test_options_and_skips():
     assert [r.detail["section"] for r in results] == list(pm.SECTIONS)
     assert all("time limit" in r.detail["rows"][0]["error"] for r in results)
     assert pm.SHAPES["1.3b"].params == pytest.approx(1.34e9, rel=0.01)
+
+
+def test_stage_layers_balances_the_head():
+    """The last stage carries the LM head: it gets fewer blocks, every stage at least one, all blocks placed."""
+    big = pm.SHAPES["1.3b"]
+    for stages in (1, 2, 3, 4):
+        counts = pm.stage_layers(big, stages)
+        assert len(counts) == stages and sum(counts) == big.layers and min(counts) >= 1
+    assert pm.stage_layers(big, 2) == [13, 11]
+    assert pm.stage_layers(pm.SHAPES["tiny"], 2) == [1, 1]
+    with pytest.raises(ValueError, match="stages"):
+        pm.stage_layers(pm.SHAPES["tiny"], 3)

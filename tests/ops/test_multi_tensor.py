@@ -205,6 +205,32 @@ def test_adam_capturable_master(backend, device):
         assert torch.equal(p[i], pm[i].half())
 
 
+def test_adam_bf16_param_remainders(backend, device):
+    """An int16 fifth list: the master is the bf16 param's bits plus the remainder, rebuilt and split again."""
+    g, pm, m, v = lists_of(*[torch.float32] * 4, device=device, positive=(3,))
+    pm = [x * 3 + 0.1 for x in pm]
+    p, rem = map(list, zip(*(adam.rem_split(x) for x in pm)))
+    for x, hi, r in zip(pm, p, rem):
+        assert torch.equal(adam.rem_master(hi, r), x)  # the pair is exact
+        assert torch.equal(hi, x.to(torch.bfloat16))  # and the bf16 half is round-to-nearest
+    before = [[t.clone() for t in lst] for lst in (g, pm, m, v)]
+    inv = torch.tensor([0.25], device=device)
+    adam.adam_update([g, p, m, v, rem], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=4, mode=1,
+                     bias_correction=True, weight_decay=0.01, noop_flag=flag(device), inv_scale=inv)
+    for i in range(len(SIZES)):
+        hp, hm, hv = _adam_hi(*(lst[i] for lst in before), lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, step=4, mode=1,
+                              wd=0.01, inv=0.25)
+        assert_close_tolerance(adam.rem_master(p[i], rem[i]), hp, None, atol=2e-6, name="master")
+        assert_close_tolerance(m[i], hm, None, atol=2e-6, name="m")
+        assert torch.equal(p[i], adam.rem_master(p[i], rem[i]).to(torch.bfloat16))
+    skipped = [[t.clone() for t in lst] for lst in (p, rem)]
+    adam.adam_update([g, p, m, v, rem], lr=1.0, beta1=0.9, beta2=0.999, eps=1e-8, step=5, mode=1,
+                     bias_correction=True, weight_decay=0.0, noop_flag=flag(device, 1))
+    for lst, old in zip((p, rem), skipped):
+        for a, b in zip(lst, old):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("nesterov,first_run,wd_after", [(False, True, False), (True, False, False),
                                                          (False, False, True)])
 def test_sgd_matches_torch(backend, device, nesterov, first_run, wd_after):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from culmen.ops.common.collectives import all_gather_single, reduce_scatter_single
+from culmen.ops.multi_tensor.adam import rem_master, rem_split
 
 _ALIGN = 16  # shard sizes are multiples of this many elements (aligned vector access on GPUs)
 _HALF = (torch.float16, torch.bfloat16)
@@ -92,7 +93,8 @@ class Bucket:
         self.work = None  # async reduce-scatter handle
         self.grad_shard: Tensor | None = None  # reduced local shard, state dtype
         self.param_out: Tensor | None = None  # gathered bucket, param_sync_dtype
-        self.param_work = None
+        self.param_work = None  # async all-gather handle
+        self.params_stale = False  # gathered but not yet copied into the params
 
 
 def _group_size(group) -> int:
@@ -313,10 +315,15 @@ class ZeroBase(torch.optim.Optimizer):
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if not self._params_pending:
             return
+        # Wait only for the gathers of this module's params: the later buckets keep arriving while the
+        # first layers compute.
         for p in module.parameters(recurse=False):
-            if id(p) in self._param_owner:
-                self.param_sync()  # the first module to run waits for every gather (they were launched at once)
-                return
+            pi = self._param_index.get(id(p))
+            if pi is not None:
+                for f in self._fragments[pi]:
+                    b = self.buckets[f.bucket_id]
+                    if b.param_work is not None or b.params_stale:
+                        self._sync_bucket(b)
 
     # ------------------------------------------------------------------------------- grad sync
 
@@ -458,27 +465,35 @@ class ZeroBase(torch.optim.Optimizer):
         for b in reversed(self.buckets):  # forward uses the last bucket (first layers) first
             local = self._local_param_out(b)
             b.param_work = all_gather_single(b.param_out, local.clone(), group=self.distributed_process_group,
-                                                       async_op=True)
+                                             async_op=True)
+            b.params_stale = True
         self._params_pending = True
+
+    def _sync_bucket(self, b: Bucket) -> None:
+        """Wait for bucket ``b``'s all-gather and copy it into the params that are not views of it."""
+        if b.param_work is not None:
+            b.param_work.wait()
+            b.param_work = None
+        if not b.params_stale:
+            return
+        b.params_stale = False
+        with torch.no_grad():
+            for f in b.fragments:
+                p = self._params[f.param_id]
+                src = b.param_out[f.bucket_start:f.bucket_end]
+                dst = p.detach().reshape(-1)[f.param_start:f.param_end]
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+        if not self.contiguous_param_buffer:
+            b.param_out = None
 
     def param_sync(self) -> None:
         """Finish the parameter all-gathers (launched by ``step()``) and copy the buckets into the params."""
         if not self._params_pending:
             return
         self._params_pending = False
-        with torch.no_grad():
-            for b in reversed(self.buckets):
-                if b.param_work is not None:
-                    b.param_work.wait()
-                    b.param_work = None
-                for f in b.fragments:
-                    p = self._params[f.param_id]
-                    src = b.param_out[f.bucket_start:f.bucket_end]
-                    dst = p.detach().reshape(-1)[f.param_start:f.param_end]
-                    if dst.data_ptr() != src.data_ptr():
-                        dst.copy_(src)
-                if not self.contiguous_param_buffer:
-                    b.param_out = None
+        for b in reversed(self.buckets):
+            self._sync_bucket(b)
 
     def _after_update(self) -> None:
         self._launch_param_sync()
@@ -606,25 +621,23 @@ class ZeroBase(torch.optim.Optimizer):
                     self._store_scaled(self.buckets[f.bucket_id], "params", f, t)
             return tmp, back
         if self.store_param_remainders:
-            tmp = []
-            for f in frags:
-                hi = self._frag_param(f).view(torch.int16).to(torch.int32) << 16
-                rem = self.buckets[f.bucket_id].state["param_remainders"][f.shard_start:f.shard_end].to(torch.int32)
-                tmp.append((hi + rem).view(torch.float32))
+            rems = self._remainder_views(frags)
+            tmp = [rem_master(self._frag_param(f), r) for f, r in zip(frags, rems)]
 
             def back() -> None:
-                for f, t in zip(frags, tmp):
-                    bits = t.view(torch.int32).to(torch.int64)
-                    hi = (bits + 0x8000) >> 16  # round to nearest (ties away in the bit pattern)
-                    rem = bits - (hi << 16)
-                    b = self.buckets[f.bucket_id]
-                    b.state["param_remainders"][f.shard_start:f.shard_end].copy_(rem.to(torch.int16))
+                for f, t, r in zip(frags, tmp, rems):
+                    hi, low = rem_split(t)
+                    r.copy_(low)
                     # the gathered bf16 value must be the one the remainder was taken against
-                    self._local_param_out(b)[f.shard_start:f.shard_end].copy_(
-                        hi.to(torch.int16).view(torch.bfloat16))
+                    self._local_param_out(self.buckets[f.bucket_id])[f.shard_start:f.shard_end].copy_(hi)
             return tmp, back
         # no stored copy: start from the params themselves
         return [self._frag_param(f).to(self.dtype) for f in frags], None
+
+    def _remainder_views(self, frags: list[Fragment]) -> list[Tensor]:
+        """The int16 remainders of ``frags`` (``store_param_remainders``): with the bf16 values in the gather
+        buffer's local shard they make the fp32 masters (``culmen.ops.multi_tensor.adam.rem_master``)."""
+        return [self.buckets[f.bucket_id].state["param_remainders"][f.shard_start:f.shard_end] for f in frags]
 
     def _param_outs(self, frags: list[Fragment]) -> list[Tensor]:
         return [self._local_param_out(self.buckets[f.bucket_id])[f.shard_start:f.shard_end] for f in frags]
@@ -647,7 +660,10 @@ class ZeroBase(torch.optim.Optimizer):
     def _fill_param_outs_from_params(self) -> None:
         """Keep the gather buffers' local shards equal to the params (frozen fragments, skipped steps)."""
         for f in self._local_frags:
-            self._local_param_out(self.buckets[f.bucket_id])[f.shard_start:f.shard_end].copy_(self._frag_param(f))
+            dst = self._local_param_out(self.buckets[f.bucket_id])[f.shard_start:f.shard_end]
+            src = self._frag_param(f)
+            if dst.data_ptr() != src.data_ptr():  # params that are views of the gather buffer are in place
+                dst.copy_(src)
 
     def _full_master(self, f: Fragment) -> Tensor:
         masters, _ = self._master_views([f])

@@ -127,7 +127,11 @@ class DistributedFusedAdam(ZeroBase):
             lr = group["lr"]
             if self.capturable and not isinstance(lr, Tensor):
                 lr = torch.tensor(float(lr), dtype=torch.float32, device=self.device)
-            masters, back_p = self._master_views(frags)
+            if self.store_param_remainders:
+                # the kernel rebuilds the fp32 master from the bf16 value and the int16 remainder in place
+                masters, back_p = self._remainder_views(frags), None
+            else:
+                masters, back_p = self._master_views(frags)
             ms, back_m = self._state_views(frags, "exp_avg")
             vs, back_v = self._state_views(frags, "exp_avg_sq")
             grads = self._grad_views(frags)

@@ -47,15 +47,17 @@ if triton is not None:
 
     @triton.jit
     def _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv,
-                    MODE: tl.constexpr, MASTER: tl.constexpr, HAS_INV: tl.constexpr, MASKED: tl.constexpr,
-                    CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                    MODE: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr, HAS_INV: tl.constexpr,
+                    MASKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         for i in range(0, CHUNK, BLOCK):
             offs = block_offsets(start, i, BLOCK)
             g = load_f32(gp, offs, n, MASKED)
             if HAS_INV:
                 g = g * inv
                 store(gp, offs, n, g, MASKED)  # the gradient is left unscaled, as GradScaler.unscale_ leaves it
-            if MASTER:
+            if REM:
+                p = _rem_master(pp, qp, offs, n, MASKED)
+            elif MASTER:
                 p = load_f32(qp, offs, n, MASKED)
             else:
                 p = load_f32(pp, offs, n, MASKED)
@@ -72,9 +74,28 @@ if triton is not None:
             p = p - lr * upd
             store(mp, offs, n, m, MASKED)
             store(vp, offs, n, v, MASKED)
-            if MASTER:
-                store(qp, offs, n, p, MASKED)
-            store(pp, offs, n, p, MASKED)
+            if REM:
+                # bf16 param = the fp32 master's top half rounded to nearest; the int16 remainder keeps the rest
+                bits = p.to(tl.int32, bitcast=True)
+                hi = (bits + 0x8000) >> 16
+                store(qp, offs, n, bits - (hi << 16), MASKED)
+                store(pp, offs, n, hi.to(tl.int16).to(tl.bfloat16, bitcast=True), MASKED)
+            else:
+                if MASTER:
+                    store(qp, offs, n, p, MASKED)
+                store(pp, offs, n, p, MASKED)
+
+    @triton.jit
+    def _rem_master(pp, qp, offs, n, MASKED: tl.constexpr):
+        """The fp32 master held as a bf16 param (top 16 bits) plus an int16 remainder (signed low part)."""
+        if MASKED:
+            hi = tl.load(pp + offs, mask=offs < n, other=0.0)
+            r = tl.load(qp + offs, mask=offs < n, other=0)
+        else:
+            hi = tl.load(pp + offs)
+            r = tl.load(qp + offs)
+        bits = (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16) + r.to(tl.int32)
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _unscale_range(gp, start, n, inv, MASKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -87,7 +108,8 @@ if triton is not None:
                      G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                      Q_DT: tl.constexpr, L: tl.constexpr, MODE: tl.constexpr, LR_T: tl.constexpr,
                      STEP_T: tl.constexpr, STEP: tl.constexpr, INV: tl.constexpr, BIAS_CORR: tl.constexpr,
-                     UNSCALE_SKIPPED: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                     REM: tl.constexpr, UNSCALE_SKIPPED: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr):
         # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
         b1 = tl.cast(b1, tl.float32)
         b2 = tl.cast(b2, tl.float32)
@@ -125,10 +147,10 @@ if triton is not None:
             start = j * CHUNK
             if start + CHUNK <= n:
                 _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv, MODE, L == 5,
-                            INV != 0, False, CHUNK, BLOCK)
+                            REM, INV != 0, False, CHUNK, BLOCK)
             else:
                 _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv, MODE, L == 5,
-                            INV != 0, True, CHUNK, BLOCK)
+                            REM, INV != 0, True, CHUNK, BLOCK)
         elif UNSCALE_SKIPPED:
             # A skipped step (inf/NaN found) still unscales the gradients, as torch's GradScaler.unscale_ does
             # before any optimizer reads them (FusedAdam's contract; amp_C's capturable ops leave them as Apex).
@@ -172,7 +194,11 @@ def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, 
             gf = gf * (torch.reciprocal(inv) if scale_divides else inv)
             # The unscaled gradient is stored back (also on a skipped step with ``unscale_skipped``).
             g.copy_(gf.to(g.dtype) if unscale_skipped else torch.where(skip, g, gf.to(g.dtype)))
-        pf = (q if q is not None else p).float()
+        rem = q is not None and q.dtype == torch.int16
+        if rem:
+            pf = rem_master(p, q)
+        else:
+            pf = (q if q is not None else p).float()
         mf, vf = m.float(), v.float()
         if mode == ADAM_MODE_L2:
             gf = gf + weight_decay * pf
@@ -182,9 +208,27 @@ def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, 
         if mode == ADAM_MODE_ADAMW:
             upd = upd + weight_decay * pf
         pf = pf - lr_t * upd
-        for dst, val in ((m, mf), (v, vf), (p, pf), (q, pf)):
+        if rem:
+            hi, low = rem_split(pf)
+            pairs = ((m, mf), (v, vf), (p, hi), (q, low))
+        else:
+            pairs = ((m, mf), (v, vf), (p, pf), (q, pf))
+        for dst, val in pairs:
             if dst is not None:
                 dst.copy_(torch.where(skip, dst, val.to(dst.dtype)))
+
+
+def rem_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """fp32 master from a bf16 ``param`` (its top 16 bits) and an int16 ``remainder`` (the signed rest)."""
+    bits = (param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def rem_split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`rem_master`: ``(bf16 param rounded to nearest, int16 remainder)``."""
+    bits = master.contiguous().view(torch.int32).to(torch.int64)
+    hi = (bits + 0x8000) >> 16
+    return hi.to(torch.int16).view(torch.bfloat16), (bits - (hi << 16)).to(torch.int16)
 
 
 class AdamPlan(ListPlan):
@@ -215,7 +259,8 @@ class AdamPlan(ListPlan):
         dts = [TL_DTYPE[d] for d in g.dtypes]
         return dict(G_DT=dts[0], P_DT=dts[1], M_DT=dts[2], V_DT=dts[3], Q_DT=dts[4] if len(dts) == 5 else dts[1],
                     L=len(dts), MODE=self.mode, LR_T=self.lr_t, STEP_T=self.step_t, STEP=variant, INV=self.inv,
-                    BIAS_CORR=self.bias_correction, UNSCALE_SKIPPED=self.unscale_skipped, CHUNK=self.chunk,
+                    BIAS_CORR=self.bias_correction, REM=len(dts) == 5 and g.dtypes[4] == torch.int16,
+                    UNSCALE_SKIPPED=self.unscale_skipped, CHUNK=self.chunk,
                     BLOCK=self.block)
 
     def run(self, tabs, noop, lr, step, inv, b1: float, b2: float, eps: float, wd: float,
@@ -260,6 +305,8 @@ def adam_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, ste
     ``lr`` and ``step`` are numbers or 1-element device tensors (capturable: no host sync), ``inv_scale``
     ``None``, a number or a device tensor multiplying the gradients. With five lists the fp32 masters
     are updated and copied into the (16-bit) params. Nothing happens where ``noop_flag`` is non-zero.
+    With an int16 fifth list (bf16 params) the fp32 master is the param's bits plus that remainder
+    (``store_param_remainders``), rebuilt and split again inside the kernel.
     With ``inv_scale`` the unscaled gradients are written back (as Apex's capturable kernels do); with
     ``unscale_skipped`` too when the step is skipped (torch's GradScaler contract: ``.grad`` is unscaled).
     Math in fp32: ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``;

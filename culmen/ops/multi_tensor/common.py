@@ -76,6 +76,7 @@ if tl is not None:
         torch.bfloat16: tl.bfloat16,
         torch.float64: tl.float64,
         torch.int32: tl.int32,
+        torch.int16: tl.int16,
         torch.uint8: tl.uint8,
     }
 else:  # pragma: no cover

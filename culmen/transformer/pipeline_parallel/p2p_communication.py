@@ -146,6 +146,12 @@ def _run_p2pops(
                           group, tag) for t, to_next, send, tag in plan]
         reqs = list(dist.batch_isend_irecv(ops))
     else:
+        # Unbatched NCCL sends block until the peer posts the matching receive, and a rank's operations
+        # run in posting order: odd pipeline ranks post receive-first so neighbours never both wait on a
+        # send (with two stages prev == next, and an identical order on both ranks deadlocks).
+        if parallel_state.get_pipeline_model_parallel_rank() % 2 == 1:
+            # send_next, recv_prev, send_prev, recv_next -> recv_prev, send_next, recv_next, send_prev
+            plan = sorted(plan, key=lambda op: (op[3], op[2]))
         reqs = []
         for t, to_next, send, tag in plan:
             peer = next_rank if to_next else prev_rank
