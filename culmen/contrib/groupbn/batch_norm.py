@@ -39,6 +39,8 @@ def rank_group(group_size: int, arg: str = "group_size"):
     world = dist.get_world_size()
     if world % group_size != 0:
         raise ValueError(f"{arg}={group_size} must divide the world size {world}")
+    if group_size == world:
+        return dist.group.WORLD
     rank = dist.get_rank()
     first = rank // group_size * group_size
     ranks = tuple(range(first, first + group_size))
