@@ -348,7 +348,7 @@ def self_attention(inputs: Tensor, heads: int, in_w: Tensor, in_b: Tensor | None
     s, b, e = inputs.shape
     check_attn_mask(mask, use_time_mask, mask_additive, s, s, b)
     x = inputs if norm is None else layer_norm_fn(inputs, norm[0], norm[1], eps=LN_EPS)
-    qkv = F.linear(x, in_w, in_b).view(s, b, heads, 3, e // heads)
+    qkv = F.linear(x, in_w, in_b).reshape(s, b, heads, 3, e // heads)
     ctx = attend(qkv, None, mask, use_time_mask, mask_additive, dropout_p)
     return out_projection(ctx, out_w, out_b, None if norm is None else inputs, out_dropout_p)
 
@@ -368,7 +368,7 @@ def encdec_attention(inputs_q: Tensor, inputs_kv: Tensor, heads: int, w_q: Tenso
     check_attn_mask(mask, use_time_mask, mask_additive, sq, sk, b)
     x = inputs_q if norm is None else layer_norm_fn(inputs_q, norm[0], norm[1], eps=LN_EPS)
     d = e // heads
-    q = F.linear(x, w_q, b_q).view(sq, b, heads, 1, d)
-    kv = F.linear(inputs_kv, w_kv, b_kv).view(sk, b, heads, 2, d)
+    q = F.linear(x, w_q, b_q).reshape(sq, b, heads, 1, d)
+    kv = F.linear(inputs_kv, w_kv, b_kv).reshape(sk, b, heads, 2, d)
     ctx = attend(q, kv, mask, use_time_mask, mask_additive, dropout_p)
     return out_projection(ctx, out_w, out_b, None if norm is None else inputs_q, out_dropout_p)
