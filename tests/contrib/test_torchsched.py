@@ -280,6 +280,45 @@ def test_mutation_is_a_barrier():
     torch.testing.assert_close(sgm(*[a.clone() for a in args]), want, rtol=0, atol=0)
 
 
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(24), nn.Linear(24, 24)
+        self.ln_plain = nn.LayerNorm(24, elementwise_affine=False)
+
+    def forward(self, x):
+        return self.fc(self.ln(x)).relu() + self.ln_plain(x)
+
+
+def test_pre_grad_layer_norm_pass():
+    from culmen.contrib.torchsched.passes import pre_grad_custom_pass
+    from culmen.contrib.torchsched.passes.pre_grad_passes import culmen_layer_norm
+
+    targets = []
+
+    def backend(gm, example_inputs):
+        pre_grad_custom_pass(gm.graph)
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = Normed()
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    torch.compile(model, backend=backend, fullgraph=True)(x)
+    assert targets.count(culmen_layer_norm) == 1  # the affine LayerNorm; the plain one has no weight
+    assert targets.count(torch.nn.functional.layer_norm) == 1
+    # Through the backend: forward and every gradient match eager.
+    torch._dynamo.reset()
+    want, want_g = _eager_and_grads(model, x)
+    with config.patch(enable_pre_grad_pass=True):
+        compiled = torch.compile(model, backend="torchsched", fullgraph=True)
+        got, got_g = _eager_and_grads(compiled, x)
+    for a, b in zip(got + got_g, want + want_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with config.patch(pre_grad_pass_options=["no_such_pass"]), pytest.raises(ValueError, match="no_such_pass"):
+        pre_grad_custom_pass(fx.Graph())
+
+
 # ------------------------------------------------------------------ switches, names and bad input
 
 
@@ -431,3 +470,16 @@ def test_gpu_conv_backward_split(scheme):
         torch._dynamo.reset()
         one = torch.compile(model, backend="torchsched", fullgraph=True)
         assert len(_kernel_streams(lambda: _eager_and_grads(one, x))) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_pre_grad_layer_norm_pass():
+    torch._dynamo.reset()
+    model = Normed().cuda()
+    x = torch.randn(4, 77, 24, device="cuda", requires_grad=True)
+    want, want_g = _eager_and_grads(model, x)
+    with config.patch(enable_pre_grad_pass=True):
+        compiled = torch.compile(model, backend="torchsched", fullgraph=True)
+        got, got_g = _eager_and_grads(compiled, x)
+    for a, b in zip(got + got_g, want + want_g):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
