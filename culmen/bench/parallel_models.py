@@ -330,7 +330,6 @@ def _profile(step: Callable[[], Any], device: torch.device, name: str, steps: in
         print(f"{name}: {steps} steps, {wall:.1f} ms/step under the profiler", file=f)
         print(table.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70), file=f)
         print(table.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70), file=f)
-    prof.export_chrome_trace(os.path.join(out_dir, f"{name}.json"))
 
 
 def _slowest(ms: float | None, device: torch.device, group: Any = None) -> float | None:

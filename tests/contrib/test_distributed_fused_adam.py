@@ -118,6 +118,10 @@ def _worker_2(rank, world):
              dfa=dict(param_sync_dtype=torch.bfloat16)),
         dict(name="bf16 param remainders", dtype=torch.bfloat16, same=True, tol=2 ** -7,
              dfa=dict(param_sync_dtype=torch.bfloat16, store_param_remainders=True)),
+        dict(name="bf16 remainders, overlapped syncs into contiguous buffers", dtype=torch.bfloat16, same=True,
+             tol=2 ** -7, dfa=dict(param_sync_dtype=torch.bfloat16, grad_sync_dtype=torch.bfloat16,
+                                   store_param_remainders=True, overlap_param_sync=True,
+                                   contiguous_grad_buffer=True, contiguous_param_buffer=True)),
         dict(name="bf16 grad sync, fp16 scaled states", tol=3e-3,
              dfa=dict(grad_sync_dtype=torch.bfloat16, with_scaled_states=True)),
     ]
