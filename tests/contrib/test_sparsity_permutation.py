@@ -218,3 +218,14 @@ def test_permute_model_gives_up_cleanly_on_untraceable_models():
     assert Permutation.permute_model(model) is False
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["exhaustive", "channel swap", "progressive channel swap"])
+def test_gpu_searches_on_a_layer_sized_matrix(strategy):
+    m = _heavy_tailed(256, 512, 11).cuda()
+    opts = {"strategy": strategy, "escape_attempts": 5, "progressive_search_time_limit": 10}
+    order = accelerated_search_for_good_permutation(m, opts)
+    assert sorted(order) == list(range(512))
+    base, new = _kept(m.cpu().numpy()), _kept(m.cpu().numpy()[:, order])
+    assert new > base * 1.001
