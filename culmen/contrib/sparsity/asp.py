@@ -355,3 +355,4 @@ class ASP:
         cls.__semi_structured = False
         cls.__save_permutation_graph = False
         cls.__permutation_output_dir = ""
+        Permutation.set_permutation_saving_params(False, False, ".")
