@@ -17,6 +17,7 @@ import torch
 
 from culmen.contrib.multihead_attn import EncdecMultiheadAttn, SelfMultiheadAttn, fast_mask_softmax_dropout_func
 from culmen.contrib.multihead_attn._core import is_future_mask
+from culmen.ops.backend import interpreter_enabled
 from culmen.testing.tolerance import assert_close_tolerance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -433,6 +434,28 @@ def test_bad_arguments():
             SelfMultiheadAttn(E, H, mask_additive=True, impl=impl)(x, x, x, attn_mask=_time_mask(S))
     with pytest.raises(ValueError, match="batch size"):
         EncdecMultiheadAttn(E, H)(x, torch.randn(4, B + 1, E), None)
+
+
+@pytest.mark.skipif(not interpreter_enabled(),
+                    reason="fake kernels on CPU plans need TRITON_INTERPRET=1 (set on machines without a GPU)")
+def test_host_path_budget():
+    """A cached call of the fast path stays light on the host (kernels faked: the code a GPU call runs)."""
+    from culmen.testing.hostcost import assert_host_budget, fake_kernels
+
+    m = SelfMultiheadAttn(64, 4, bias=True).to(torch.bfloat16)
+    x = torch.randn(16, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    with fake_kernels() as launched:
+        def train():
+            m(x, x, x)[0].sum().backward()
+
+        def infer():
+            with torch.no_grad():
+                m(x, x, x)
+
+        n = assert_host_budget(train, python=45, c=60)
+        assert n.c_names["Tensor.contiguous"] == 0 and n.c_names["Tensor.item"] == 0
+        assert_host_budget(infer, python=30, c=32)
+        assert launched
 
 
 def test_alias_imports():
