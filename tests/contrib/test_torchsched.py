@@ -183,8 +183,8 @@ class Recorder:
     def wait(self, s, slot):
         self.calls.append(("wait", s, slot))
 
-    def record(self, slot):
-        self.calls.append(("record", slot))
+    def record(self, slot, s):
+        self.calls.append(("record", slot, s))
 
     def record_stream(self, t, s):
         assert isinstance(t, torch.Tensor)
@@ -227,8 +227,17 @@ def test_plan_of_forward_and_backward_graphs():
         assert not errs, errs[:10]
         assert len(plan.side_streams) >= 2, plan.side_streams  # three branches: two off the critical path
         assert all(plan.stream_of[n] == 0 for n in plan.critical_path)
-        # The scheduled code issued exactly the plan's runtime calls.
-        want_calls = [i if i[0] != "record_stream" else ("record_stream", i[2]) for i in plan.program if i[0] != "node"]
+        # The scheduled code issued exactly the plan's runtime calls (events recorded on the issuing stream).
+        want_calls, cur = [], 0
+        for ins in plan.program:
+            if ins[0] in ("switch", "join"):
+                cur = ins[1] if ins[0] == "switch" else 0
+            if ins[0] == "record":
+                want_calls.append(("record", ins[1], cur))
+            elif ins[0] == "record_stream":
+                want_calls.append(("record_stream", ins[2]))
+            elif ins[0] != "node":
+                want_calls.append(ins)
         assert rec.calls == want_calls
         # mm-heavy branches went to side streams
         mm_streams = {plan.stream_of[n] for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target)}

@@ -348,8 +348,8 @@ class CudaStreamRuntime:
     def wait(self, s: int, slot: int) -> None:
         self.streams[s].wait_event(self.events[slot])
 
-    def record(self, slot: int) -> None:
-        self.events[slot].record()
+    def record(self, slot: int, s: int) -> None:
+        self.events[slot].record(self.streams[s])
 
     def record_stream(self, value: Any, s: int) -> None:
         for t in _tensors(value):
@@ -367,24 +367,28 @@ class CudaStreamRuntime:
 
 def build_scheduled_module(gm: fx.GraphModule, plan: StreamPlan, runtime: Any) -> fx.GraphModule:
     """A copy of ``gm`` whose code issues ``plan.program``: ``runtime`` (a ``CudaStreamRuntime`` or any object
-    with its ``switch`` / ``wait`` / ``record`` / ``record_stream`` / ``join`` methods) is called in between
+    with its ``switch(s)`` / ``wait(s, slot)`` / ``record(slot, s)`` / ``record_stream(t, s)`` / ``join(streams)``
+    methods) is called in between
     the ops. The caller brackets each call with ``runtime.begin()`` / ``runtime.end()``."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    current = 0  # events are recorded on an explicit stream: the graph's device need not be the current one
     for ins in plan.program:
         kind = ins[0]
         if kind == "node":
             n = ins[1]
             env[n] = graph.node_copy(n, env.__getitem__)
         elif kind == "switch":
-            graph.call_function(runtime.switch, (ins[1],))
+            current = ins[1]
+            graph.call_function(runtime.switch, (current,))
         elif kind == "wait":
             graph.call_function(runtime.wait, (ins[1], ins[2]))
         elif kind == "record":
-            graph.call_function(runtime.record, (ins[1],))
+            graph.call_function(runtime.record, (ins[1], current))
         elif kind == "record_stream":
             graph.call_function(runtime.record_stream, (env[ins[1]], ins[2]))
         elif kind == "join":
+            current = 0
             graph.call_function(runtime.join, (ins[1],))
     return fx.GraphModule(gm, graph)
 
