@@ -282,12 +282,16 @@ class RNNCell(nn.Module):
 
     def init_hidden(self, bsz: int) -> None:
         """Give every hidden state that is missing, or of another batch size, zeros of ``(bsz, features)``
-        in the parameters' dtype and device; states of batch ``bsz`` are kept (the recurrence continues)."""
+        in the parameters' dtype and device; states of batch ``bsz`` are kept (the recurrence continues),
+        moved to the parameters' dtype and device if the module was converted since (Apex kept them as
+        they were, and the next step failed on the mismatch)."""
         p = self.w_ih
         for i, h in enumerate(self.hidden):
             if h is None or h.shape[0] != bsz:
                 size = self.output_size if i == 0 else self.hidden_size
                 self.hidden[i] = torch.zeros(bsz, size, dtype=p.dtype, device=p.device)
+            elif h.dtype != p.dtype or h.device != p.device:
+                self.hidden[i] = h.to(device=p.device, dtype=p.dtype)
 
     def reset_hidden(self, bsz: int) -> None:
         """Zero the hidden state, for batch ``bsz``."""

@@ -155,16 +155,20 @@ def test_hidden_state_carries_over_and_api():
     model.reset_hidden(2)
     x1 = x[:3].clone().requires_grad_(True)
     model(x1)
+    assert all(h.grad_fn is not None for c in model.rnns for h in c.hidden)
     model.detach_hidden()
+    assert all(h.grad_fn is None for c in model.rnns for h in c.hidden)
     out, _ = model(x[3:])
     out.sum().backward()
     assert x1.grad is None
-    assert all(h.grad_fn is None for c in model.rnns for h in c.hidden)
     # reset_hidden zeroes; a new batch size re-creates the state; init_inference starts fresh.
     model.reset_hidden(5)
     assert all(h.shape[0] == 5 and not h.any() for c in model.rnns for h in c.hidden)
     model(torch.randn(2, 3, 3, dtype=torch.float64))
     assert all(h.shape[0] == 3 for c in model.rnns for h in c.hidden)
+    model.float()  # kept states follow a dtype conversion of the module
+    out32, _ = model(torch.randn(2, 3, 3))
+    assert out32.dtype == torch.float32 and all(h.dtype == torch.float32 for c in model.rnns for h in c.hidden)
     model.init_inference(2)
     assert all(h.shape[0] == 2 and not h.any() and h.grad_fn is None for c in model.rnns for h in c.hidden)
     bi = RNN.GRU(3, 4, 1, bidirectional=True)
@@ -264,24 +268,24 @@ def test_import_through_the_apex_alias():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_two_layer_lstm_against_cudnn_and_float64(dtype):
-    torch.backends.cudnn.allow_tf32 = False
+@pytest.mark.parametrize("kind,bidirectional", [("lstm", False), ("gru", True), ("mlstm", False)])
+def test_gpu_models_against_float64(kind, bidirectional, dtype):
+    """Real shapes on the GPU: culmen in ``dtype`` vs the float64 step reference on the same (rounded)
+    weights, within twice the error of the same reference run in ``dtype``."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = RNN.LSTM(96, 160, 2).cuda()
-    peer = torch_peer("lstm", model).cuda()
-    x = torch.randn(50, 33, 96, device="cuda", dtype=torch.float64)
-    model.double().reset_hidden(33)
-    ref_out, _ = peer(x)
-    model.to(dtype).reset_hidden(33)
-    out, hid = model(x.to(dtype))
-    peer_lo = torch_peer("lstm", model).cuda().to(dtype)
-    lo_out, _ = peer_lo(x.to(dtype))
-    assert_close_tolerance(out, ref_out, lo_out, name="output")
-    bi = RNN.GRU(40, 72, 1, bidirectional=True).cuda().double()
-    pbi = torch_peer("gru", bi, bidirectional=True).cuda()
-    xb = torch.randn(30, 17, 40, device="cuda", dtype=torch.float64)
-    ref_b, _ = pbi(xb)
-    bi.to(dtype).reset_hidden(17)
-    out_b, _ = bi(xb.to(dtype))
-    lo_b, _ = torch_peer("gru", bi, bidirectional=True).cuda().to(dtype)(xb.to(dtype))
-    assert_close_tolerance(out_b, ref_b, lo_b, name="bi-GRU output")
+    T, B, In, H = 48, 33, 96, 160
+    model = FACTORY[kind](In, H, 2 if not bidirectional else 1, bidirectional=bidirectional).cuda().to(dtype)
+    stacks = [model.fwd, model.bckwrd] if bidirectional else [model]
+    x = torch.randn(T, B, In, device="cuda").to(dtype)
+    model.reset_hidden(B)
+    out, _ = model(x)
+    refs, los = [], []
+    for d, st in enumerate(stacks):
+        zeros = [[torch.zeros(B, s, device="cuda", dtype=torch.float64) for s in
+                  [c.output_size] + [c.hidden_size] * (c.n_hidden_states - 1)] for c in st.rnns]
+        hi, _ = ref_stack(kind, [cell_params(c) for c in st.rnns], x.double(), zeros, reverse=bool(d))
+        lo, _ = ref_stack(kind, [cell_params(c, dtype) for c in st.rnns], x, [[z.to(dtype) for z in zz]
+                                                                            for zz in zeros], reverse=bool(d))
+        refs.append(hi)
+        los.append(lo)
+    assert_close_tolerance(out, torch.cat(refs, -1), torch.cat(los, -1), name=f"{kind} output")
