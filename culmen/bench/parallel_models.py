@@ -619,8 +619,7 @@ def _zero_impl(impl: str, rank: int, world: int, shape: GPTShape, dtype: torch.d
         half = dtype != torch.float32
         opt = DistributedFusedAdam(model.parameters(), lr=1e-4, device=device, dtype=torch.float32,
                                    grad_sync_dtype=dtype, param_sync_dtype=dtype, store_param_remainders=half,
-                                   overlap_grad_sync=True, overlap_param_sync=True,
-                                   contiguous_grad_buffer=True, contiguous_param_buffer=True)
+                                   overlap_grad_sync=True, overlap_param_sync=True, contiguous_param_buffer=True)
     else:
         opt = _AdamW(list(model.parameters()), device)
 

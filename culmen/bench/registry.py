@@ -34,6 +34,12 @@ BENCH_MODULES: tuple[str, ...] = (
     "culmen.bench.train_step",
     "culmen.bench.hf_models",
     "culmen.bench.parallel_models",
+    "culmen.bench.rnn",
+    "culmen.bench.transducer",
+    "culmen.bench.sparsity",
+    "culmen.bench.multihead_attn",
+    "culmen.bench.openfold",
+    "culmen.bench.conv_epilogue",
 )
 
 CULMEN = "culmen"

@@ -55,6 +55,8 @@ EXTENSION_MODULES: dict[str, str] = {
     "group_norm_v2_cuda": "culmen.contrib.group_norm.group_norm_v2_cuda",
     "flash_attn_2_cuda": "culmen.flash_attn.flash_attn_2_cuda",
     "fast_layer_norm": "culmen.contrib.layer_norm.fast_layer_norm",
+    "_apex_gpu_direct_storage": "culmen.contrib.gpu_direct_storage._apex_gpu_direct_storage",
+    "_apex_nccl_allocator": "culmen.contrib.nccl_allocator._apex_nccl_allocator",
 }
 
 

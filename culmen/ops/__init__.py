@@ -21,6 +21,10 @@ OP_MODULES: tuple[str, ...] = (
     "culmen.ops.focal_loss",
     "culmen.ops.index_mul_2d",
     "culmen.ops.group_norm",
+    "culmen.ops.rnn",
+    "culmen.ops.transducer",
+    "culmen.ops.pair_attention",
+    "culmen.ops.conv_epilogue",
 )
 
 

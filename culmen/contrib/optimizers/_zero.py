@@ -161,12 +161,13 @@ class ZeroBase(torch.optim.Optimizer):
         unit = self.distributed_size * _ALIGN
         self.bucket_size = max(unit, int(bucket_cap_mb * 2 ** 20 / elem) // unit * unit)
         self._require_grad_sync = True
-        self._grad_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self._grad_scale = self._unit_grad_scale()
         self._grad_norm: Tensor | None = None
         self._unscaled_by_user = False
         self._inflight: list[Bucket] = []
         self._params_pending = False
         self._hooks: list = []
+        self._inplace_gather = dist.get_backend(self.distributed_process_group) == "nccl"
         self._build_layout()
 
     # ------------------------------------------------------------------------------------ layout
@@ -312,6 +313,12 @@ class ZeroBase(torch.optim.Optimizer):
                 self._stage_grad(pi)
         return hook
 
+    def _unit_grad_scale(self) -> Tensor:
+        """The lazy gradient scale of a fresh round: ``1 / process_group_size`` when averaging (the shards hold
+        the reduce-scatter's sum; the update and the norms apply the scale), else 1."""
+        unit = 1.0 / self.process_group_size if self.average_grad_sync else 1.0
+        return torch.full((), unit, dtype=torch.float32, device=self.device)
+
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if not self._params_pending:
             return
@@ -376,9 +383,7 @@ class ZeroBase(torch.optim.Optimizer):
         b.rs_out = None
         if self.redundant_size > 1:
             dist.all_reduce(out, group=self.redundant_process_group)
-        out = out.to(self.dtype)
-        if self.average_grad_sync:
-            out.mul_(1.0 / self.process_group_size)
+        out = out.to(self.dtype)  # averaging is folded into the lazy gradient scale (_unit_grad_scale)
         if b.grad_shard is None:
             b.grad_shard = out
         else:
@@ -436,7 +441,7 @@ class ZeroBase(torch.optim.Optimizer):
                 b.grad_buffer = None
         for p in self._params:
             p.grad = None
-        self._grad_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self._grad_scale = self._unit_grad_scale()
         self._grad_norm = None
         self._unscaled_by_user = False
 
@@ -464,8 +469,9 @@ class ZeroBase(torch.optim.Optimizer):
     def _launch_param_sync(self) -> None:
         for b in reversed(self.buckets):  # forward uses the last bucket (first layers) first
             local = self._local_param_out(b)
-            b.param_work = all_gather_single(b.param_out, local.clone(), group=self.distributed_process_group,
-                                             async_op=True)
+            # NCCL gathers in place (the input is this rank's slice of the output); other backends get a copy
+            src = local if self._inplace_gather else local.clone()
+            b.param_work = all_gather_single(b.param_out, src, group=self.distributed_process_group, async_op=True)
             b.params_stale = True
         self._params_pending = True
 
@@ -597,7 +603,7 @@ class ZeroBase(torch.optim.Optimizer):
 
     def _end(self) -> None:
         self._grad_norm = None  # the update unscaled the gradient shards in place
-        self._grad_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self._grad_scale = self._unit_grad_scale()
         self._unscaled_by_user = False
         self._after_update()
 

@@ -215,7 +215,7 @@ class DistributedFusedLAMB(ZeroBase):
                                  float(group["weight_decay"]) if trust_on else 0.0, self.use_nvlamb)
             torch._foreach_copy_(self._param_outs(frags), masters)
         if self.skip_allgather:
-            self._grad_scale = torch.ones((), dtype=torch.float32, device=dev)
+            self._grad_scale = self._unit_grad_scale()
             self._grad_norm = None
             self._launch_param_sync()
             return loss
