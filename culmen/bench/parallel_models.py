@@ -606,7 +606,8 @@ def _zero_impl(impl: str, rank: int, world: int, shape: GPTShape, dtype: torch.d
             fully_shard(blk, **kw)
         fully_shard(model, **kw)
     else:
-        model = GPT(shape, _Linears("plain", dtype, device))
+        # built in fp32 and cast, as FSDP2's is: a bf16 init draws different numbers from the same seed
+        model = GPT(shape, _Linears("plain", torch.float32, device)).to(dtype)
     _sync(device)
     before_opt = _allocated(device)
     note = None
