@@ -48,7 +48,7 @@ def _leaf(t, dtype):
 
 def _check(fn, q, k, v, bias, mask, *, names=("q", "k", "v", "bias"), inf=1e9):
     """``fn(q, k, v, bias, mask)`` and its gradients against the float64 reference (tolerance rule)."""
-    do = randn(q.shape, q.dtype)
+    do = randn(q.shape, q.dtype, q.device)
     out = fn(q, k, v, bias, mask)
     assert out.shape == q.shape and out.dtype == q.dtype
     grads = _grads(out, (q, k, v, bias), do)

@@ -196,6 +196,10 @@ def test_loss_gpu(dtype, packed):
     saved = rnnt_loss_fwd_ref(xd, cpu[1], cpu[2], cpu[3], blank, None, T, False)
     loss_hi = saved.pop("loss")
     dx_hi = rnnt_loss_bwd_ref(lg.cpu().double(), xd, cpu[1], cpu[2], cpu[3], blank, None, T, False, saved)
-    saved_lo = rnnt_loss_fwd_ref(cpu[0].detach().float(), cpu[1], cpu[2], cpu[3], blank, None, T, False)
-    assert_close_tolerance(loss.cpu(), loss_hi, saved_lo["loss"].to(dtype), name="loss")
-    assert_close_tolerance(dx.cpu(), dx_hi, None, name="dx")
+    xf = cpu[0].detach().float()
+    saved_lo = rnnt_loss_fwd_ref(xf, cpu[1], cpu[2], cpu[3], blank, None, T, False)
+    loss_lo = saved_lo.pop("loss")
+    # fp32 log-space recursions over T + U steps: the budget is what the same fp32 computation in PyTorch makes
+    dx_lo = rnnt_loss_bwd_ref(lg.cpu().float(), xf, cpu[1], cpu[2], cpu[3], blank, None, T, False, saved_lo)
+    assert_close_tolerance(loss.cpu(), loss_hi, loss_lo.to(dtype), name="loss")
+    assert_close_tolerance(dx.cpu(), dx_hi, dx_lo.to(dtype), name="dx")
