@@ -76,7 +76,8 @@ def test_compressed_weight_is_refreshed_only_when_the_weight_changes(monkeypatch
     monkeypatch.setattr(ss, "semi_structured_supported", lambda device, dtype: (True, ""))
     monkeypatch.setattr(torch.sparse, "to_sparse_semi_structured", fake_compress)
     lin = _pruned_linear(32, 16)
-    assert ss.enable_semi_structured(lin) and ss.is_semi_structured(lin)
+    assert ss.enable_semi_structured(lin, backend="torch") and ss.is_semi_structured(lin)
+    assert ss.semi_structured_status(lin) == "active (torch)"
     assert len(calls) == 1
     x = torch.randn(4, 32)
     lin(x)
@@ -114,18 +115,11 @@ def test_asp_option_falls_back_cleanly_on_cpu(capsys):
 
 # -- GPU (SM80+) -----------------------------------------------------------------------------------
 
-def _needs_sm80():
-    major, _ = torch.cuda.get_device_capability()
-    return major >= 8
+def _capability():
+    return torch.cuda.get_device_capability()[0]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_sparse_forward_and_grads_vs_float64(dtype):
-    lin = _pruned_linear(768, 3072, dtype=dtype, device="cuda")
-    assert ss.enable_semi_structured(lin) is _needs_sm80(), ss.semi_structured_status(lin)
-    x = torch.randn(3, 171, 768, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn(3, 171, 3072, device="cuda", dtype=dtype)
+def _gpu_check(lin, x, dy):
     y = lin(x)
     y.backward(dy)
     hi = [t.detach().double().requires_grad_() for t in (x, lin.weight, lin.bias)]
@@ -137,6 +131,56 @@ def test_gpu_sparse_forward_and_grads_vs_float64(dtype):
     assert_close_tolerance(y, y_hi, y_lo, name="y")
     for name, a, h, low in zip(["dx", "dweight", "dbias"], (x, lin.weight, lin.bias), hi, lo):
         assert_close_tolerance(a.grad, h.grad, low.grad, name=name)
+        a.grad = None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["auto", "cusparselt-graph", "cusparselt", "cutlass", "torch"])
+def test_gpu_each_backend_forward_and_grads_vs_float64(backend, dtype):
+    """Every backend this GPU / PyTorch has, at BERT-MLP sizes, an odd token count (padded for the
+    kernels) and a multiple of 8, twice each (the graph backend's capture, then its replay), and
+    after an optimizer step (re-compression)."""
+    lin = _pruned_linear(768, 3072, dtype=dtype, device="cuda")
+    active = ss.enable_semi_structured(lin, backend=backend)
+    status = ss.semi_structured_status(lin)
+    if _capability() < 8:
+        assert not active and "compute capability" in status
+        return
+    assert active, status
+    got = lin._culmen_semi_structured.backend
+    if backend == "cutlass" and _capability() != 8:
+        # PyTorch's CUTLASS kernels are SM8x-only: refused at enable, the next backend took over
+        assert got != "cutlass" and "cutlass" in lin._culmen_semi_structured.reason, status
+    elif backend != "auto":
+        assert got == backend, status
+    else:
+        assert got == ss.backend_order("auto")[0], status
+    torch.manual_seed(1)
+    for lead in ((3, 171), (512,), (3, 171)):
+        x = torch.randn(*lead, 768, device="cuda", dtype=dtype, requires_grad=True)
+        _gpu_check(lin, x, torch.randn(*lead, 3072, device="cuda", dtype=dtype))
+    with torch.no_grad():
+        lin.weight.mul_(-0.5)  # an in-place update (what an optimizer step does): re-compressed
+    x = torch.randn(3, 171, 768, device="cuda", dtype=dtype, requires_grad=True)
+    _gpu_check(lin, x, torch.randn(3, 171, 3072, device="cuda", dtype=dtype))
+    assert lin._culmen_semi_structured.backend == got  # no run-time failure made it fall back
+
+
+@pytest.mark.gpu
+def test_gpu_graph_backend_inside_an_outer_cuda_graph():
+    lin = _pruned_linear(768, 3072, dtype=torch.float16, device="cuda")
+    assert ss.enable_semi_structured(lin, backend="cusparselt-graph") is (_capability() >= 8)
+    x = torch.randn(256, 768, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        lin(x)  # eager: its own graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = lin(x)  # captured: the op directly (no nested capture)
+        x.normal_()
+        graph.replay()
+        ref = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    assert_close_tolerance(y, ref, F.linear(x, lin.weight, lin.bias), name="y")
 
 
 @pytest.mark.gpu
@@ -148,7 +192,7 @@ def test_gpu_asp_training_with_semi_structured_layers():
                                semi_structured=True)
     ASP.init_optimizer_for_pruning(opt)
     ASP.compute_sparse_masks()
-    assert ss.is_semi_structured(model[0]) is _needs_sm80()
+    assert ss.is_semi_structured(model[0]) is (_capability() >= 8)
     x = torch.randn(512, 768, device="cuda", dtype=torch.float16)
     for _ in range(3):
         opt.zero_grad()

@@ -1,20 +1,27 @@
-"""Run 2:4-pruned ``nn.Linear`` layers on PyTorch's semi-structured sparse tensors (culmen addition).
+"""Run 2:4-pruned ``nn.Linear`` layers on the sparse tensor cores of SM80+ GPUs (culmen addition).
 
-``torch.sparse.to_sparse_semi_structured`` compresses a 2:4-sparse fp16 / bf16 weight for the sparse
-tensor cores of SM80+ GPUs (cuSPARSELt or CUTLASS). ``enable_semi_structured(linear)`` makes a pruned
-layer's forward use the compressed copy, while the dense ``weight`` stays the parameter that optimizers,
+``enable_semi_structured(linear)`` makes a pruned layer's forward matmul run on a compressed copy of
+its 2:4-sparse fp16 / bf16 weight, while the dense ``weight`` stays the parameter that optimizers,
 ``state_dict`` and ASP's masks see:
 
-- forward: ``y = x @ W_c^T + b`` on the compressed weight ``W_c`` (re-compressed lazily whenever the
-  dense weight changed: an optimizer step, a load, ASP re-masking);
+- forward: ``y = x @ W_c^T + b`` on the compressed weight ``W_c`` (re-compressed lazily, without a
+  host sync, whenever the dense weight changed: an optimizer step, a load, ASP re-masking);
 - backward: ``dx = dy @ W`` and ``dW = dy^T x`` dense (the transposed weight is not 2:4 along the
   contracted dimension, so the input gradient cannot use the sparse kernel), ``db = sum(dy)``.
 
-Where it cannot run (no CUDA, compute capability below 8.0, a dtype other than fp16 / bf16, a shape the
-sparse kernels reject, a weight that is not 2:4 along its input dim, or a PyTorch without
-``to_sparse_semi_structured``), the layer stays dense and the reason is recorded
-(``semi_structured_status(linear)``); an input whose dtype differs from the weight's (autocast) takes
-the dense path for that call.
+Backends (``culmen.contrib.sparsity._semi_backends`` says how each works and why):
+``"cusparselt-graph"`` (cuSPARSELt captured per token count in a CUDA graph: no per-call plan
+build), ``"cusparselt"`` (``torch._cslt_sparse_mm`` directly), ``"cutlass"`` (PyTorch's CUTLASS
+kernels, SM8x only), ``"torch"`` (``torch.sparse.to_sparse_semi_structured``) and ``"dense"``.
+``backend="auto"`` tries ``cutlass`` first on SM8x (no plan to build, tuned for SM80) and
+``cusparselt-graph`` first elsewhere, then the others in the order above. A backend is kept only if
+it builds and a probe matmul matches the dense result; one that raises later (an op missing, a shape
+refused) hands over to the next in the order for good, and the reason is recorded.
+
+Where no sparse backend can run (no CUDA, compute capability below 8.0, a dtype other than fp16 /
+bf16, a shape the sparse kernels reject, a weight that is not 2:4 along its input dim), the layer
+stays dense and the reason is recorded (``semi_structured_status(linear)``); an input whose dtype
+differs from the weight's (autocast) takes the dense path for that call.
 
 ASP turns this on with ``ASP.init_model_for_pruning(..., semi_structured=True)`` (or
 ``ASP.prune_trained_model(..., semi_structured=True)``): ``compute_sparse_masks`` enables every pruned
@@ -30,8 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from culmen.contrib.sparsity._semi_backends import BACKENDS, make_backend
+
 __all__ = [
+    "BACKENDS",
     "SemiStructuredState",
+    "backend_order",
     "disable_semi_structured",
     "enable_semi_structured",
     "is_semi_structured",
@@ -42,6 +53,8 @@ __all__ = [
 
 _ATTR = "_culmen_semi_structured"
 _DTYPES = (torch.float16, torch.bfloat16)
+# what a sparse backend may raise when its op is missing or refuses the operands
+_BACKEND_ERRORS = (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError, AssertionError)
 
 
 def semi_structured_supported(device: torch.device | str | None = None,
@@ -64,40 +77,94 @@ def semi_structured_supported(device: torch.device | str | None = None,
     return True, ""
 
 
+def backend_order(backend: str = "auto", device: torch.device | str | None = None) -> tuple[str, ...]:
+    """The backends ``enable_semi_structured`` tries, in order, for ``backend`` on ``device``
+    (``"dense"`` always last). ``"auto"``: ``cutlass`` first on compute capability 8.x, else
+    ``cusparselt-graph``; a named backend is tried first, then the ``auto`` order."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    major = 0
+    dev = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
+        major = torch.cuda.get_device_capability(dev)[0]
+    auto = (("cutlass", "cusparselt-graph", "cusparselt", "torch", "dense") if major == 8
+            else ("cusparselt-graph", "cusparselt", "cutlass", "torch", "dense"))
+    if backend == "auto":
+        return auto
+    return (backend,) + tuple(b for b in auto if b != backend)
+
+
 def _is_2to4_along_input(weight: Tensor) -> bool:
     if weight.dim() != 2 or weight.shape[1] % 4:
         return False
     return bool(((weight.detach() != 0).reshape(-1, 4).sum(1) <= 2).all())
 
 
-class SemiStructuredState:
-    """What ``enable_semi_structured`` keeps on a layer: the compressed weight and the dense weight's
-    identity and version it was made from (so a changed weight is re-compressed before use)."""
+def _probe(impl: Any, weight: Tensor, bias: Tensor | None) -> str:
+    """Run ``impl`` once on a small random input against ``F.linear``: '' if it agrees, else why not.
+    (Catches a backend whose compressed layout and kernel disagree, which would be silently wrong.)"""
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(64, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=gen)
+    with torch.no_grad():
+        ref = F.linear(x, weight, bias).float()
+        y = getattr(impl, "direct_mm", impl.mm)(x, weight, bias).float()
+    if y.shape != ref.shape:
+        return f"probe output shape {tuple(y.shape)} != {tuple(ref.shape)}"
+    err = float((y - ref).abs().max())
+    # fp16/bf16 rounding of differently ordered sums stays far below this; a wrong layout does not
+    if not err <= 0.05 * float(ref.abs().max()) + 1e-2:
+        return f"probe mismatch vs dense (max |diff| {err:.3g})"
+    return ""
 
-    __slots__ = ("compressed", "key", "active", "reason")
+
+class SemiStructuredState:
+    """What ``enable_semi_structured`` keeps on a layer: the backends still to try, the active one
+    (``impl``, holding the compressed weight) and why the earlier ones were dropped."""
+
+    __slots__ = ("impl", "order", "opts", "active", "reason", "mm")
 
     def __init__(self) -> None:
-        self.compressed: Tensor | None = None
-        self.key: tuple[int, int, torch.dtype] | None = None
+        self.impl: Any = None
+        self.order: list[str] = []
+        self.opts: dict[str, Any] = {}
         self.active = False
         self.reason = ""
+        self.mm: Any = None
 
-    def refresh(self, weight: Tensor) -> Tensor:
-        """The compressed copy of ``weight``, re-compressing if it changed since the last call."""
-        key = (weight.data_ptr(), weight._version, weight.dtype)
-        if key != self.key or self.compressed is None:
-            with torch.no_grad():
-                self.compressed = torch.sparse.to_sparse_semi_structured(weight.detach())
-            self.key = key
-        return self.compressed
+    @property
+    def backend(self) -> str:
+        """The active backend's name (``"dense"`` when none is active)."""
+        return self.impl.name if self.active and self.impl is not None else "dense"
+
+    def select(self, weight: Tensor, bias: Tensor | None) -> bool:
+        """Build the first backend of ``order`` that works (dropping the ones that don't); True when a
+        sparse one is active."""
+        reasons = [self.reason] if self.reason else []
+        while self.order:
+            name = self.order.pop(0)
+            if name == "dense":
+                break
+            try:
+                impl = make_backend(name, weight, self.opts)
+                why = _probe(impl, weight, bias)
+            except Exception as exc:  # any failure to build or probe only rules this backend out
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            if not why:
+                self.impl, self.mm, self.active = impl, impl.mm, True
+                self.reason = "; ".join(reasons)
+                return True
+            reasons.append(f"{name}: {why}")
+        self.impl, self.mm, self.active = None, None, False
+        self.reason = "; ".join(reasons) or "no sparse backend"
+        return False
 
 
 class _SemiStructuredLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x2: Tensor, weight: Tensor, bias: Tensor | None, state: Any) -> Tensor:
+    def forward(ctx: Any, x2: Tensor, weight: Tensor, bias: Tensor | None, mm: Any) -> Tensor:
         ctx.save_for_backward(x2, weight)
         ctx.has_bias = bias is not None
-        return F.linear(x2, state.refresh(weight) if isinstance(state, SemiStructuredState) else state, bias)
+        return mm(x2, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor):
@@ -110,50 +177,78 @@ class _SemiStructuredLinearFn(torch.autograd.Function):
 
 def semi_structured_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
                            state: SemiStructuredState | Tensor) -> Tensor:
-    """``F.linear(x, weight, bias)`` with the forward matmul on ``state``'s compressed copy of ``weight``.
+    """``F.linear(x, weight, bias)`` with the forward matmul on ``state``'s active backend.
 
     Args:
         x: ``(..., in)``, the weight's dtype.
         weight: dense ``(out, in)`` 2:4-sparse along ``in`` (the parameter; it receives the gradient).
         bias: ``(out,)`` or None.
-        state: a ``SemiStructuredState`` (or, for testing, any tensor standing for the compressed weight).
+        state: an active ``SemiStructuredState`` (or, for testing, a dense tensor standing for the
+            compressed weight).
     Returns:
         ``(..., out)`` in ``x``'s dtype.
     """
-    lead = x.shape[:-1]
-    y = _SemiStructuredLinearFn.apply(x.reshape(-1, x.shape[-1]), weight, bias, state)
-    return y.reshape(*lead, y.shape[-1])
+    if isinstance(state, Tensor):
+        stand_in = state
+
+        def mm(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            return F.linear(x2, stand_in, b)
+    else:
+        mm = state.mm
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled():
+        y = _SemiStructuredLinearFn.apply(x2, weight, bias, mm)
+    else:  # inference: no autograd node to build
+        y = mm(x2, weight, bias)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _forward(self: nn.Linear, input: Tensor) -> Tensor:
-    state: SemiStructuredState = getattr(self, _ATTR)
-    if state.active and input.dtype == self.weight.dtype and input.device == self.weight.device:
-        return semi_structured_linear(input, self.weight, self.bias, state)
+    state: SemiStructuredState = self._culmen_semi_structured
+    while state.active and input.dtype == self.weight.dtype:
+        try:
+            return semi_structured_linear(input, self.weight, self.bias, state)
+        except _BACKEND_ERRORS as exc:
+            if input.shape[-1] != self.weight.shape[1] or input.device != self.weight.device:
+                raise  # the caller's mistake, not the backend's: keep the backend
+            # the backend failed at run time (an op missing, a shape refused): hand over to the next
+            state.reason = f"{state.backend} failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+            state.select(self.weight, self.bias)
     return F.linear(input, self.weight, self.bias)
 
 
-def enable_semi_structured(module: nn.Linear) -> bool:
+def enable_semi_structured(module: nn.Linear, backend: str = "auto", *, search_alg: bool = True,
+                           max_graphs: int = 4) -> bool:
     """Make a 2:4-pruned ``nn.Linear`` run its forward on a semi-structured sparse weight.
 
-    Returns True when the sparse path is active; False when the layer stays dense (the reason is in
-    ``semi_structured_status(module)``). Calling it again re-checks (e.g. after ``.to("cuda")``)."""
+    Args:
+        module: the ``nn.Linear`` (fp16 / bf16 weight on an SM80+ GPU, 2:4-sparse along its input dim).
+        backend: ``"auto"`` or one of ``BACKENDS`` (tried first; the rest of ``backend_order`` follows).
+        search_alg: cuSPARSELt backends search the fastest algorithm id once per token count
+            (``torch._cslt_sparse_mm_search``); False keeps algorithm 0.
+        max_graphs: ``cusparselt-graph`` captures at most this many token counts per layer (each holds
+            a static input and output); other token counts run ``torch._cslt_sparse_mm`` directly.
+    Returns:
+        True when a sparse backend is active; False when the layer stays dense (the reason is in
+        ``semi_structured_status(module)``). Calling it again re-checks (e.g. after ``.to("cuda")``).
+    """
     if not isinstance(module, nn.Linear):
         raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
-    state = getattr(module, _ATTR, None)
-    if not isinstance(state, SemiStructuredState):
-        state = SemiStructuredState()
-        setattr(module, _ATTR, state)
-    state.active, state.compressed, state.key = False, None, None
+    order = list(backend_order(backend, module.weight.device))
+    if not isinstance(max_graphs, int) or max_graphs < 0:
+        raise ValueError(f"max_graphs must be an int >= 0, got {max_graphs!r}")
+    state = SemiStructuredState()
+    setattr(module, _ATTR, state)
+    state.opts = {"search_alg": bool(search_alg), "max_graphs": max_graphs}
     w = module.weight
     ok, reason = semi_structured_supported(w.device, w.dtype)
     if ok and not _is_2to4_along_input(w):
         ok, reason = False, "weight is not 2:4 sparse along its input dimension"
     if ok:
-        try:
-            state.refresh(w)
-        except (RuntimeError, ValueError, NotImplementedError) as exc:
-            ok, reason = False, f"to_sparse_semi_structured rejected the weight {tuple(w.shape)}: {exc}"
-    state.active, state.reason = ok, reason
+        state.order = order
+        ok = state.select(w, module.bias)
+    else:
+        state.reason = reason
     # An instance attribute: hooks and nn.Module.__call__ keep working, the class is untouched.
     module.forward = types.MethodType(_forward, module)
     return ok
@@ -174,8 +269,8 @@ def is_semi_structured(module: nn.Module) -> bool:
 
 
 def semi_structured_status(module: nn.Module) -> str:
-    """``"active"``, ``"not enabled"`` or ``"dense: <reason>"`` for a layer."""
+    """``"active (<backend>)"``, ``"not enabled"`` or ``"dense: <reason>"`` for a layer."""
     state = getattr(module, _ATTR, None)
     if not isinstance(state, SemiStructuredState):
         return "not enabled"
-    return "active" if state.active else f"dense: {state.reason}"
+    return f"active ({state.backend})" if state.active else f"dense: {state.reason}"
