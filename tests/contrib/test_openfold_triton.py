@@ -114,6 +114,51 @@ def test_soft_mask_values_follow_the_formula(triton_backend):
            names=("q", "k", "v"), inf=3.0)
 
 
+@pytest.fixture
+def pair_tuning():
+    """Set ``culmen.ops.pair_attention.launch.TUNING`` entries for one test; the old values come back after."""
+    from culmen.ops.pair_attention.launch import TUNING
+
+    saved = dict(TUNING)
+    yield TUNING.update
+    TUNING.update(saved)
+
+
+@pytest.mark.parametrize("setting", [{"dq_nodbias": "staged", "dbias_reduce": "torch"},
+                                     {"dq_nodbias": "recompute", "interp_unroll": 4}])
+def test_backward_variants(triton_backend, pair_tuning, setting):
+    """The switchable backward paths: dQ from the stored dS or recomputed when the bias gets no gradient, the
+    bias gradient summed over I by torch.sum or by the reduce kernel (an unroll longer than I = 3)."""
+    pair_tuning(setting)
+    B, R, H, N, D = 1, 3, 2, 19, 12
+    q, k, v = (randn((B, R, N, H, D), torch.bfloat16).transpose(-2, -3).requires_grad_() for _ in range(3))
+    mask = _key_mask((B, R, 1, 1, N))
+    fn = lambda q, k, v, b, m: AttnTri(q, k, v, m, b, 1e9, True)  # noqa: E731
+    _check(fn, q, k, v, randn((B, 1, H, N, N), torch.bfloat16, requires_grad=True), mask)
+    _check(fn, q, k, v, randn((B, 1, H, N, N), torch.bfloat16), mask, names=("q", "k", "v"))
+
+
+def test_fp32_inputs_half_bias_and_reproducible(triton_backend):
+    """fp32 q/k/v with an unbroadcast bf16 bias: dS is kept in fp32 for dQ and rounded once for the bias
+    gradient; two backward passes agree bitwise."""
+    Z, H, M, N, D = 2, 2, 9, 18, 8
+    q = randn((Z, H, M, D), requires_grad=True)
+    k, v = (randn((Z, H, N, D), requires_grad=True) for _ in range(2))
+    bias = randn((Z, H, M, N), torch.bfloat16, requires_grad=True)
+    do = randn((Z, H, M, D))
+    out = pair_attention(q, k, v, bias)
+    grads = torch.autograd.grad(out, (q, k, v, bias), do)
+    assert grads[3].dtype == torch.bfloat16
+    again = torch.autograd.grad(pair_attention(q, k, v, bias), (q, k, v, bias), do)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    args = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    ref = torch.autograd.grad(pair_attention_ref(*args), args, do.double())
+    lo_args = [t.detach().float().requires_grad_() for t in (q, k, v, bias)]
+    lo = torch.autograd.grad(pair_attention_ref(*lo_args), lo_args, do)
+    for name, g, hi, glo in zip(("q", "k", "v", "bias"), grads, ref, lo):
+        assert_close_tolerance(g, hi, glo.to(g.dtype), name=f"d{name}")
+
+
 def test_no_grad_forward_and_reference_backend(reference_backend):
     q, k, v = (randn((2, 2, 11, 8)) for _ in range(3))
     bias = randn((1, 2, 11, 11))

@@ -5,10 +5,18 @@ A ``PairAttnPlan`` is built from the canonical 5-d arguments (``q [Z1, Z2, H, M,
 backend, fixes tiles, grids and strides (0 on broadcast dims), decides how the bias gradient is reduced,
 and binds one ``Launch`` per kernel. ``TUNING`` holds the tile rules (every change drops the plans).
 
-The bias gradient: when the bias is broadcast over none of ``(Z1, Z2, H)`` the dQ kernel stores ``dS``
-directly; otherwise ``_pair_attn_bwd_dbias_kernel`` sums ``dS`` over the broadcast ones (OpenFold's
-triangle attention: over ``Z2 = I``) tile by tile in registers. A bias broadcast over ``M`` or ``N`` (rare)
-gets its ``[.., M, N]`` gradient in fp32 and summed by PyTorch afterwards.
+The backward computes each probability / ``dS`` tile once, in the kernel that owns a column block
+(``dK``, ``dV``). When the bias gradient is wanted, that kernel stores ``dS`` (the logits' gradient,
+``[slices, M, N]``) and two cheap passes read it: ``dQ = dS K`` and the bias gradient. A bias broadcast
+over none of ``(Z1, Z2, H)`` gets ``dS`` itself (stored in the bias gradient's dtype when that loses
+nothing for ``dQ``); otherwise ``dS`` is summed over the broadcast dims (OpenFold's triangle attention:
+over ``Z2 = I``) by ``_pair_attn_bwd_dbias_reduce_kernel`` in fp32 registers, or by ``torch.sum`` with
+``TUNING["dbias_reduce"] = "torch"``. Summing inside the column-block kernel instead would need either
+the ``dK`` / ``dV`` accumulators of every ``I`` or the bias tiles of every row block in registers, and
+cuts the grid to ``H x column blocks`` programs. A bias broadcast over ``M`` or ``N`` (rare) gets its
+``[.., M, N]`` gradient in fp32 and summed by PyTorch afterwards. Without a bias gradient, ``dQ``
+recomputes the tiles (``TUNING["dq_nodbias"] = "recompute"``: memory stays O(rows)) or goes through the
+stored ``dS`` (``"staged"``). Every reduction has one fixed order: the backward is bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -22,20 +30,33 @@ from culmen.ops.backend import choose_backend, interpreter_enabled
 from culmen.ops.common.launch import Launch, PlanTuning, aligned_16, cdiv, next_pow2, stream_getter
 from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.pair_attention.kernels import (
-    _pair_attn_bwd_dbias_kernel,
+    _pair_attn_bwd_dbias_reduce_kernel,
     _pair_attn_bwd_delta_kernel,
-    _pair_attn_bwd_dkdv_kernel,
     _pair_attn_bwd_dq_kernel,
+    _pair_attn_bwd_dq_staged_kernel,
+    _pair_attn_bwd_kv_kernel,
     _pair_attn_fwd_kernel,
 )
 
 TUNING = PlanTuning({
     # Forward tiles (rows x columns) for head dims <= 64 and above; warps and pipeline stages.
     "fwd_block_m": 128, "fwd_block_m_wide": 64, "fwd_block_n": 64, "fwd_warps": 4, "fwd_stages": 3,
-    # Backward tiles (dK/dV, dQ and dBias kernels), warps and stages.
-    "bwd_block_m": 64, "bwd_block_n": 64, "bwd_warps": 4, "bwd_stages": 2,
+    # dK/dV/dS kernel for head dims <= kv_small_d: columns per program, rows per step, warps, stages. Small
+    # head dims make the [cols, rows] logit tiles the register cost, so a tall column block with short row
+    # steps (FA2's backward shape) keeps four fp32 tiles live without spilling. Wider heads: 64 x 64.
+    "kv_small_d": 32, "kv_block_n": 128, "kv_block_m": 32, "kv_warps": 4, "kv_stages": 3,
+    # dQ from the stored dS (rows per program, columns per step), warps, stages.
+    "dq_block_m": 128, "dq_block_n": 64, "dq_warps": 4, "dq_stages": 3,
+    # dQ recomputing the tiles (no bias gradient, "recompute"): rows per program, columns per step.
+    "dqr_block_m": 64, "dqr_block_n": 64, "dqr_warps": 4, "dqr_stages": 2,
+    # Bias-gradient reduction over the broadcast dims: tile, warps, loads in flight per step.
+    "red_block_m": 32, "red_block_n": 64, "red_warps": 4, "red_unroll": 4,
+    # "triton" (the reduce kernel) or "torch" (torch.sum of the stored dS).
+    "dbias_reduce": "triton",
+    # dQ without a bias gradient: "recompute" (3 matmuls per tile, no dS buffer) or "staged" (dS stored).
+    "dq_nodbias": "recompute",
     # Tiles under the CPU interpreter: small, so tests at odd sizes cross several blocks.
-    "interp_block": 16,
+    "interp_block": 16, "interp_unroll": 2,
 }, clear_plans)
 
 PLANS = PlanCache("pair_attention")
@@ -109,44 +130,74 @@ class PairAttnPlan:
         self.slices = z1 * z2 * h
         interp = interpreter_enabled() and q.device.type == "cpu"
         bd = max(16, next_pow2(d))
+        T = TUNING
         if interp:
-            fbm = fbn = bbm = bbn = TUNING["interp_block"]
+            ib = T["interp_block"]
+            fbm = fbn = kbm = kbn = qbm = qbn = rbm = rbn = dbm = dbn = ib
+            unroll = T["interp_unroll"]
+            fw = kw = qw = dw = rw = 4
         else:
-            fbm = TUNING["fwd_block_m"] if bd <= 64 else TUNING["fwd_block_m_wide"]
-            fbn = TUNING["fwd_block_n"] if bd <= 128 else 32
-            bbm = TUNING["bwd_block_m"]
-            bbn = TUNING["bwd_block_n"] if bd <= 128 else 32
+            fbm = T["fwd_block_m"] if bd <= 64 else T["fwd_block_m_wide"]
+            fbn = T["fwd_block_n"] if bd <= 128 else 32
+            fw = T["fwd_warps"] if bd <= 64 else 8
+            if bd <= T["kv_small_d"]:
+                kbn, kbm, kw = T["kv_block_n"], T["kv_block_m"], T["kv_warps"]
+            else:
+                kbn, kbm, kw = (64 if bd <= 128 else 32), 64, (4 if bd <= 64 else 8)
+            qbm, qbn, qw = (T["dq_block_m"], T["dq_block_n"], T["dq_warps"]) if bd <= 64 else (64, 32, 8)
+            dbm = T["dqr_block_m"]
+            dbn = T["dqr_block_n"] if bd <= 128 else 32
+            dw = T["dqr_warps"] if bd <= 64 else 8
+            rbm, rbn, rw, unroll = T["red_block_m"], T["red_block_n"], T["red_warps"], T["red_unroll"]
         common = {"BLOCK_D": bd, "DOT_PREC": "ieee" if q.dtype == torch.float32 else "tf32", "UPCAST": interp}
-        flags = {"HAS_BIAS": self.has_bias, "HAS_MASK": self.has_mask}
+        # A mask with one row (a key mask) is read as one vector per column block.
+        mask_rows = self.has_mask and mask.shape[3] > 1
+        flags = {"HAS_BIAS": self.has_bias, "HAS_MASK": self.has_mask, "MASK_ROWS": mask_rows}
         dev = q.device
         self.stream = stream_getter(dev)
         self.strides = (*q.stride(), *k.stride(), *v.stride(), *_strides5(bias), *_strides5(mask))
-        fw, bw = TUNING["fwd_warps"], TUNING["bwd_warps"]
-        if bd > 64:
-            fw, bw = 8, 8
+        self.k_strides = tuple(k.stride())
         self.fwd = Launch(_pair_attn_fwd_kernel, (self.slices, cdiv(m, fbm)),
-                          {**flags, "BLOCK_M": fbm, "BLOCK_N": fbn, **common}, fw, TUNING["fwd_stages"], dev)
-        self.delta = Launch(_pair_attn_bwd_delta_kernel, (self.slices, cdiv(m, bbm)),
-                            {"BLOCK_M": bbm, "BLOCK_D": bd}, 4, 1, dev)
-        bmeta = {**flags, "BLOCK_M": bbm, "BLOCK_N": bbn, **common}
-        stages = TUNING["bwd_stages"]
-        self.dkdv = Launch(_pair_attn_bwd_dkdv_kernel, (self.slices, cdiv(n, bbn)), bmeta, bw, stages, dev)
-        self.dq = {s: Launch(_pair_attn_bwd_dq_kernel, (self.slices, cdiv(m, bbm)), {**bmeta, "STORE_DS": s}, bw,
-                             stages, dev) for s in (False, True)}
+                          {**flags, "BLOCK_M": fbm, "BLOCK_N": fbn, **common}, fw, T["fwd_stages"], dev)
+        self.delta = Launch(_pair_attn_bwd_delta_kernel, (self.slices, cdiv(m, 64)), {"BLOCK_M": 64, "BLOCK_D": bd},
+                            4, 1, dev)
+        kmeta = {**flags, "BLOCK_M": kbm, "BLOCK_N": kbn, **common}
+        kstages = T["kv_stages"] if not interp else 1
+        self.kv = {s: Launch(_pair_attn_bwd_kv_kernel, (self.slices, cdiv(n, kbn)), {**kmeta, "STORE_DS": s}, kw,
+                             kstages, dev) for s in (False, True)}
+        self.dq_staged = Launch(_pair_attn_bwd_dq_staged_kernel, (self.slices, cdiv(m, qbm)),
+                                {"BLOCK_M": qbm, "BLOCK_N": qbn, **common}, qw, T["dq_stages"], dev)
+        self.dq_recompute = Launch(_pair_attn_bwd_dq_kernel, (self.slices, cdiv(m, dbm)),
+                                   {**flags, "BLOCK_M": dbm, "BLOCK_N": dbn, **common}, dw, T["dqr_stages"], dev)
+        self.staged_nodbias = T["dq_nodbias"] == "staged"
+        if T["dq_nodbias"] not in ("staged", "recompute"):
+            raise ValueError(f"pair_attention: TUNING['dq_nodbias'] must be 'staged' or 'recompute', got "
+                             f"{T['dq_nodbias']!r}")
+        if T["dbias_reduce"] not in ("triton", "torch"):
+            raise ValueError(f"pair_attention: TUNING['dbias_reduce'] must be 'triton' or 'torch', got "
+                             f"{T['dbias_reduce']!r}")
+        self.ds_dtype = q.dtype
         if self.has_bias:
             full = (z1, z2, h)
             bsz = tuple(bias.shape)
             self.bias_shape = bsz
             self.kept = tuple(bsz[:3])
-            # A dim is summed in the kernel when the bias is broadcast over it (size 1, full size > 1).
+            # A dim is summed when the bias is broadcast over it (size 1, full size > 1).
             self.red = tuple(f if b == 1 else 1 for b, f in zip(bsz[:3], full))
+            self.red_dims = tuple(i for i, r in enumerate(self.red) if r > 1)
             self.reduce_r = self.red[0] * self.red[1] * self.red[2]
             self.sum_dims = tuple(i for i, (b, f) in enumerate(zip(bsz[3:], (m, n)), start=3) if b == 1 and f > 1)
             self.db_dtype = torch.float32 if self.sum_dims else bias.dtype
+            # dS goes straight into the bias gradient when nothing is reduced over slices and the gradient's
+            # dtype is the one dQ's matmul reads anyway (or wider).
+            self.db_is_ds = self.reduce_r == 1 and (self.db_dtype == q.dtype or self.db_dtype == torch.float32)
+            if self.db_is_ds:
+                self.ds_dtype = self.db_dtype
+            self.torch_reduce = T["dbias_reduce"] == "torch"
             kept = self.kept[0] * self.kept[1] * self.kept[2]
-            self.dbias = Launch(_pair_attn_bwd_dbias_kernel, (kept, cdiv(m, bbm), cdiv(n, bbn)),
-                                {"HAS_MASK": self.has_mask, "BLOCK_M": bbm, "BLOCK_N": bbn, **common}, bw, stages,
-                                dev)
+            self.reduce = Launch(_pair_attn_bwd_dbias_reduce_kernel, (kept, cdiv(m, rbm), cdiv(n, rbn)),
+                                 {"BLOCK_M": rbm, "BLOCK_N": rbn, "UNROLL": unroll}, rw, 1, dev)
+            self.rscalars = (z2, h, m, n, self.kept[1], self.kept[2], self.red[1], self.red[2], self.reduce_r)
         sl = math.log2(math.e) * self.scale
         self.scalars = (z2, h, m, n, d, sl, self.inf * LOG2E)
         self.bscalars = (z2, h, m, n, d, self.scale, sl, self.inf * LOG2E)
@@ -174,30 +225,38 @@ class PairAttnPlan:
         in the bias' (5-d) shape and dtype (``None`` unless ``need_dbias``)."""
         z1, z2, h, m, d = self.shape
         n = self.N
+        dev = self.device
         do = do.contiguous()
         stream = self.stream()
-        delta = torch.empty((self.slices, m), device=self.device, dtype=torch.float32)
+        delta = torch.empty((self.slices, m), device=dev, dtype=torch.float32)
         self.delta(stream, aligned_16(o, do), o, do, delta, m, d)
         dq = torch.empty_like(o)
-        dk = torch.empty((z1, z2, h, n, d), device=self.device, dtype=self.dtype)
+        dk = torch.empty((z1, z2, h, n, d), device=dev, dtype=self.dtype)
         dv = torch.empty_like(dk)
         b = q if bias is None else bias
         mk = q if mask is None else mask
-        aligned = aligned_16(q, k, v, b, mk, do, dq, dk, dv)
-        self.dkdv(stream, aligned, q, k, v, b, mk, do, lse, delta, dk, dv, *self.strides, *self.bscalars)
-        db = None
         need_dbias = need_dbias and self.has_bias
-        direct = need_dbias and self.reduce_r == 1
+        staged = need_dbias or self.staged_nodbias
+        ds = torch.empty((z1, z2, h, m, n), device=dev, dtype=self.ds_dtype) if staged else dk
+        aligned = aligned_16(q, k, v, b, mk, do, dq, dk, dv, ds)
+        self.kv[staged](stream, aligned, q, k, v, b, mk, do, lse, delta, dk, dv, ds, *self.strides, *self.bscalars)
+        if staged:
+            self.dq_staged(stream, aligned, k, ds, dq, *self.k_strides, z2, h, m, n, d, self.scale)
+        else:
+            self.dq_recompute(stream, aligned, q, k, v, b, mk, do, lse, delta, dq, *self.strides, *self.bscalars)
+        db = None
         if need_dbias:
-            db = torch.empty((*self.kept, m, n), device=self.device, dtype=self.db_dtype)
-        self.dq[direct](stream, aligned, q, k, v, b, mk, do, lse, delta, dq, db if direct else dq,
-                        *self.strides, *self.bscalars)
-        if need_dbias:
-            if not direct:
-                r = self.red
-                self.dbias(stream, aligned and aligned_16(db), q, k, v, b, mk, do, lse, delta, db, *self.strides,
-                           z2, h, m, n, d, self.kept[1], self.kept[2], r[1], r[2], self.reduce_r,
-                           self.bscalars[6], self.bscalars[7])
+            if self.db_is_ds:
+                db = ds
+            elif self.torch_reduce:
+                # torch.sum accumulates half types in fp32; an fp32 result is only needed for a later sum.
+                wide = torch.float32 if self.db_dtype == torch.float32 else None
+                db = ds.sum(self.red_dims, keepdim=True, dtype=wide) if self.red_dims else ds
+            else:
+                db = torch.empty((*self.kept, m, n), device=dev, dtype=self.db_dtype)
+                self.reduce(stream, aligned and aligned_16(db), ds, db, *self.rscalars)
             if self.sum_dims:
-                db = db.sum(self.sum_dims, keepdim=True).to(bias.dtype)
+                db = db.sum(self.sum_dims, keepdim=True)
+            if db.dtype != bias.dtype:
+                db = db.to(bias.dtype)
         return dq, dk, dv, db
