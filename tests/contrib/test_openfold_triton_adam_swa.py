@@ -150,19 +150,19 @@ def _sync_worker(rank, world):
     from culmen.ops.layer_norm.launch import TUNING as LN
     from culmen.ops.pair_attention.launch import TUNING as PA
 
-    before = (PA["bwd_block_m"], LN["fwd_elems"])
+    before = (PA["kv_block_m"], LN["fwd_elems"])
     if rank == 0:
-        PA["bwd_block_m"] = 32
+        PA["kv_block_m"] = 64
         LN["fwd_elems"] = 2048
     sync_triton_auto_tune_cache_across_gpus(strict=True)
-    return before, (PA["bwd_block_m"], LN["fwd_elems"])
+    return before, (PA["kv_block_m"], LN["fwd_elems"])
 
 
 def test_sync_tuning_tables_two_ranks():
     results = run_group(_sync_worker, 2, timeout=90)
     (b0, a0), (b1, a1) = results
-    assert b1 != (32, 2048)
-    assert a0 == a1 == (32, 2048)
+    assert b1 != (64, 2048)
+    assert a0 == a1 == (64, 2048)
 
 
 def test_sync_without_process_group_is_a_noop():
