@@ -24,6 +24,7 @@ class Fakes:
     def __init__(self):
         self.mm_calls, self.search_calls, self.captures, self.compress_calls = [], [], 0, 0
         self.fail_mm = False
+        self.bad_alg = False
 
     def compress(self, w):
         self.compress_calls += 1
@@ -35,6 +36,8 @@ class Fakes:
         assert not dense_b.is_contiguous() or dense_b.shape[1] == 1  # x2.t(): the transposed view
         self.mm_calls.append((dense_b.shape[1], alg_id, bias is not None))
         y = c @ dense_b  # (out, tokens)
+        if self.bad_alg and alg_id:
+            y = -y
         if bias is not None:
             y = y + bias[:, None]
         return y.t().contiguous() if transpose_result else y
@@ -122,7 +125,8 @@ def test_graph_backend_values_grads_and_one_capture_per_token_count(fakes, bias)
     x2 = torch.randn(16, 32, requires_grad=True)  # the same padded count, unpadded: its own graph
     _check_values_and_grads(lin, x2, torch.randn(16, 24))
     assert fakes.captures == 2 and fakes.search_calls == [64, 16]  # the alg id is per kernel token count
-    assert all(alg == 3 and has_bias == bias for _, alg, has_bias in fakes.mm_calls[1:])
+    assert all(has_bias == bias for _, _, has_bias in fakes.mm_calls)
+    assert fakes.mm_calls[-1][1] == 3  # the searched alg id (checked once against alg 0, then kept)
     with torch.no_grad():  # inference skips the autograd node, same graph
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert fakes.captures == 2
@@ -167,6 +171,15 @@ def test_graph_cap_and_no_capture_inside_a_capture(fakes, monkeypatch):
     x = torch.randn(40, 32)
     torch.testing.assert_close(lin2(x), F.linear(x, lin2.weight, lin2.bias), rtol=1e-5, atol=1e-5)
     assert fakes.captures == 2 and len(fakes.search_calls) == searches  # direct op, no search in a capture
+
+
+def test_a_searched_alg_that_disagrees_with_alg0_is_not_used(fakes):
+    fakes.bad_alg = True
+    lin = _pruned_linear(32, 16)
+    assert ss.enable_semi_structured(lin, "cusparselt")
+    x = torch.randn(24, 32)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert lin._culmen_semi_structured.impl.algs == {64: 0, 24: 0}
 
 
 @pytest.mark.parametrize("backend", ["cusparselt", "cutlass", "torch"])
