@@ -5,6 +5,7 @@ the ``apex.contrib.conv_bias_relu`` alias."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -12,14 +13,31 @@ import torch
 import torch.nn.functional as F
 
 from culmen.contrib.conv_bias_relu import ConvBias, ConvBiasMaskReLU, ConvBiasReLU, ConvFrozenScaleBiasReLU
+from culmen.contrib.conv_bias_relu.conv_bias_relu import ROUTING, ConvBiasMaskReLU_, ConvBiasReLU_
 from culmen.ops.backend import use_backend
 from culmen.ops.conv_epilogue import conv_epilogue
 from culmen.testing import randn
+from culmen.testing.hostcost import assert_host_budget, fake_kernels
 from culmen.testing.tensors import poisoned_allocations
 from culmen.testing.tolerance import assert_close_tolerance
 
 CL = torch.channels_last
 BACKENDS = ["triton", "reference"]
+# (backend, route): the Triton backend runs the fused autograd function when the output is large enough
+# (ROUTING; "fused" lowers the bar to every size) and PyTorch's formulation below it; the reference backend
+# always runs PyTorch's formulation.
+ROUTES = [("triton", "fused"), ("triton", "torch"), ("reference", "torch")]
+
+
+@contextlib.contextmanager
+def _route(route):
+    """Force the fused (every size) or the PyTorch formulation (no size) for calls recording autograd."""
+    old = ROUTING["fused_grad_min_numel"]
+    ROUTING["fused_grad_min_numel"] = 0 if route == "fused" else 1 << 62
+    try:
+        yield
+    finally:
+        ROUTING["fused_grad_min_numel"] = old
 
 
 def _leaf(t, dtype=None):
@@ -50,14 +68,14 @@ def _run(kind, x, w, v1, v2, mask, pad, stride):
     return ConvFrozenScaleBiasReLU(x, w, v1, v2, pad, stride)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,route", ROUTES)
 @pytest.mark.parametrize("kind,shape,ksize,pad,stride,layout", [
     ("relu", (2, 3, 7, 6), 3, 1, 2, "cl"),
     ("bias", (3, 5, 5, 9), 1, 0, 1, "cl"),
     ("mask", (2, 4, 6, 5), 3, 1, 1, "cl"),
     ("frozen", (1, 6, 9, 7), 3, 0, 2, "nchw"),
 ])
-def test_against_float64(backend, kind, shape, ksize, pad, stride, layout):
+def test_against_float64(backend, route, kind, shape, ksize, pad, stride, layout):
     K = 5
     x0 = randn(shape)
     if layout == "cl":
@@ -71,12 +89,13 @@ def test_against_float64(backend, kind, shape, ksize, pad, stride, layout):
     x = x0.clone().requires_grad_()
     w = w0.clone().requires_grad_()
     b = v1.clone().requires_grad_(kind != "frozen")
-    with use_backend(backend), poisoned_allocations():
+    with use_backend(backend), _route(route), poisoned_allocations():
         y = _run(kind, x, w, b, v2, mask, pad, stride)
         dy = randn(y.shape)
         y.backward(dy)
     assert y.shape == (shape[0], K, ho, wo) and y.dtype == torch.float32
     assert y.is_contiguous(memory_format=CL)
+    assert (type(y.grad_fn).__name__ == "_FusedBackward") == (route == "fused" and kind != "bias")
     hi = [t.detach().double().requires_grad_() for t in (x0, w0, v1)]
     lo = [t.detach().clone().requires_grad_() for t in (x0, w0, v1)]
     y_hi = _oracle(kind, *hi, None if v2 is None else v2.double(), mask, pad, stride)
@@ -104,6 +123,57 @@ def test_float64_and_no_grad_paths():
     mask = torch.rand(2, 4, 3, 2) > 0.5
     y = ConvBiasMaskReLU(x, w, b, mask, (1, 0), (2, 1))
     torch.testing.assert_close(y, F.relu((F.conv2d(x, w, b, (2, 1), (1, 0))) * mask), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["relu", "mask", "frozen"])
+def test_fused_forward_without_autograd(kind):
+    """No autograd on the Triton backend: the convolution then the Triton epilogue (NCHW weight, odd sizes)."""
+    x = randn((2, 5, 7, 6)).contiguous(memory_format=CL)
+    w = randn((3, 5, 3, 3), scale=0.5)
+    v1 = randn((1, 3, 1, 1)) if kind != "frozen" else torch.rand(3) + 0.5
+    v2 = randn(3) if kind == "frozen" else None
+    mask = (torch.rand(2, 3, 4, 2) > 0.4).to(torch.int8) if kind == "mask" else None
+    with use_backend("triton"), poisoned_allocations(), torch.no_grad():
+        y = _run(kind, x, w, v1, v2, mask, (1, 0), 2)
+    hi = _oracle(kind, x.double(), w.double(), v1.double(), None if v2 is None else v2.double(), mask, (1, 0), 2)
+    lo = _oracle(kind, x, w, v1, v2, mask, (1, 0), 2)
+    assert y.is_contiguous(memory_format=CL) and y.grad_fn is None
+    assert_close_tolerance(y, hi, lo, name="y")
+
+
+def test_function_classes_apply():
+    """``ConvBiasReLU_.apply`` / ``ConvBiasMaskReLU_.apply`` (Apex's autograd functions) run the fused formulation
+    at any size."""
+    x0 = randn((2, 3, 5, 6)).contiguous(memory_format=CL)
+    w0, b0 = randn((4, 3, 3, 3), scale=0.5), randn((1, 4, 1, 1))
+    mask = (torch.rand(2, 4, 5, 6) > 0.5).to(torch.int8)
+    for fn, args, kind in ((ConvBiasReLU_.apply, (1, 1), "relu"), (ConvBiasMaskReLU_.apply, (mask, 1, 1), "mask")):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        with use_backend("triton"):
+            y = fn(x, w, b, *args)
+        dy = randn(y.shape)
+        y.backward(dy)
+        hi = [t.double().requires_grad_() for t in (x0, w0, b0)]
+        _oracle(kind, *hi, None, mask, 1, 1).backward(dy.double())
+        assert type(y.grad_fn).__name__.startswith(fn.__self__.__name__)
+        for name, got, ref in (("dx", x.grad, hi[0].grad), ("dw", w.grad, hi[1].grad), ("db", b.grad, hi[2].grad)):
+            assert_close_tolerance(got, ref, None, atol=1e-4 * max(1.0, ref.abs().max().item()), name=name)
+
+
+def test_cached_call_host_budget():
+    """The cached eager path stays light: a no-autograd call (convolution + Triton epilogue) and a small call
+    recording autograd (PyTorch's formulation) make few Python and torch calls from culmen's code."""
+    x = randn((2, 4, 5, 5)).contiguous(memory_format=CL).requires_grad_()
+    w = randn((4, 4, 3, 3)).contiguous(memory_format=CL).requires_grad_()
+    b = randn((1, 4, 1, 1)).requires_grad_()
+    with fake_kernels():
+        def fwd():
+            with torch.no_grad():
+                ConvBiasReLU(x, w, b, 1, 1)
+        n = assert_host_budget(fwd, python=14, c=12)
+        assert "_fused_nograd" in n.py_names
+        n = assert_host_budget(lambda: ConvBiasReLU(x, w, b, 1, 1), python=8, c=10)
+        assert "_torch_form" in n.py_names
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -167,8 +237,10 @@ def test_apex_alias():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["relu", "bias", "mask", "frozen"])
-def test_gpu_fp16_resnet_shape(kind):
-    """fp16 channels-last at a ResNet-50 stage-2 shape, under Apex's autocast(dtype=half) convention."""
+@pytest.mark.parametrize("route,amp", [("torch", torch.float16), ("fused", torch.float16), ("fused", torch.bfloat16)])
+def test_gpu_fp16_resnet_shape(kind, route, amp):
+    """fp16 channels-last at a ResNet-50 stage-2 shape under autocast (Apex casts to fp16 whatever the autocast
+    dtype), on both routes of a call recording autograd."""
     dev = torch.device("cuda")
     x0 = randn((8, 64, 56, 56), device=dev).contiguous(memory_format=CL)
     w0 = randn((64, 64, 3, 3), device=dev, scale=0.05)
@@ -176,8 +248,9 @@ def test_gpu_fp16_resnet_shape(kind):
     v2 = randn(64, device=dev) if kind == "frozen" else None
     mask = (torch.rand(8, 64, 56, 56, device=dev) > 0.5).to(torch.int8).contiguous(memory_format=CL)
     x, w, b = _leaf(x0), _leaf(w0), v1.clone().requires_grad_(kind != "frozen")
-    with torch.autocast("cuda", dtype=torch.float16):
+    with torch.autocast("cuda", dtype=amp), _route(route):
         y = _run(kind, x, w, b, v2, mask, 1, 1)
+    assert (type(y.grad_fn).__name__ == "_FusedBackward") == (route == "fused" and kind != "bias")
     assert y.dtype == torch.float16 and y.is_contiguous(memory_format=CL)
     dy = randn(y.shape, torch.float16, dev)
     y.backward(dy)

@@ -1,8 +1,8 @@
 """Apex's ``apex.contrib.conv_bias_relu``: a 2-D convolution fused with its bias / scale / mask / ReLU epilogue.
 
 ``ConvBiasReLU(x, weight, bias, padding, stride)``, ``ConvBias(...)``, ``ConvBiasMaskReLU(x, weight, bias, mask,
-padding, stride)`` and ``ConvFrozenScaleBiasReLU(x, weight, scale, bias, padding, stride)`` are the ``apply`` of
-the autograd functions ``ConvBiasReLU_`` ... with Apex's argument order.
+padding, stride)`` and ``ConvFrozenScaleBiasReLU(x, weight, scale, bias, padding, stride)`` with Apex's argument
+order; ``ConvBiasReLU_`` ... are the autograd functions of the fused formulation (their ``apply`` always runs it).
 
 Differences from Apex's cuDNN-frontend version: the convolution runs through PyTorch (``F.conv2d``, cuDNN on
 NVIDIA GPUs) and the epilogue in one Triton pass (``culmen.ops.conv_epilogue``) instead of one cuDNN fused
@@ -10,6 +10,20 @@ graph; any device (CPU included), fp16 / bf16 / fp32 / fp64, ``padding`` and ``s
 pair, and inputs in any memory format (they are made channels-last, Apex's required layout; the output is
 channels-last). As in Apex, CUDA autocast casts the inputs to fp16, and ``ConvFrozenScaleBiasReLU`` gives no
 gradient to ``scale`` and ``bias``.
+
+Routing (what a call runs; decided once per call signature, see ``ROUTING``). A Python autograd node costs the
+host more than the C++ nodes of PyTorch's own ``relu(conv2d(x, w, b))``, and at ResNet batch-32 shapes the
+forward + backward is host-bound (the H200 run measured 290-570 us of host time against 70-140 us on the GPU),
+so the fused epilogue only pays where the GPU is the bottleneck:
+
+* without autograd, ``ConvBiasReLU`` / ``ConvBiasMaskReLU`` / ``ConvFrozenScaleBiasReLU`` run the convolution
+  and the Triton epilogue (one pass instead of PyTorch's bias add + ReLU: 1.3-1.5x on the H200);
+* with autograd, outputs of at least ``ROUTING["fused_grad_min_numel"]`` elements run the fused autograd
+  function (Triton epilogue forward; one Triton pass for the ReLU/mask gate and the bias sums backward); smaller
+  ones run the PyTorch formulation (``relu_(conv2d(x, w, b))``, ``relu_(conv2d(x, w, b).mul_(mask))``,
+  ``relu_(addcmul(bias, conv2d(x, w), scale))``), whose host cost is PyTorch's own;
+* ``ConvBias`` always runs ``conv2d(x, w, b)``: a bias alone is one pass either way;
+* off the Triton backend (CPU, fp64), under ``torch.compile`` and functorch transforms: the PyTorch formulation.
 """
 
 from __future__ import annotations
@@ -19,15 +33,33 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from culmen.ops.common.function import raw_apply
+from culmen.ops.common.launch import PlanTuning
+from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.conv_epilogue import conv_epilogue_fwd_ref, epilogue_plan
 
 __all__ = ["ConvBias", "ConvBiasMaskReLU", "ConvBiasReLU", "ConvFrozenScaleBiasReLU", "ConvBiasReLU_",
-           "ConvBiasMaskReLU_", "ConvBias_", "ConvFrozenScaleBiasReLU_", "fused_conv_epilogue"]
+           "ConvBiasMaskReLU_", "ConvBias_", "ConvFrozenScaleBiasReLU_", "ROUTING", "fused_conv_epilogue"]
 
 _CL = torch.channels_last
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _conv_bwd = torch.ops.aten.convolution_backward.default
-_CHECKED: set = set()  # call signatures whose arguments passed the checks (keeps repeated calls cheap)
+_CHECKED: set = set()  # fused_conv_epilogue's call signatures whose arguments passed the checks
+
+ROUTING = PlanTuning({
+    # Output elements (N * K * Ho * Wo) from which a call recording autograd takes the fused autograd function.
+    # 2^25 (a 56x56x64 output at batch ~170): there the convolution's forward + backward takes longer on an
+    # H100/H200 than the host needs to enqueue it, and the fused epilogue's saved passes show in the wall time.
+    # Below, the call is host-bound and PyTorch's C++ autograd nodes are the cheaper host path.
+    # scripts/sweep_conv_epilogue.py times both sides of the line.
+    "fused_grad_min_numel": 1 << 25,
+    # Output elements from which a call without autograd runs the Triton epilogue (0: always).
+    "fused_fwd_min_numel": 0,
+}, clear_plans)
+_PLANS = PlanCache("conv_bias_relu")
+_transforms_active = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling
+_autocast_on = torch.is_autocast_enabled
+_grad_on = torch.is_grad_enabled
 
 
 def _pair(v, name: str, lo: int) -> tuple[int, int]:
@@ -95,6 +127,184 @@ def _check(x, weight, vectors: tuple, mask, padding, stride, res=None, res_weigh
     if key is not None:
         _CHECKED.add(key)
     return pad, st
+
+
+def _vsig(v):
+    return None if v is None else (v.shape, v.stride(), v.dtype, v.device)
+
+
+class _Plan:
+    """What a call signature of one API function derives once: validated ``padding`` / ``stride`` pairs, the
+    layout conversions and vector reshapes still needed per call, and the route (see the module notes)."""
+
+    __slots__ = ("pad", "st", "relu", "cvt_x", "cvt_w", "flat", "cast", "frozen_shape", "fused_fwd", "fused_grad",
+                 "epi", "bias_meta")
+
+    def __init__(self, kind: str, x, weight, scale, bias, mask, padding, stride) -> None:
+        vectors = (("scale", scale), ("bias", bias)) if kind == "frozen" else (("bias", bias),)
+        self.pad, self.st = _check(x, weight, vectors, mask, padding, stride)
+        K = weight.shape[0]
+        out = x.shape[0] * K * ((x.shape[2] + 2 * self.pad[0] - weight.shape[2]) // self.st[0] + 1) * \
+            ((x.shape[3] + 2 * self.pad[1] - weight.shape[3]) // self.st[1] + 1)
+        self.relu = kind != "bias"
+        self.cvt_x = not x.is_contiguous(memory_format=_CL)
+        self.cvt_w = not weight.is_contiguous(memory_format=_CL)
+        # PyTorch formulation: conv2d's bias is (K,) in x's dtype; the frozen factors broadcast as (1, K, 1, 1).
+        self.flat = bias is not None and bias.dim() != 1
+        self.cast = bias is not None and bias.dtype != x.dtype
+        self.frozen_shape = None
+        if kind == "frozen":
+            self.frozen_shape = tuple((v is not None and tuple(v.shape) != (1, K, 1, 1), v is not None
+                                       and v.dtype != x.dtype) for v in (scale, bias))
+        self.bias_meta = None if bias is None else (bias.shape, bias.dtype)
+        kernel = kind != "bias" and _uses_kernel(x)
+        self.fused_fwd = kernel and out >= ROUTING["fused_fwd_min_numel"]
+        self.fused_grad = kernel and out >= ROUTING["fused_grad_min_numel"]
+        self.epi = None  # the epilogue's plan, looked up on the first fused call (it keys on the conv output)
+
+
+def _uses_kernel(x: Tensor) -> bool:
+    from culmen.ops.backend import choose_backend
+
+    return x.dtype != torch.float64 and choose_backend(x.device) == "triton"
+
+
+def _plan(kind: str, x, weight, scale, bias, mask, padding, stride) -> _Plan:
+    try:
+        key = (kind, x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
+               weight.device, _vsig(scale), _vsig(bias), _vsig(mask), padding, stride)
+        p = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or a list padding: the plan's checks sort it out
+        key, p = None, None
+    if p is None:
+        p = _Plan(kind, x, weight, scale, bias, mask, padding, stride)
+        if key is not None:
+            _PLANS.put(key, p)
+    return p
+
+
+def _torch_form(p: _Plan, x, weight, scale, bias, mask) -> Tensor:
+    """The PyTorch formulation of a call (autograd through PyTorch's own nodes)."""
+    if p.frozen_shape is not None:  # relu(conv * scale + bias); no gradient for the frozen factors
+        c = F.conv2d(x, weight, None, p.st, p.pad)
+        (rs, cs), (rb, cb) = p.frozen_shape
+        if scale.requires_grad:
+            scale = scale.detach()
+        if bias.requires_grad:
+            bias = bias.detach()
+        if rs:
+            scale = scale.reshape(1, -1, 1, 1)
+        if cs:
+            scale = scale.to(x.dtype)
+        if rb:
+            bias = bias.reshape(1, -1, 1, 1)
+        if cb:
+            bias = bias.to(x.dtype)
+        return torch.relu_(torch.addcmul(bias, c, scale))
+    if p.flat:
+        bias = bias.reshape(-1)
+    if p.cast:
+        bias = bias.to(x.dtype)
+    c = F.conv2d(x, weight, bias, p.st, p.pad)
+    if mask is not None:
+        c = c.mul_(mask.detach() if mask.requires_grad else mask)
+    return torch.relu_(c) if p.relu else c
+
+
+def _fused_nograd(p: _Plan, x, weight, scale, bias, mask) -> Tensor:
+    c = F.conv2d(x, weight, None, p.st, p.pad)
+    epi = p.epi
+    if epi is None:
+        epi = p.epi = epilogue_plan(c, scale, bias, None, None, mask, True)
+    return epi.forward(c, scale, bias, None, None, mask)
+
+
+class _Fused(torch.autograd.Function):
+    """The fused formulation with autograd: ``(x, weight, scale, bias, mask, plan)``; gradients for ``x``,
+    ``weight`` and (unless frozen) ``bias``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale, bias, mask, p):
+        c = F.conv2d(x, weight, None, p.st, p.pad)
+        epi = p.epi
+        if epi is None:
+            epi = p.epi = epilogue_plan(c, scale, bias, None, None, mask, True)
+        y = epi.forward(c, scale, bias, None, None, mask)
+        ctx.p = p
+        ctx.save_for_backward(x, weight, scale, mask, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, scale, mask, y = ctx.saved_tensors
+        p = ctx.p
+        nx, nw, _, nb, _, _ = ctx.needs_input_grad
+        nb = nb and p.frozen_shape is None
+        dc, _, s = p.epi.backward(dy, y, mask, scale, None, nx or nw, False, nb)
+        dx = dw = db = None
+        if nx or nw:
+            dx, dw, _ = _conv_bwd(dc, x, weight, None, p.st, p.pad, (1, 1), False, (0, 0), 1, (nx, nw, False))
+        if s is not None:
+            shape, dtype = p.bias_meta
+            db = s.to(dtype).reshape(shape)
+        return dx, dw, None, db, None, None
+
+
+_fused = raw_apply(_Fused)
+
+
+def _call(kind: str, x, weight, scale, bias, mask, padding, stride) -> Tensor:
+    if _autocast_on("cuda") and x.is_cuda:
+        return _amp_call(kind, x, weight, scale, bias, mask, padding, stride)
+    p = _plan(kind, x, weight, scale, bias, mask, padding, stride)
+    if p.cvt_x:
+        x = x.contiguous(memory_format=_CL)
+    if p.cvt_w:
+        weight = weight.contiguous(memory_format=_CL)
+    if _grad_on() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        if p.fused_grad and not (_transforms_active() or _compiling()):
+            return _fused(x, weight, scale, bias, mask, p)
+    elif p.fused_fwd and not _compiling():
+        return _fused_nograd(p, x, weight, scale, bias, mask)
+    return _torch_form(p, x, weight, scale, bias, mask)
+
+
+def _half(t):
+    return t.to(torch.float16) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float16 else t
+
+
+def _amp_call(kind: str, x, weight, scale, bias, mask, padding, stride) -> Tensor:
+    """Apex's autocast rule: the floating inputs in fp16, the call itself outside autocast."""
+    args = (_half(x), _half(weight), _half(scale), _half(bias), _half(mask))
+    with torch.autocast("cuda", enabled=False):
+        return _call(kind, *args, padding, stride)
+
+
+def ConvBiasReLU(x: Tensor, weight: Tensor, bias: Tensor, padding=0, stride=1) -> Tensor:
+    """``relu(conv2d(x, weight, stride, padding) + bias)``.
+
+    ``x`` ``(N, C, H, W)``, ``weight`` ``(K, C, R, S)`` of ``x``'s dtype, ``bias`` with ``K`` elements (Apex passes
+    ``(1, K, 1, 1)``; its gradient has its shape), ``padding`` and ``stride`` ints (or pairs). Returns
+    ``(N, K, Ho, Wo)`` channels-last in ``x``'s dtype; differentiable in ``x``, ``weight`` and ``bias``.
+    """
+    return _call("relu", x, weight, None, bias, None, padding, stride)
+
+
+def ConvBias(x: Tensor, weight: Tensor, bias: Tensor, padding=0, stride=1) -> Tensor:
+    """``conv2d(x, weight, stride, padding) + bias``; arguments and gradients as ``ConvBiasReLU``."""
+    return _call("bias", x, weight, None, bias, None, padding, stride)
+
+
+def ConvBiasMaskReLU(x: Tensor, weight: Tensor, bias: Tensor, mask: Tensor, padding=0, stride=1) -> Tensor:
+    """``relu((conv2d(x, weight, stride, padding) + bias) * mask)``: as ``ConvBiasReLU`` plus ``mask`` of the
+    output's shape ``(N, K, Ho, Wo)`` (Apex: int8 0/1; bool and float masks work too). No gradient for ``mask``."""
+    return _call("mask", x, weight, None, bias, mask, padding, stride)
+
+
+def ConvFrozenScaleBiasReLU(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor, padding=0, stride=1) -> Tensor:
+    """``relu(conv2d(x, weight, stride, padding) * scale + bias)`` with a frozen (batch-norm) ``scale`` and ``bias``
+    of ``K`` elements each. Gradients for ``x`` and ``weight`` only, as in Apex."""
+    return _call("frozen", x, weight, scale, bias, None, padding, stride)
 
 
 def _cl(t: Tensor | None) -> Tensor | None:
@@ -263,9 +473,3 @@ def fused_conv_epilogue(x: Tensor, weight: Tensor, scale: Tensor | None, bias: T
         r = res if res_weight is None else F.conv2d(res, res_weight, None, rst)
         return conv_epilogue_fwd_ref(c, scale, bias, r, res_scale, None, relu)
     return _FusedConvEpilogue.apply(x, weight, scale, bias, res, res_weight, res_scale, pad, st, rst, bool(relu))
-
-
-ConvBiasReLU = raw_apply(ConvBiasReLU_)
-ConvBiasMaskReLU = raw_apply(ConvBiasMaskReLU_)
-ConvBias = raw_apply(ConvBias_)
-ConvFrozenScaleBiasReLU = raw_apply(ConvFrozenScaleBiasReLU_)

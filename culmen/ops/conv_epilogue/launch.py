@@ -100,8 +100,8 @@ class EpiloguePlan:
         self.copy_res = res is not None and not _is_cl(res)
         self.copy_mask = mask is not None and not _is_cl(mask)
         self.mask_bool = mask is not None and mask.dtype == torch.bool
-        self.fix = tuple(v is not None and not (v.dim() == 1 and v.is_contiguous())
-                         for v in (scale, bias, res_scale))
+        # A contiguous vector of any shape ((1, C, 1, 1) from Apex) is C consecutive elements: read in place.
+        self.fix = tuple(v is not None and not v.is_contiguous() for v in (scale, bias, res_scale))
         self.has = (scale is not None, bias is not None, res is not None, res_scale is not None, mask is not None)
         self.use_kernel = c.dtype != torch.float64 and choose_backend(dev) == "triton"
         self.stream = stream_getter(dev)
