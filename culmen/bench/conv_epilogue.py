@@ -4,9 +4,11 @@ channels-last.
 
 Peers on the same tensors: ``torch`` (eager: ``F.relu(F.conv2d(x, w, b))``; ``F.relu(F.batch_norm(x) + z)`` on the
 channels-last NCHW view of the NHWC tensor) and ``compile`` (``torch.compile`` of the eager function, CUDA only).
-culmen runs the convolution through the same cuDNN call as the peers, so ``conv_bias_relu``'s ratio measures the
-epilogue (one Triton pass forward, one backward: ReLU gate + bias sums) against PyTorch's separate bias, ReLU
-and bias-gradient kernels. ``groupbn`` bytes count x (and z) read twice (statistics, normalization) and y
+culmen runs the convolution through the same cuDNN call as the peers, so ``conv_bias_relu``'s fwd ratio measures the
+epilogue (one Triton pass) against PyTorch's separate bias add and ReLU. fwd+bwd at these batch-32 shapes is
+host-bound and routed (``culmen.contrib.conv_bias_relu.ROUTING``) to PyTorch's formulation with an in-place ReLU:
+expect about 1.0x there; ``scripts/sweep_conv_epilogue.py`` times the fused autograd function against it.
+``groupbn`` bytes count x (and z) read twice (statistics, normalization) and y
 written once forward; dy, x (and y) read twice and dx (dz) written backward.
 """
 
