@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from culmen.contrib.multihead_attn._block import block_plan, self_attn_block
 from culmen.flash_attn.ops.triton.layer_norm import layer_norm_fn
 from culmen.ops.attention.launch import AttnPlan
 from culmen.ops.common.function import raw_apply
@@ -44,6 +45,11 @@ LN_EPS = 1e-5
 """LayerNorm epsilon of the ``include_norm_add`` variants (Apex's fused kernels use 1e-5)."""
 
 _MASK_DTYPES = (torch.bool, torch.uint8)
+
+USE_BLOCK = True
+"""Self-attention without a mask, with the future mask or with boolean key padding runs as one autograd
+node (``_block``). ``False`` runs the chain ``F.linear -> attention node -> F.linear`` instead (the same
+kernels; kept for ``scripts/sweep_multihead_attn.py`` to compare the two on a GPU)."""
 
 
 def rng_state(dropout_p: float, device: torch.device) -> Tensor | None:
@@ -343,11 +349,32 @@ def self_attention(inputs: Tensor, heads: int, in_w: Tensor, in_b: Tensor | None
                    dropout_p: float, norm: tuple[Tensor, Tensor] | None = None,
                    out_dropout_p: float = 0.0) -> Tensor:
     """Fast self-attention of ``inputs (seq, batch, embed)``; ``norm = (gamma, beta)`` adds Apex's
-    ``include_norm_add`` (pre-LayerNorm, then ``inputs + dropout(out, out_dropout_p)``)."""
+    ``include_norm_add`` (pre-LayerNorm, then ``inputs + dropout(out, out_dropout_p)``).
+
+    No mask, the future mask and boolean key padding run as one autograd node (``_block``); other masks
+    materialize the scores (``_scores_attention``) between two ``F.linear``."""
     check_activations("inputs", inputs, in_w, heads)
     s, b, e = inputs.shape
     check_attn_mask(mask, use_time_mask, mask_additive, s, s, b)
     x = inputs if norm is None else layer_norm_fn(inputs, norm[0], norm[1], eps=LN_EPS)
+    causal = padded = False
+    if mask is not None and not mask_additive:
+        if use_time_mask:
+            causal = is_future_mask(mask)
+        else:
+            padded = True
+    if USE_BLOCK and (mask is None or causal or padded):
+        residual = inputs if norm is not None and out_dropout_p == 0.0 else None
+        bp = block_plan(x, heads, padded, causal, dropout_p)
+        rng = rng_state(dropout_p, inputs.device) if dropout_p > 0.0 else None
+        if padded:
+            src, skeys, cu_k = bp.key_order(mask if mask.dtype == torch.bool else mask.ne(0))
+        else:
+            src = skeys = cu_k = None
+        out = self_attn_block(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, skeys, cu_k)
+        if norm is None or residual is not None:
+            return out
+        return inputs + F.dropout(out, out_dropout_p)
     qkv = F.linear(x, in_w, in_b).reshape(s, b, heads, 3, e // heads)
     ctx = attend(qkv, None, mask, use_time_mask, mask_additive, dropout_p)
     return out_projection(ctx, out_w, out_b, None if norm is None else inputs, out_dropout_p)
