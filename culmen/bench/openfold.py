@@ -4,8 +4,9 @@ Triangle attention: q, k, v ``[B, I, H, N, D]`` (I = N = residues), a pair bias 
 by every row ``i`` (its gradient summed over ``I``) and a key mask ``[B, I, 1, 1, N]``. Timed forward and
 forward+backward (gradients of q, k, v and the bias) on the same inputs by:
 
-* ``culmen``: ``AttnTri`` (flash-style kernels, O(N) memory per row block, the bias gradient reduced in
-  registers);
+* ``culmen``: ``AttnTri`` (flash-style forward, O(N) memory per row block; the backward computes each
+  probability tile once, stores the logits' gradient ``dS`` for ``dQ`` and sums it over ``I`` for the bias
+  gradient, without atomics);
 * ``torch``: OpenFold's eager formulation in the input dtype (``matmul(q * scale, k^T) + (mask - 1) * inf +
   bias``, ``softmax``, ``matmul``), which materializes ``[B, I, H, N, N]`` logits and probabilities;
 * ``compile``: ``torch.compile`` of the same function (what Apex's ``AttnBiasJIT`` is);

@@ -50,7 +50,7 @@ TUNING = PlanTuning({
     # dQ recomputing the tiles (no bias gradient, "recompute"): rows per program, columns per step.
     "dqr_block_m": 64, "dqr_block_n": 64, "dqr_warps": 4, "dqr_stages": 2,
     # Bias-gradient reduction over the broadcast dims: tile, warps, loads in flight per step.
-    "red_block_m": 32, "red_block_n": 64, "red_warps": 4, "red_unroll": 4,
+    "red_block_m": 32, "red_block_n": 64, "red_warps": 4, "red_unroll": 8,
     # "triton" (the reduce kernel) or "torch" (torch.sum of the stored dS).
     "dbias_reduce": "triton",
     # dQ without a bias gradient: "recompute" (3 matmuls per tile, no dS buffer) or "staged" (dS stored).
