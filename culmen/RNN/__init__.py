@@ -7,8 +7,15 @@ Modules as in Apex: ``models`` (the factories ``LSTM``, ``GRU``, ``ReLU``, ``Tan
 the step functions). Apex removed this package in 2025; culmen keeps it, on fused Triton cells
 (``culmen.ops.rnn``) with a PyTorch path on CPU. See ``RNNBackend``'s docstring for where culmen
 differs from Apex (the bugs it fixes).
+
+On CUDA, from a layer signature's second call on, each LSTM / GRU layer replays its forward and backward
+time loops as CUDA graphs (one launch per layer instead of two per time step; outputs are not copied and
+never overwritten while referenced). ``set_cuda_graphs(False)`` (or ``CULMEN_RNN_CUDA_GRAPHS=0``) runs the
+eager step loop instead; ``clear_cuda_graphs()`` frees the cached graphs and buffers. Graphs are never used
+on CPU, inside an outer CUDA-graph capture or under ``torch.compile``. See ``culmen.ops.rnn.graphs``.
 """
 
+from culmen.ops.rnn.graphs import clear_cuda_graphs, cuda_graphs_enabled, set_cuda_graphs  # noqa: F401
 from culmen.RNN import RNNBackend, cells, models  # noqa: F401
 from culmen.RNN.models import GRU, LSTM, ReLU, Tanh, mLSTM  # noqa: F401  (Apex's package namespace)
 

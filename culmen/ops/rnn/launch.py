@@ -4,6 +4,10 @@ A sequence runs the same cell shape hundreds of times, so everything a launch ne
 backend (Triton kernel or reference), the tile, the grid and a bound ``Launch`` per kernel variant. A step
 then costs one call of the compiled kernel's C launcher with the step's tensors. Every tensor handed to a
 plan is one contiguous ``(B, nH)`` time step; the plan never checks this (its callers build the steps).
+
+The step loops (``loops.py``) call ``plan.fwd`` / ``plan.bwd[flag]`` directly, one call per step with one
+signature on every backend: ``(stream, aligned, *tensors, B, H)``; on the reference backend these are small
+adapters around ``reference.py`` (so the loops have no per-step backend branch).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ class CellPlan:
         self.backend = choose_backend(device)
         self.stream = stream_getter(device)
         if self.backend != "triton":
+            self.fwd = _lstm_fwd_ref if kind == "lstm" else _gru_fwd_ref
+            bwd = _lstm_bwd_ref if kind == "lstm" else _gru_bwd_ref
+            self.bwd = {False: bwd, True: bwd}
             return
         from culmen.ops.rnn import kernels as k
 
@@ -53,6 +60,13 @@ class CellPlan:
             self._fwd = Launch(k._gru_fwd_kernel, grid, tiles, warps, device=device)
             self._bwd = {flag: Launch(k._gru_bwd_kernel, grid, {"HAS_DY_PREV": flag, **tiles}, warps, device=device)
                          for flag in (False, True)}
+        self.fwd, self.bwd = self._fwd, self._bwd
+
+    def warm(self, *launches) -> bool:
+        """Whether every one of ``launches`` (entries of ``fwd`` / ``bwd``) runs without compiling or binding:
+        a reference adapter always does, a ``Launch`` once its first call bound the compiled kernel. A CUDA
+        graph may only capture warm launches (Triton cannot compile inside a stream capture)."""
+        return all(not isinstance(f, Launch) or f._run is not None for f in launches)
 
     # The stream is fetched once per sequence by the caller and passed in (``stream=self.stream()``).
 
@@ -97,3 +111,23 @@ def cell_plan(kind: str, B: int, H: int, dtype: torch.dtype, carry_dtype: torch.
     if plan is None:
         plan = PLANS.put(key, CellPlan(kind, B, H, dtype, carry_dtype, device))
     return plan
+
+
+# Reference adapters with the launches' signature ``(stream, aligned, *tensors, B, H)``; the ``dcx`` /
+# ``dy_prev`` slot holds a placeholder when the caller has none (``bwd[False]``), exactly as for the kernels.
+
+
+def _lstm_fwd_ref(stream, aligned, g, ws, c_prev, h, c, B, H) -> None:
+    ref.lstm_fwd_ref(g, ws, c_prev, h, c)
+
+
+def _lstm_bwd_ref(stream, aligned, ws, c_prev, c, dh, dc, dcx, dg, dc_prev, B, H) -> None:
+    ref.lstm_bwd_ref(ws, c_prev, c, dh, dc, None if dcx is dc else dcx, dg, dc_prev)
+
+
+def _gru_fwd_ref(stream, aligned, xg, hg, h_prev, ws, h, B, H) -> None:
+    ref.gru_fwd_ref(xg, hg, h_prev, ws, h)
+
+
+def _gru_bwd_ref(stream, aligned, ws, hg, h_prev, dh, dy_prev, dxg, dhg, dhd, B, H) -> None:
+    ref.gru_bwd_ref(ws, hg, h_prev, dh, None if dy_prev is dh else dy_prev, dxg, dhg, dhd)

@@ -10,6 +10,8 @@
 
 CUDA tensors run the Triton kernels; CPU tensors run the reference (``culmen.ops.backend``). The sequence
 ops run their own backward loop on both, with the reference cells on CPU, so the CPU tests check the loop.
+The loops themselves are in ``loops.py``; on CUDA a layer's forward and backward loops are replayed as CUDA
+graphs from a signature's second call on (``graphs.py``: one graph launch instead of ``2 T`` host launches).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from torch.autograd.function import once_differentiable
 
 from culmen.ops.backend import register_op
 from culmen.ops.common.launch import aligned_16
+from culmen.ops.rnn.graphs import STATS, graphs_allowed, layer_graphs
 from culmen.ops.rnn.launch import cell_plan
+from culmen.ops.rnn.loops import gru_bwd_loop, gru_fwd_loop, lstm_bwd_loop, lstm_fwd_loop
 from culmen.ops.rnn.reference import gru_cell_ref, lstm_cell_ref
 
 register_op("rnn_lstm_cell", "rnn", "fused LSTM pointwise cell (gates + state update), forward and backward")
@@ -32,11 +36,6 @@ _F32 = torch.float32
 def _carry(dtype: torch.dtype) -> torch.dtype:
     """dtype of the LSTM cell-gradient carry: fp32 (fp64 for fp64), so 16-bit runs do not round it per step."""
     return dtype if dtype == torch.float64 else _F32
-
-
-def _step_aligned(B: int, H: int, es: int, *bases: Tensor) -> bool:
-    # Every step slice starts a whole number of (B, H) (or (B, 3H), (B, 4H)) blocks past its base.
-    return (B * H * es) % 16 == 0 and aligned_16(*bases)
 
 
 def _check_2d(name: str, t: Tensor, rows: int, cols: int) -> None:
@@ -145,9 +144,16 @@ def gru_cell(xg: Tensor, hg: Tensor, hx: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------ whole sequence
 
 
-def _orders(T: int, reverse: bool) -> tuple[range, int]:
-    """Forward step order and the offset of a step's predecessor (the step whose state it reads)."""
-    return (range(T - 1, -1, -1), 1) if reverse else (range(T), -1)
+def _input_proj(x: Tensor, w_ih: Tensor, bias: Tensor | None, out: Tensor | None) -> Tensor:
+    """``x W_ih^T + bias`` for every step as one GEMM ``(T, B, nH)``, into ``out`` when given."""
+    T, B, In = x.shape
+    x2 = x.reshape(T * B, In)
+    o2 = out.view(T * B, -1) if out is not None else None
+    if bias is not None:
+        r = torch.addmm(bias, x2, w_ih.t(), out=o2)
+    else:
+        r = torch.mm(x2, w_ih.t(), out=o2)
+    return r.view(T, B, -1)
 
 
 def _dw_hh(dG: Tensor, Y: Tensor, h0: Tensor, reverse: bool) -> Tensor:
@@ -170,31 +176,46 @@ def _input_grads(ctx, dG: Tensor, x: Tensor, w_ih: Tensor) -> tuple[Tensor | Non
     return dx, dw, db
 
 
+def _graph_set(kind: str, x: Tensor, H: int, reverse: bool, bias: bool, plan, use_graph: bool | None):
+    """The signature's ``LayerGraphs`` and a free buffer set, or ``(None, None)``: the eager loop."""
+    if not graphs_allowed(x.device, use_graph) or (x.device.type == "cuda" and plan.backend != "triton"):
+        STATS["eager_fwd"] += 1
+        return None, None
+    T, B, _ = x.shape
+    lg = layer_graphs(kind, T, B, H, x.dtype, x.device, reverse, bias)
+    s = lg.acquire()
+    if s is None:
+        STATS["eager_fwd"] += 1
+        return None, None
+    return lg, s
+
+
 class _LSTMSeqFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_ih: Tensor, bias: Tensor | None, w_hh: Tensor, h0: Tensor, c0: Tensor,
-                reverse: bool):
-        T, B, In = x.shape
+                reverse: bool, use_graph: bool | None):
+        T, B, _ = x.shape
         H = w_hh.shape[1]
-        x2 = x.reshape(T * B, In)
-        G = (torch.addmm(bias, x2, w_ih.t()) if bias is not None else torch.mm(x2, w_ih.t())).view(T, B, 4 * H)
-        Y = x.new_empty(T, B, H)
-        CS = x.new_empty(T, B, H)
         plan = cell_plan("lstm", B, H, x.dtype, _carry(x.dtype), x.device)
-        stream = plan.stream()
-        aligned = _step_aligned(B, H, x.element_size(), G, Y, CS, h0, c0)
-        g_s, y_s, c_s = G.unbind(0), Y.unbind(0), CS.unbind(0)
-        w_t = w_hh.t()
-        order, _ = _orders(T, reverse)
-        h_prev, c_prev = h0, c0
-        fwd = plan.lstm_fwd
-        for t in order:
-            g = g_s[t]
-            g.addmm_(h_prev, w_t)
-            h, c = y_s[t], c_s[t]
-            fwd(stream, aligned, g, g, c_prev, h, c)
-            h_prev, c_prev = h, c
+        lg, s = _graph_set("lstm", x, H, reverse, True, plan, use_graph)
+        if s is None:
+            G = _input_proj(x, w_ih, bias, None)
+            Y, CS = x.new_empty(T, B, H), x.new_empty(T, B, H)
+            lstm_fwd_loop(plan, G, Y, CS, h0, c0, w_hh, reverse)
+        else:
+            G = s.G
+            _input_proj(x, w_ih, bias, G)
+            s.h0.copy_(h0)
+            s.c0.copy_(c0)
+            s.w_hh.copy_(w_hh)
+            lg.run(s, "fwd", lambda: lstm_fwd_loop(plan, s.G, s.Y, s.CS, s.h0, s.c0, s.w_hh, reverse),
+                   plan.warm(plan.fwd))
+            # Aliases, not views: the caller may modify them in place; the set stays busy while they live.
+            Y, CS = s.Y.detach(), s.CS.detach()
         ctx.reverse = reverse
+        ctx.graphs = (lg, s)
+        # Unused outputs arrive as None: no (T, B, H) zeros to make and add when only y (or only c) is used.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w_ih, w_hh, h0, c0, G, Y, CS)
         return Y, CS
 
@@ -206,63 +227,63 @@ class _LSTMSeqFn(torch.autograd.Function):
         T, B, _ = x.shape
         H = w_hh.shape[1]
         plan = cell_plan("lstm", B, H, x.dtype, _carry(x.dtype), x.device)
-        stream = plan.stream()
-        dY = dY.to(x.dtype).contiguous()
-        dCS = dCS.to(x.dtype).contiguous() if dCS is not None else None
-        dG = torch.empty_like(G)
-        dc = torch.zeros(B, H, dtype=_carry(x.dtype), device=x.device)
-        dh_buf = torch.empty(B, H, dtype=x.dtype, device=x.device)
-        aligned = _step_aligned(B, H, x.element_size(), G, Y, CS, h0, c0, dY, dG, dc, dh_buf,
-                                dCS if dCS is not None else G)
-        g_s, c_s, dy_s, dg_s = G.unbind(0), CS.unbind(0), dY.unbind(0), dG.unbind(0)
-        dcs_s = dCS.unbind(0) if dCS is not None else None
-        fwd_order, step = _orders(T, reverse)
-        order = reversed(fwd_order)
-        last = fwd_order[0]  # the step whose predecessor is the initial state
-        dh = dy_s[fwd_order[-1]]
-        dh0 = None
-        bwd = plan.lstm_bwd
-        for t in order:
-            p = t + step
-            c_prev = c0 if t == last else c_s[p]
-            bwd(stream, aligned, g_s[t], c_prev, c_s[t], dh, dc, dcs_s[t] if dcs_s is not None else None, dg_s[t], dc)
-            if t != last:
-                dh = torch.addmm(dy_s[p], dg_s[t], w_hh, out=dh_buf)
-            elif ctx.needs_input_grad[4]:
-                dh0 = torch.mm(dg_s[t], w_hh)
+        lg, s = ctx.graphs
+        dh0 = dc0 = None
+        if dY is None:
+            dY = torch.zeros_like(Y)
+        if s is not None and graphs_allowed(x.device, True):
+            k = lg.bwd_buffers(dCS is not None)
+            k.dY.copy_(dY)
+            if dCS is not None:
+                k.dCS.copy_(dCS)
+            flag = dCS is not None
+            lg.run(s, ("bwd", flag), lambda: lstm_bwd_loop(plan, s.G, s.CS, k.dY, k.dCS if flag else None, s.c0,
+                                                           s.w_hh, reverse, k.dG, k.dc, k.dh_buf, k.dh0),
+                   plan.warm(plan.bwd[flag]))
+            dG = k.dG
+            if ctx.needs_input_grad[4]:
+                dh0 = k.dh0.clone()
+            if ctx.needs_input_grad[5]:
+                dc0 = k.dc.to(c0.dtype, copy=True)
+        else:
+            STATS["eager_bwd"] += 1
+            dY = dY.to(x.dtype).contiguous()
+            dCS = dCS.to(x.dtype).contiguous() if dCS is not None else None
+            dG = torch.empty_like(G)
+            dc = torch.empty(B, H, dtype=_carry(x.dtype), device=x.device)
+            dh0 = x.new_empty(B, H) if ctx.needs_input_grad[4] else None
+            lstm_bwd_loop(plan, G, CS, dY, dCS, c0, w_hh, reverse, dG, dc, x.new_empty(B, H), dh0)
+            if ctx.needs_input_grad[5]:
+                dc0 = dc.to(c0.dtype)
         dx, dw_ih, db = _input_grads(ctx, dG, x, w_ih)
         dw_hh = _dw_hh(dG, Y, h0, reverse) if ctx.needs_input_grad[3] else None
-        dc0 = dc.to(c0.dtype) if ctx.needs_input_grad[5] else None
-        return dx, dw_ih, db, dw_hh, dh0, dc0, None
+        return dx, dw_ih, db, dw_hh, dh0, dc0, None, None
 
 
 class _GRUSeqFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_ih: Tensor, b_ih: Tensor | None, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor,
-                reverse: bool):
-        T, B, In = x.shape
+                reverse: bool, use_graph: bool | None):
+        T, B, _ = x.shape
         H = w_hh.shape[1]
-        x2 = x.reshape(T * B, In)
-        XG = (torch.addmm(b_ih, x2, w_ih.t()) if b_ih is not None else torch.mm(x2, w_ih.t())).view(T, B, 3 * H)
-        HG = x.new_empty(T, B, 3 * H)
-        Y = x.new_empty(T, B, H)
         plan = cell_plan("gru", B, H, x.dtype, x.dtype, x.device)
-        stream = plan.stream()
-        aligned = _step_aligned(B, H, x.element_size(), XG, HG, Y, h0)
-        xg_s, hg_s, y_s = XG.unbind(0), HG.unbind(0), Y.unbind(0)
-        w_t = w_hh.t()
-        order, _ = _orders(T, reverse)
-        h_prev = h0
-        fwd = plan.gru_fwd
-        for t in order:
-            hg = hg_s[t]
+        lg, s = _graph_set("gru", x, H, reverse, b_hh is not None, plan, use_graph)
+        if s is None:
+            XG = _input_proj(x, w_ih, b_ih, None)
+            HG, Y = x.new_empty(T, B, 3 * H), x.new_empty(T, B, H)
+            gru_fwd_loop(plan, XG, HG, Y, h0, w_hh, b_hh, reverse)
+        else:
+            XG, HG = s.XG, s.HG
+            _input_proj(x, w_ih, b_ih, XG)
+            s.h0.copy_(h0)
+            s.w_hh.copy_(w_hh)
             if b_hh is not None:
-                torch.addmm(b_hh, h_prev, w_t, out=hg)
-            else:
-                torch.mm(h_prev, w_t, out=hg)
-            fwd(stream, aligned, xg_s[t], hg, h_prev, xg_s[t], y_s[t])
-            h_prev = y_s[t]
+                s.b_hh.copy_(b_hh)
+            lg.run(s, "fwd", lambda: gru_fwd_loop(plan, s.XG, s.HG, s.Y, s.h0, s.w_hh, s.b_hh, reverse),
+                   plan.warm(plan.fwd))
+            Y = s.Y.detach()
         ctx.reverse = reverse
+        ctx.graphs = (lg, s)
         ctx.save_for_backward(x, w_ih, w_hh, h0, XG, HG, Y)
         return Y
 
@@ -274,29 +295,24 @@ class _GRUSeqFn(torch.autograd.Function):
         T, B, _ = x.shape
         H = w_hh.shape[1]
         plan = cell_plan("gru", B, H, x.dtype, x.dtype, x.device)
-        stream = plan.stream()
-        dY = dY.to(x.dtype).contiguous()
-        dXG, dHG = torch.empty_like(WS), torch.empty_like(HG)
-        dhd = torch.empty(B, H, dtype=x.dtype, device=x.device)
-        dh_buf = torch.empty_like(dhd)
-        aligned = _step_aligned(B, H, x.element_size(), WS, HG, Y, h0, dY, dXG, dHG, dhd, dh_buf)
-        ws_s, hg_s, y_s, dy_s = WS.unbind(0), HG.unbind(0), Y.unbind(0), dY.unbind(0)
-        dxg_s, dhg_s = dXG.unbind(0), dHG.unbind(0)
-        fwd_order, step = _orders(T, reverse)
-        last = fwd_order[0]
-        dh = dy_s[fwd_order[-1]]
-        bwd = plan.gru_bwd
-        for t in reversed(fwd_order):
-            p = t + step
-            first = t == last
-            bwd(stream, aligned, ws_s[t], hg_s[t], h0 if first else y_s[p], dh, None if first else dy_s[p],
-                dxg_s[t], dhg_s[t], dhd)
-            dh = torch.addmm(dhd, dhg_s[t], w_hh, out=dh_buf)
+        lg, s = ctx.graphs
+        if s is not None and graphs_allowed(x.device, True):
+            k = lg.bwd_buffers(False)
+            k.dY.copy_(dY)
+            lg.run(s, ("bwd", False), lambda: gru_bwd_loop(plan, s.XG, s.HG, s.Y, k.dY, s.h0, s.w_hh, reverse,
+                                                           k.dXG, k.dHG, k.dhd, k.dh_buf),
+                   plan.warm(plan.bwd[True], plan.bwd[False]))
+            dXG, dHG, dh = k.dXG, k.dHG, k.dh_buf
+        else:
+            STATS["eager_bwd"] += 1
+            dY = dY.to(x.dtype).contiguous()
+            dXG, dHG = torch.empty_like(WS), torch.empty_like(HG)
+            dh = gru_bwd_loop(plan, WS, HG, Y, dY, h0, w_hh, reverse, dXG, dHG, x.new_empty(B, H), x.new_empty(B, H))
         dx, dw_ih, db_ih = _input_grads(ctx, dXG, x, w_ih)
         dw_hh = _dw_hh(dHG, Y, h0, reverse) if ctx.needs_input_grad[3] else None
         db_hh = dHG.reshape(T * B, -1).sum(0) if ctx.needs_input_grad[4] else None
         dh0 = dh.clone() if ctx.needs_input_grad[5] else None
-        return dx, dw_ih, db_ih, dw_hh, db_hh, dh0, None
+        return dx, dw_ih, db_ih, dw_hh, db_hh, dh0, None, None
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -339,7 +355,7 @@ def _prepare(name: str, x: Tensor, weights: tuple, states: tuple, gate_mult: int
 
 
 def lstm_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, h0: Tensor,
-                  c0: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
+                  c0: Tensor, reverse: bool = False, cuda_graph: bool | None = None) -> tuple[Tensor, Tensor]:
     """One LSTM layer over a whole sequence (no output projection), as one autograd node.
 
     Args:
@@ -347,6 +363,9 @@ def lstm_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_
         w_ih: ``(4H, I)``; w_hh: ``(4H, H)``; b_ih, b_hh: ``(4H,)`` or ``None``. Gate order ``[i | f | g | o]``.
         h0, c0: ``(B, H)`` initial states (cast to the compute dtype).
         reverse: walk the steps from ``T - 1`` down to ``0`` (outputs stay at their input's time index).
+        cuda_graph: replay the time loop (forward and backward) as a CUDA graph where possible (``None``: the
+            process-wide ``set_cuda_graphs`` switch, on by default; ``False``: the eager step loop). See
+            ``culmen.ops.rnn.graphs``: the outputs may alias buffers the layer reuses once they are released.
 
     Returns:
         ``(y, c)``: every step's hidden state and cell state, both ``(T, B, H)``; the final states are
@@ -358,12 +377,12 @@ def lstm_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_
     bias = b_ih + b_hh if (b_ih is not None and b_hh is not None) else (b_ih if b_ih is not None else b_hh)
     if off:
         with torch.autocast(x.device.type, enabled=False):
-            return _LSTMSeqFn.apply(x, w_ih, bias, w_hh, h0, c0, bool(reverse))
-    return _LSTMSeqFn.apply(x, w_ih, bias, w_hh, h0, c0, bool(reverse))
+            return _LSTMSeqFn.apply(x, w_ih, bias, w_hh, h0, c0, bool(reverse), cuda_graph)
+    return _LSTMSeqFn.apply(x, w_ih, bias, w_hh, h0, c0, bool(reverse), cuda_graph)
 
 
 def gru_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_hh: Tensor | None, h0: Tensor,
-                 reverse: bool = False) -> Tensor:
+                 reverse: bool = False, cuda_graph: bool | None = None) -> Tensor:
     """One GRU layer over a whole sequence, as one autograd node.
 
     Args:
@@ -371,6 +390,7 @@ def gru_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_h
         w_ih: ``(3H, I)``; w_hh: ``(3H, H)``; b_ih, b_hh: ``(3H,)`` or ``None``. Gate order ``[r | z | n]``.
         h0: ``(B, H)`` initial hidden state.
         reverse: walk the steps from ``T - 1`` down to ``0``.
+        cuda_graph: as in ``lstm_sequence``.
 
     Returns:
         ``y`` ``(T, B, H)``: every step's hidden state; differentiable in every input.
@@ -379,5 +399,5 @@ def gru_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_h
                                                       (("h0", h0),), 3)
     if off:
         with torch.autocast(x.device.type, enabled=False):
-            return _GRUSeqFn.apply(x, w_ih, b_ih, w_hh, b_hh, h0, bool(reverse))
-    return _GRUSeqFn.apply(x, w_ih, b_ih, w_hh, b_hh, h0, bool(reverse))
+            return _GRUSeqFn.apply(x, w_ih, b_ih, w_hh, b_hh, h0, bool(reverse), cuda_graph)
+    return _GRUSeqFn.apply(x, w_ih, b_ih, w_hh, b_hh, h0, bool(reverse), cuda_graph)
