@@ -261,3 +261,47 @@ def test_inplace_on_leaf_under_compile(reference_backend):
         res.append((ox.detach(), oq.detach(), x.grad, qkv.grad, x.detach().clone()))
     for i, (e, c) in enumerate(zip(*res)):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"result {i}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_inplace_on_leaf_view_of_a_plain_tensor(backend, request):
+    """unpad_input returns a view of a tensor that does not require grad; ``requires_grad_()`` makes that view a
+    leaf of its own (flash_attn's varlen rotary test rotates it in place): no error, the gradient reaches it."""
+    from culmen.flash_attn.bert_padding import unpad_input
+
+    request.getfixturevalue(f"{backend}_backend")
+    b, s, h, d = 3, 6, 2, 8
+    cos, sin = _tables(s, d // 2)
+    mask = torch.arange(s)[None] < torch.tensor([[6], [4], [5]])
+    x_unpad, _, cu, max_s, _ = unpad_input(randn((b, s, h, d)), mask)
+    plain = torch.randn(x_unpad.shape[0] + 1, h, d)[1:]  # a leaf view whatever unpad_input returns
+    for leaf in (x_unpad, plain):
+        leaf = leaf.requires_grad_()
+        assert leaf.is_leaf
+        src = leaf.detach().to(F64).clone()
+        out = apply_rotary_emb(leaf, cos, sin, inplace=True, cu_seqlens=cu, max_seqlen=max_s)
+        lens = (cu[1:] - cu[:-1]).tolist()
+        rows = [apply_rotary_emb_torch(part[None], cos[:n].to(F64), sin[:n].to(F64))[0]
+                for part, n in zip(src.split(lens), lens)]
+        assert_close_tolerance(out, torch.cat(rows), None, name="out")
+        out.backward(torch.ones_like(out))
+        assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_varlen_cu_seqlens_past_the_tensor_touch_nothing_outside(backend, request):
+    """cu_seqlens whose values run past the packed tensor (or go backwards) never make the kernel read or write
+    outside it, forward (in place) or backward: the guard rows around x keep their sentinel."""
+    request.getfixturevalue(f"{backend}_backend")
+    h, d, total = 2, 8, 6
+    cos, sin = _tables(8, d // 2)
+    buf = torch.full((total + 8, h, d), 7.0)
+    x = buf[2:2 + total]
+    x.copy_(randn((total, h, d)))
+    x = x.requires_grad_()
+    for cu in ([0, 2, 4, 7], [0, 6, 10, 15], [0, 5, 3, 6]):
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        out = apply_rotary_emb(x, cos, sin, inplace=True, cu_seqlens=cu_t, max_seqlen=8)
+        out.backward(torch.ones_like(out))
+        assert (buf[:2] == 7).all() and (buf[2 + total:] == 7).all()
+        assert torch.isfinite(x.grad).all()

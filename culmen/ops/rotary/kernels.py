@@ -143,7 +143,7 @@ def _rotate_region(X, OUT, COS, SIN, x_off, o_off, pos, row_ok, col0, half, seql
 @triton.jit(do_not_specialize=["seqlen", "seqlen_ro", "seqlen_ro2", "n_sblocks", "offset"])
 def _rotary_kernel(
     X, OUT, COS, SIN, COS2, SIN2, OFFSETS, CU_SEQLENS,
-    seqlen, nheads, nheads2, headdim, half, seqlen_ro, seqlen_ro2, img_w, n_sblocks, n_hblocks, n_hblocks2,
+    seqlen, total_rows, nheads, nheads2, headdim, half, seqlen_ro, seqlen_ro2, img_w, n_sblocks, n_hblocks, n_hblocks2,
     stride_xb, stride_xs, stride_xg, stride_xh, stride_xd,
     stride_ob, stride_os, stride_og, stride_oh, stride_od,
     stride_t, stride_t2, offset,
@@ -168,9 +168,11 @@ def _rotary_kernel(
     sb = rest % n_sblocks
     b = rest // n_sblocks
     s = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    start = 0
     if IS_VARLEN:
+        # cu_seqlens are values, not extents: rows past the packed tensor's total_rows are never touched
         start = tl.load(CU_SEQLENS + b).to(tl.int64)
-        seq_len = tl.load(CU_SEQLENS + b + 1).to(tl.int64) - start
+        seq_len = tl.minimum(tl.load(CU_SEQLENS + b + 1).to(tl.int64), total_rows) - start
         if sb * BLOCK_S >= seq_len:
             return
         x_row = (start + s) * stride_xs
@@ -190,7 +192,7 @@ def _rotary_kernel(
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     x_off = x_row[:, None, None] + (h.to(tl.int64) * stride_xh)[None, :, None]
     o_off = o_row[:, None, None] + (h.to(tl.int64) * stride_oh)[None, :, None]
-    row_ok = (s < seq_len)[:, None, None] & (h < nh)[None, :, None]
+    row_ok = ((s < seq_len) & (start + s >= 0))[:, None, None] & (h < nh)[None, :, None]
     if TWO_D:
         s3 = s[:, None, None]
         _rotate_region(X, OUT, COS, SIN, x_off, o_off, s3 // img_w, row_ok, 0, half, seqlen_ro,

@@ -285,7 +285,8 @@ class RotaryPlan:
         n_s, n_h = cdiv(self.S, bs), cdiv(H, bh)
         n_h2 = cdiv(H2, bh) if self.groups else 0
         rows, rows2, st, st2 = self._tab_ints
-        ints = (self.S, H, H2, D, half, rows, rows2, self.img_w, n_s, n_h, n_h2, *self._strides(x),
+        total = x.shape[0] if self.varlen else 0
+        ints = (self.S, total, H, H2, D, half, rows, rows2, self.img_w, n_s, n_h, n_h2, *self._strides(x),
                 *self._strides(out), st, st2)
         meta = dict(INTERLEAVED=self.interleaved, FULL_TABLE=self.full_table, CONJUGATE=conjugate,
                     ROUND=self.round_ops, IS_VARLEN=self.varlen, HAS_OFFSETS=self.has_offsets, TWO_D=two_d,
