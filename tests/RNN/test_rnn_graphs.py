@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rnn_ops import _ref_lstm_seq
+from test_rnn_ops import _ref_gru_seq, _ref_lstm_seq
 
 import culmen.RNN
 from culmen.ops.backend import use_backend
@@ -76,6 +76,17 @@ def _run(kind, ins, reverse, cuda_graph, use_c=True, seed=0):
     return outs, torch.autograd.grad(loss, live)
 
 
+def _ref_run(kind, ins, reverse, seed, dtype):
+    """``_run`` on the plain-PyTorch step references (float64 inputs: the oracle; ``dtype`` inputs: the same
+    computation in low precision), with the loss weights ``_run`` draws for ``dtype`` outputs."""
+    outs = _ref_lstm_seq(*ins, reverse) if kind == "lstm" else (_ref_gru_seq(*ins, reverse),)
+    gen = torch.Generator(device=outs[0].device).manual_seed(seed)
+    ws = [torch.randn(o.shape, generator=gen, device=o.device, dtype=torch.float64).to(dtype).to(o.dtype)
+          for o in outs]
+    loss = sum((o * w).sum() for o, w in zip(outs, ws))
+    return outs, torch.autograd.grad(loss, [t for t in ins if t is not None])
+
+
 def _equal(a, b, what):
     """Equal up to GEMM rounding: the same ops on the same values, but CPU BLAS may sum in another order
     for differently aligned buffers (differences of ~1e-8 in fp32). Stale or wrong data is far off."""
@@ -85,8 +96,8 @@ def _equal(a, b, what):
 
 @pytest.mark.parametrize("kind,reverse", [("lstm", False), ("lstm", True), ("gru", False), ("gru", True)])
 def test_graph_path_equals_eager_over_calls(fake_graphs, kind, reverse):
-    """Call 1 eager (warm-up), call 2 captures set A, call 3 captures set B (A is held), call 4 replays A:
-    every call on new inputs gives the eager results, and call 2's outputs survive call 3."""
+    """Call 0 eager (warm-up), call 1 captures set A, call 2 captures set B (A is held), call 3 replays A:
+    every call on new inputs gives the eager results, and call 1's outputs survive call 2."""
     T, B, In, H = 5, 3, 4, 6
     make = _lstm_inputs if kind == "lstm" else _gru_inputs
     held = None
@@ -100,7 +111,7 @@ def test_graph_path_equals_eager_over_calls(fake_graphs, kind, reverse):
         if call == 1:
             held = (outs, [o.clone() for o in outs])
         if call == 2:
-            _equal(held[0], held[1], "outputs of call 1 after call 2")
+            _equal(held[0], held[1], "outputs of call 1 after call 2")  # set B took call 2
             held = None
     st = fake_graphs  # eager: the first call and the 4 calls with cuda_graph=False
     assert (st["eager_fwd"], st["capture_fwd"], st["replay_fwd"]) == (5, 2, 3), dict(st)
@@ -115,17 +126,14 @@ def test_graph_path_against_float64_and_new_inputs(fake_graphs):
         ins64 = _lstm_inputs(T, B, In, H, dtype=torch.float64)
         ins = [t.detach().float().requires_grad_(True) for t in ins64]
         outs, grads = _run("lstm", ins, False, None, seed=call)
-        ry, rc = _ref_lstm_seq(*ins64, False)
-        gen = torch.Generator().manual_seed(call)
-        w = [torch.randn(ry.shape, generator=gen, dtype=torch.float64) for _ in range(2)]
-        rg = torch.autograd.grad((ry * w[0].float().double()).sum() + (rc * w[1].float().double()).sum(), ins64)
-        for a, r, name in zip((*outs, *grads), (ry, rc, *rg), ("y", "c", "dx", "dw_ih", "dw_hh", "db_ih", "db_hh",
-                                                                  "dh0", "dc0")):
-            assert_close_tolerance(a, r, None, name=f"call {call} {name}")
+        ref = _ref_run("lstm", ins64, False, call, torch.float32)
+        for i, (got, r) in enumerate(zip((*outs, *grads), (*ref[0], *ref[1]))):
+            assert_close_tolerance(got, r, None, name=f"call {call} tensor {i}")
     assert fake_graphs["replay_fwd"] == 2 and fake_graphs["replay_bwd"] == 2
 
 
-def test_all_sets_busy_falls_back_to_fresh_tensors(fake_graphs):
+def test_all_sets_busy_falls_back_to_fresh_tensors(fake_graphs, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_SETS", 2)
     T, B, In, H = 3, 2, 3, 4
     keep = []
     for _ in range(4):
@@ -284,3 +292,112 @@ def test_host_calls_of_a_replayed_layer_do_not_grow_with_T(monkeypatch):
     # Eager: per step and direction one GEMM and one launch (+ the plan's Python frame on the fake path).
     per_step_c = (e_long.c - e_short.c) / 60
     assert per_step_c <= 2.1, f"{per_step_c} C calls per step: {e_long}"
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.fixture
+def gpu_graphs():
+    graphs.clear_cuda_graphs()
+    graphs.STATS.clear()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield graphs.STATS
+    graphs.clear_cuda_graphs()
+
+
+def _close_to_eager(got, ref, dtype, what):
+    """The graph replays the eager loop's kernels on the same values: agreement to a few rounding steps
+    of ``dtype`` (stale or misplaced data would be off by the values' own size)."""
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}[dtype]
+    for i, (a, r) in enumerate(zip(got, ref)):
+        err = (a.double() - r.double()).abs().max().item()
+        assert err <= tol * (1 + r.double().abs().max().item()), f"{what} {i}: max diff {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,reverse", [("lstm", False), ("lstm", True), ("gru", False)])
+def test_gpu_graph_replay_matches_eager_and_float64(gpu_graphs, kind, reverse, dtype):
+    """Real CUDA graphs: four calls on new inputs (capture, second set, replays) against the eager loop
+    and, on the last call, against float64 autograd within the tolerance rule."""
+    T, B, In, H = 64, 37, 200, 256
+    make = _lstm_inputs if kind == "lstm" else _gru_inputs
+    held = None
+    for call in range(4):
+        ins64 = make(T, B, In, H, dtype=torch.float64, dev="cuda")
+        ins = [t.detach().to(dtype).requires_grad_(True) for t in ins64]
+        eager = _run(kind, ins, reverse, False, seed=call)
+        got = _run(kind, ins, reverse, None, seed=call)
+        _close_to_eager(got[0], eager[0], dtype, f"call {call} outputs")
+        _close_to_eager(got[1], eager[1], dtype, f"call {call} grads")
+        if call == 1:
+            held = (got[0], [o.clone() for o in got[0]])
+        if call == 2:
+            _equal(held[0], held[1], "call 1 outputs after call 2")
+            held = None
+    st = gpu_graphs
+    assert st["capture_fwd"] == 2 and st["replay_fwd"] == 3 and st["capture_bwd"] == 2 and st["replay_bwd"] == 3, \
+        (dict(st), [lg.error for lg in graphs.GRAPHS.values()])
+    ref = _ref_run(kind, ins64, reverse, 3, dtype)
+    lo = _ref_run(kind, [t.detach().to(dtype).requires_grad_(True) for t in ins64], reverse, 3, dtype)
+    for i, (a, r, low) in enumerate(zip((*got[0], *got[1]), (*ref[0], *ref[1]), (*lo[0], *lo[1]))):
+        assert_close_tolerance(a, r, low, name=f"{kind} {dtype} tensor {i}")
+
+
+@pytest.mark.gpu
+def test_gpu_training_loop_with_weight_updates(gpu_graphs):
+    """A 2-layer bf16 LSTM trained for five steps (weights change in place between calls; the previous
+    output is still alive during the next forward) equals the same model run with graphs off."""
+    torch.manual_seed(3)
+    T, B, In, H = 48, 16, 64, 128
+    a = culmen.RNN.LSTM(In, H, 2).cuda().to(torch.bfloat16)
+    b = culmen.RNN.LSTM(In, H, 2).cuda().to(torch.bfloat16)
+    b.load_state_dict(a.state_dict())
+    out_a = out_b = None
+    for step in range(5):
+        x = torch.randn(T, B, In, device="cuda", dtype=torch.bfloat16)
+        a.reset_hidden(B)
+        b.reset_hidden(B)
+        out_a, hid_a = a(x)
+        graphs._ENABLED = False  # (set_cuda_graphs(False) would also drop a's graphs)
+        try:
+            out_b, hid_b = b(x)
+        finally:
+            graphs._ENABLED = True
+        _close_to_eager((out_a, *hid_a), (out_b, *hid_b), torch.bfloat16, f"step {step} outputs")
+        (out_a.float().square().mean() + hid_a[1].float().sum()).backward()
+        (out_b.float().square().mean() + hid_b[1].float().sum()).backward()
+        with torch.no_grad():
+            for pa, pb in zip(a.parameters(), b.parameters()):
+                _close_to_eager((pa.grad,), (pb.grad,), torch.bfloat16, f"step {step} grad")
+                pa -= 0.5 * pa.grad
+                pb -= 0.5 * pb.grad
+                pa.grad = pb.grad = None
+    assert gpu_graphs["replay_fwd"] >= 6 and gpu_graphs["replay_bwd"] >= 6, dict(gpu_graphs)
+
+
+@pytest.mark.gpu
+def test_gpu_inside_an_outer_capture_runs_eagerly(gpu_graphs):
+    """Inside the caller's own CUDA-graph capture the layer runs its eager loop (captured into the
+    caller's graph), after earlier calls made a set and graphs of their own."""
+    T, B, In, H = 16, 8, 32, 64
+    ins = [t.detach() for t in _lstm_inputs(T, B, In, H, dev="cuda")]
+    for _ in range(3):
+        lstm_sequence(*ins)
+    static_x = ins[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        lstm_sequence(static_x, *ins[1:], cuda_graph=False)  # warm the eager path on this stream
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    before = gpu_graphs["eager_fwd"]
+    with torch.cuda.graph(g):
+        y, c = lstm_sequence(static_x, *ins[1:])
+    assert gpu_graphs["eager_fwd"] == before + 1
+    new_x = torch.randn_like(static_x)
+    static_x.copy_(new_x)
+    g.replay()
+    ry, rc = lstm_sequence(new_x, *ins[1:], cuda_graph=False)
+    _close_to_eager((y, c), (ry, rc), torch.float32, "outer capture")

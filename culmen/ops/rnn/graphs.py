@@ -25,7 +25,9 @@ How a call uses it (``culmen.ops.rnn.op``):
   off) or with the ops' ``cuda_graph=False`` argument; and, for a signature, after its capture failed once.
 
 Memory: a set of an LSTM layer is ``T B (4H + 2H)`` elements plus ``(4H, H)`` (384 MiB at T 512, B 64,
-H 1024 in bf16); at most ``GRAPHS.maxsize`` signatures are kept (``clear_cuda_graphs`` drops them all).
+H 1024 in bf16), what the eager layer allocates per call anyway; a signature makes a new set only while
+all its sets are in use (at most ``MAX_SETS``), and at most ``GRAPHS.maxsize`` signatures are kept
+(``clear_cuda_graphs`` drops them all).
 A replay runs on the caller's current stream; a set last used on another stream waits for it first.
 """
 
@@ -40,7 +42,11 @@ from torch import Tensor
 
 from culmen.ops.common.plans import PlanCache
 
-MAX_SETS = 2
+# Sets a signature may own. The layers of a stack share a signature (the input size is not part of it), and
+# a training loop still holds the previous call's output while the next forward runs: an L-layer stack
+# needs L + 1 sets in steady state. Sets are only made while all others are in use, so the memory kept is
+# the peak a program really held at once (as the caching allocator would keep it).
+MAX_SETS = 8
 GRAPHS = PlanCache("rnn_graphs", maxsize=8)
 STATS: Counter = Counter()
 """Counts of what calls did (``capture``, ``replay``, ``set_eager``: loop run eagerly on a set's buffers,
@@ -198,8 +204,11 @@ class LayerGraphs:
 
     def _capture(self, loop: Callable[[], object], s: BufferSet):
         def warmup():
-            # cuBLAS binds a workspace per stream on first use; make that happen outside the capture.
+            # cuBLAS binds a workspace per stream on first use; make that happen outside the capture, for
+            # both GEMM forms the loops use (plain, and with a bias vector: cuBLASLt).
             torch.mm(s.h0, s.w_hh.t())
+            if getattr(s, "b_hh", None) is not None:
+                torch.addmm(s.b_hh, s.h0, s.w_hh.t())
 
         graph = _GRAPH_FACTORY() if _GRAPH_FACTORY is not None else _CudaGraph(self.device)
         try:
