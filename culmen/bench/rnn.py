@@ -7,6 +7,11 @@ so the culmen provider calls ``reset_hidden`` first). Eager wall clock, fwd and 
 the gradients of the input and of every weight. TFLOP/s counts the GEMMs: ``2 T B (I + H) G`` per layer
 forward (``G`` gates), three times that for fwd+bwd.
 
+culmen's layers replay each forward / backward time loop as one CUDA graph from a layer signature's second
+call on (``culmen.RNN.set_cuda_graphs``; the warm-up calls capture): the eager step loop launches two
+kernels per step and is host-bound at these shapes. Inside the runner's own CUDA-graph capture (the
+``graph`` column) culmen runs the eager loop, which that capture records.
+
 Issue 18's target shape is the first case: LSTM, 2 layers, hidden 1024, seq 512, batch 64. On fp32 cuDNN
 may use TF32 (``torch.backends.cudnn.allow_tf32``, on by default) while culmen's GEMMs follow
 ``torch.backends.cuda.matmul.allow_tf32``; the fp32 case prints which.
