@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from culmen.bench.providers import peak_extra_bytes
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 
 TOKENS = 16384
@@ -63,16 +64,8 @@ def _timed(fwd: Callable[[], Tensor], inputs: tuple[Tensor, ...], mode: str, dy:
 
 
 def _peak_extra_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    out = fn()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del out
-    return peak / 2**20
+    peak = peak_extra_bytes(fn, device)
+    return None if peak is None else peak / 2**20
 
 
 def _to_bshd(x: Any) -> Any:

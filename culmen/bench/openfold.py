@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.bench.providers import compile_peer, grad_provider
+from culmen.bench.providers import compile_peer, grad_provider, peak_extra_bytes
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 
 # (B, N_res, H, D): OpenFold's triangle attention at 256 and 384 residues (4 heads of 32).
@@ -53,16 +53,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, bias: Tensor) -> Tensor
 
 
 def _peak_extra_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    out = fn()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del out
-    return peak / 2**20
+    peak = peak_extra_bytes(fn, device)
+    return None if peak is None else peak / 2**20
 
 
 def _case(B: int, N: int, H: int, D: int, mode: str, dev: torch.device) -> Case:

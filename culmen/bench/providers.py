@@ -1,4 +1,5 @@
-"""Provider helpers shared by the benchmarks: the ``torch.compile`` peer and the fwd / fwd+bwd wrapper."""
+"""Provider helpers shared by the benchmarks: the ``torch.compile`` peer, the fwd / fwd+bwd wrapper and the
+peak-memory probe."""
 
 from __future__ import annotations
 
@@ -43,3 +44,18 @@ def grad_provider(fn: Callable[[], Tensor | tuple[Tensor, ...]], mode: str, leav
         return {**ys, **{f"d{k}": t.grad for k, t in leaves.items()}}
 
     return run_fwd_bwd
+
+
+def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> int | None:
+    """Bytes allocated at the peak of one call of ``fn`` beyond what was allocated before it (the inputs);
+    None off CUDA. The call's outputs count (they are alive at the peak)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return peak

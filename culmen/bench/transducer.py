@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.bench.providers import grad_provider
+from culmen.bench.providers import grad_provider, peak_extra_bytes
 from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 from culmen.testing import randn
 
@@ -83,16 +83,8 @@ def _loss_peer(notes: list[str]) -> tuple[str, Callable[..., Tensor]]:
 
 def _peak_memory(fn: Callable[[], object], device: torch.device) -> float | None:
     """GiB allocated at the peak of one call of ``fn`` beyond what was allocated before it."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    out = fn()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del out
-    return peak / 2**30
+    peak = peak_extra_bytes(fn, device)
+    return None if peak is None else peak / 2**30
 
 
 @register_benchmark("transducer", "loss")

@@ -37,7 +37,7 @@ def _dirty_ok(x: Tensor) -> bool:
     """Whether autograd lets ``x`` be marked as modified in place: not a leaf that requires grad, nor a
     view of one."""
     base = x._base if x._base is not None else x
-    return not (base.is_leaf and base.requires_grad)
+    return not ((x.is_leaf and x.requires_grad) or (base.is_leaf and base.requires_grad))
 
 
 class _RotaryFn(torch.autograd.Function):
@@ -55,7 +55,8 @@ class _RotaryFn(torch.autograd.Function):
         out = plan.forward(x, tabs, offset)
         if plan.inplace:
             base = x._base if x._base is not None else x  # (inline _dirty_ok: this is the per-call path)
-            if base.is_leaf and base.requires_grad:
+            # x requires grad here; a leaf view of a tensor that does not (unpad_input's output) is a leaf too
+            if x.is_leaf or (base.is_leaf and base.requires_grad):
                 _bump_version((x,))
             else:
                 ctx.mark_dirty(x)
