@@ -89,6 +89,27 @@ def block_plan(x: Tensor, heads: int, padded: bool, causal: bool, dropout_p: flo
     return bp
 
 
+def block_forward(bp: BlockPlan, rng: Tensor | None, x: Tensor, in_w: Tensor, in_b: Tensor | None, out_w: Tensor,
+                  out_b: Tensor | None, residual: Tensor | None, src: Tensor | None, cu_k: Tensor | None,
+                  store_lse: bool) -> tuple[Tensor, tuple]:
+    """The block's forward without autograd: ``(y (s, B, E), tensors the backward needs)``; the
+    attention's log-sum-exp is only written when ``store_lse`` (inference skips it)."""
+    x2 = x.reshape(bp.sb, bp.e)
+    qkv = F.linear(x2, in_w, in_b)
+    if bp.padded:
+        q = qkv.as_strided(bp.q_size, bp.qkv_st, 0).reshape(bp.sb, bp.h, bp.d)  # batch-major rows
+        k, v = qkv.as_strided(bp.kv_size, bp.kv_st, bp.d).index_select(0, src).unbind(2)
+        o, lse, _ = bp.attn.forward(q, k, v, None, rng, bp.cu_q, cu_k, store_lse)
+    else:
+        q, k, v = bp.views(qkv)
+        o, lse, _ = bp.attn.forward(q, k, v, None, rng, None, None, store_lse)
+    att = o.as_strided(bp.ctx_size, bp.ctx_st).contiguous().view(bp.sb, bp.e)
+    y = F.linear(att, out_w, out_b).view(x.shape)
+    if residual is not None:
+        y += residual
+    return y, (x2, in_w, out_w, att, o, lse, rng, q, k, v, src, cu_k)
+
+
 class _SelfAttnBlock(torch.autograd.Function):
     """``residual + linear(attention(linear(x, in_w, in_b)), out_w, out_b)`` of ``x (s, B, E)``
     (``residual`` optional, ``(s, B, E)``). Key padding: ``src``, ``skeys``, ``cu_k`` from
@@ -96,23 +117,8 @@ class _SelfAttnBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, bp, rng, x, in_w, in_b, out_w, out_b, residual, src, skeys, cu_k):
-        x2 = x.reshape(bp.sb, bp.e)
-        qkv = F.linear(x2, in_w, in_b)
-        if bp.padded:
-            q = qkv.as_strided(bp.q_size, bp.qkv_st, 0).reshape(bp.sb, bp.h, bp.d)  # batch-major rows
-            kv = qkv.as_strided(bp.kv_size, bp.kv_st, bp.d).index_select(0, src)
-            k, v = kv.unbind(2)
-            o, lse, _ = bp.attn.forward(q, k, v, None, rng, bp.cu_q, cu_k, True)
-            att = o.as_strided(bp.ctx_size, bp.ctx_st).contiguous().view(bp.sb, bp.e)
-            ctx.save_for_backward(x2, in_w, out_w, att, o, lse, rng, q, k, v, src, skeys, cu_k)
-        else:
-            q, k, v = bp.views(qkv)
-            o, lse, _ = bp.attn.forward(q, k, v, None, rng, None, None, True)
-            att = o.as_strided(bp.ctx_size, bp.ctx_st).contiguous().view(bp.sb, bp.e)
-            ctx.save_for_backward(x2, in_w, out_w, att, o, lse, rng, q, k, v)
-        y = F.linear(att, out_w, out_b).view(x.shape)
-        if residual is not None:
-            y += residual
+        y, saved = block_forward(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, cu_k, True)
+        ctx.save_for_backward(*saved, skeys)
         ctx.bp = bp
         return y
 
@@ -125,8 +131,8 @@ class _SelfAttnBlock(torch.autograd.Function):
         d_out_w = dy2.t().mm(att) if need[5] else None
         d_out_b = dy2.sum(0) if need[6] else None
         d_att = dy2.mm(out_w)
+        q, k, v, src, cu_k, skeys = rest
         if bp.padded:
-            q, k, v, src, skeys, cu_k = rest
             dout = d_att.as_strided(bp.q_size, bp.q_st).reshape(bp.sb, bp.h, bp.d)  # batch-major rows
             dq, dk, dv = bp.attn.backward(dout, q, k, v, o, lse, None, rng, bp.cu_q, cu_k)
             g = torch.empty(bp.sb, 3 * bp.e, dtype=dq.dtype, device=dq.device)
@@ -136,7 +142,6 @@ class _SelfAttnBlock(torch.autograd.Function):
             dkv = torch.stack((dk, dv), 2).masked_fill_(skeys.ge(bp.b).view(-1, 1, 1, 1), 0.0)
             g.as_strided(bp.kv_size, bp.kv_st, bp.d).index_copy_(0, src, dkv)
         else:
-            q, k, v = rest
             dout = d_att.as_strided(bp.q_size, bp.q_st)
             dq, dk, dv = bp.attn.backward(dout, q, k, v, o, lse, None, rng)
             # (s, B, h, 3, d): the per-head (q, k, v) layout of the projection, seq-major rows.

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from culmen.contrib.multihead_attn._block import block_plan, self_attn_block
+from culmen.contrib.multihead_attn._block import block_forward, block_plan, self_attn_block
 from culmen.flash_attn.ops.triton.layer_norm import layer_norm_fn
 from culmen.ops.attention.launch import AttnPlan
 from culmen.ops.common.function import raw_apply
@@ -371,7 +371,10 @@ def self_attention(inputs: Tensor, heads: int, in_w: Tensor, in_b: Tensor | None
             src, skeys, cu_k = bp.key_order(mask if mask.dtype == torch.bool else mask.ne(0))
         else:
             src = skeys = cu_k = None
-        out = self_attn_block(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, skeys, cu_k)
+        if torch.is_grad_enabled():
+            out = self_attn_block(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, skeys, cu_k)
+        else:  # inference: no autograd node, no log-sum-exp
+            out = block_forward(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, cu_k, False)[0]
         if norm is None or residual is not None:
             return out
         return inputs + F.dropout(out, out_dropout_p)
