@@ -20,9 +20,19 @@ rotary (``rotary_cos/sin``, ``rotary_interleaved``, explicit offsets ``rotary_se
 Accepted with no effect on the numbers: ``num_splits``, ``pack_gqa``, ``sm_margin``, ``scheduler_metadata``
 (``get_scheduler_metadata`` returns an int32 tensor for it).
 
-Not yet (issue 17): ``qv``, the FP8 descales (``q_descale``/``k_descale``/``v_descale``) and float8
-inputs, ``attention_chunk > 0``, and a V head dim different from the QK head dim raise
-``NotImplementedError`` naming the argument; they are never ignored.
+FA3's features (issue 17), through ``culmen.ops.attention.op.attention_fa3`` and the KV-cache op:
+
+* a V head dim different from the QK head dim (DeepSeek's 192/128): ``out`` has V's head dim; forward and
+  backward, dense and varlen, and in ``flash_attn_with_kvcache`` (``v_cache`` / new ``v`` of their own dim);
+* ``attention_chunk = C > 0`` (chunked-local attention): query ``i`` sees key ``j`` only when key position
+  ``j`` and the query's position ``i + seqlen_k - seqlen_q`` lie in the same chunk of ``C`` positions
+  (``j // C == (i + seqlen_k - seqlen_q) // C``), on top of ``causal`` / ``window_size``. Unlike FA3, which
+  has no backward for it, culmen's is differentiable: the same kernels with one more mask term;
+* FP8 forward: ``float8_e4m3fn`` q/k/v with ``q_descale``/``k_descale``/``v_descale`` (fp32 ``(batch,
+  nheads_k)``, each optional) give a bf16 ``out``; the products run on fp8 tensor cores (P rounded to fp8,
+  as FA3 does), the descales folded into the softmax scale and the output. No backward (as FA3).
+
+Not yet: ``qv`` raises ``NotImplementedError`` naming it; it is never ignored.
 
 Bad index values (``seqused_*`` outside ``[0, slot length]``, ``cu_seqlens``, page numbers) raise
 ``ValueError`` on CPU tensors and on GPUs under ``culmen.ops.backend.set_check_values(True)``; unchecked
@@ -39,7 +49,7 @@ from torch import Tensor
 from culmen.flash_attn.flash_attn_interface import _window_pair
 from culmen.ops.attention import checks
 from culmen.ops.attention.kvcache import _rotate, _safe_write, attention_kvcache
-from culmen.ops.attention.op import attention, attention_varlen
+from culmen.ops.attention.op import attention, attention_fa3, attention_varlen, fa3_descales
 from culmen.ops.backend import check_values_on
 
 from .combine import flash_attn_combine
@@ -62,19 +72,14 @@ def _not_yet(what: str) -> None:
     raise NotImplementedError(f"culmen.flash_attn_3: {what} is not supported yet; {_ISSUE}")
 
 
-def _refuse(q: Tensor, v_headdim: int, qv, q_descale, k_descale, v_descale, attention_chunk) -> None:
-    """Raise ``NotImplementedError`` for the FA3 features culmen lacks (never silently ignored)."""
-    if qv is not None:
-        _not_yet("qv (an extra query projected against V, MLA-style)")
-    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if t is not None:
-            _not_yet(f"{name} (FP8 attention)")
-    if attention_chunk:
-        _not_yet(f"attention_chunk={attention_chunk!r} (chunked-local attention)")
-    if isinstance(q, Tensor) and q.dtype in _FP8:
-        _not_yet(f"float8 inputs (q is {q.dtype}; FP8 attention)")
-    if isinstance(q, Tensor) and v_headdim != q.shape[-1]:
-        _not_yet(f"a V head dim ({v_headdim}) different from the QK head dim ({q.shape[-1]})")
+def _refuse_qv() -> None:
+    """``qv`` is not there yet: raise rather than ignore it."""
+    _not_yet("qv (an extra query projected against V, MLA-style)")
+
+
+def _check_fp8(q: Tensor) -> None:
+    if q.dtype in _FP8 and q.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"FP8 attention takes float8_e4m3fn q/k/v (as FA3), got {q.dtype}")
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -121,18 +126,24 @@ def flash_attn_func(
 
     ``causal`` and ``window_size = (left, right)`` (-1 unbounded) align bottom-right; ``softcap > 0`` caps
     scores with ``softcap * tanh(s / softcap)``; ``deterministic`` makes the backward bitwise reproducible.
-    ``num_splits``, ``pack_gqa``, ``sm_margin`` are accepted (speed knobs in FA3). ``qv``, descales,
-    ``attention_chunk`` raise ``NotImplementedError`` (issue 17).
+    ``num_splits``, ``pack_gqa``, ``sm_margin`` are accepted (speed knobs in FA3). ``v`` may have its own
+    head dim ``headdim_v`` (``out`` then has it); ``attention_chunk > 0`` adds chunked-local masks
+    (differentiable here, unlike FA3); float8_e4m3fn q/k/v with the optional fp32 ``(batch, nheads_k)``
+    descales run the FP8 forward (bf16 ``out``, no backward). ``qv`` raises ``NotImplementedError``.
 
-    Returns ``out (batch, seqlen_q, nheads, headdim)`` in q's dtype, or with ``return_attn_probs``
-    ``(out, softmax_lse (batch, nheads, seqlen_q) fp32)``.
+    Returns ``out (batch, seqlen_q, nheads, headdim_v)`` in q's dtype (bf16 for float8), or with
+    ``return_attn_probs`` ``(out, softmax_lse (batch, nheads, seqlen_q) fp32)``.
     """
-    if (qv is not None or q_descale is not None or k_descale is not None or v_descale is not None
-            or attention_chunk or q.dtype in _FP8 or v.shape[-1] != q.shape[-1]):
-        _refuse(q, v.shape[-1], qv, q_descale, k_descale, v_descale, attention_chunk)
+    if qv is not None:
+        _refuse_qv()
     if num_splits != 1 or pack_gqa is not None or sm_margin:
         _knobs(num_splits, pack_gqa, sm_margin)
     window_size = _window(window_size)
+    if (q_descale is not None or k_descale is not None or v_descale is not None or attention_chunk
+            or q.dtype in _FP8 or v.shape[-1] != q.shape[-1]):
+        _check_fp8(q)
+        return attention_fa3(q, k, v, None, None, None, None, softmax_scale, causal, window_size, softcap,
+                             deterministic, return_attn_probs, attention_chunk, q_descale, k_descale, v_descale)
     if return_attn_probs:
         res = attention(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic, True, False)
         return res[0], res[1]
@@ -261,17 +272,30 @@ def flash_attn_varlen_func(
     the first ``seqused[b]`` rows of its slot; its other query rows output 0 (``lse = +inf``, zero gradient)
     and its other keys are never seen. Masks align bottom-right to the used lengths.
 
-    Returns ``out`` shaped like ``q``, or with ``return_attn_probs`` ``(out, softmax_lse)``:
-    ``(nheads, total_q)`` for packed ``q``, ``(batch, nheads, seqlen_q)`` for padded ``q``, fp32.
-    Other arguments as ``flash_attn_func``.
+    Returns ``out`` shaped like ``q`` (with V's head dim), or with ``return_attn_probs`` ``(out,
+    softmax_lse)``: ``(nheads, total_q)`` for packed ``q``, ``(batch, nheads, seqlen_q)`` for padded ``q``,
+    fp32. Other arguments (``attention_chunk``, descales, float8, ``qv``) as ``flash_attn_func``; chunks
+    count key positions from each sequence's start.
     """
-    if (qv is not None or q_descale is not None or k_descale is not None or v_descale is not None
-            or attention_chunk or q.dtype in _FP8 or v.shape[-1] != q.shape[-1]):
-        _refuse(q, v.shape[-1], qv, q_descale, k_descale, v_descale, attention_chunk)
+    if qv is not None:
+        _refuse_qv()
     if num_splits != 1 or pack_gqa is not None or sm_margin:
         _knobs(num_splits, pack_gqa, sm_margin)
     window_size = _window(window_size)
     plain = seqused_q is None and seqused_k is None
+    if (q_descale is not None or k_descale is not None or v_descale is not None or attention_chunk
+            or q.dtype in _FP8 or v.shape[-1] != q.shape[-1]):
+        _check_fp8(q)
+        extra = (attention_chunk, q_descale, k_descale, v_descale)
+        if plain and cu_seqlens_q is not None and cu_seqlens_k is not None:
+            return attention_fa3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                 causal, window_size, softcap, deterministic, return_attn_probs, *extra)
+        if plain and cu_seqlens_q is None and cu_seqlens_k is None:
+            return attention_fa3(q, k, v, None, None, None, None, softmax_scale, causal, window_size, softcap,
+                                 deterministic, return_attn_probs, *extra)
+        return _varlen_general(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                               seqused_k, softmax_scale, causal, window_size, softcap, deterministic,
+                               return_attn_probs, extra)
     if plain and cu_seqlens_q is not None and cu_seqlens_k is not None:  # flash_attn 2's case: straight through
         res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, softmax_scale,
                                causal, window_size, softcap, None, deterministic, return_attn_probs, False)
@@ -304,9 +328,10 @@ def _packed(x: Tensor, name: str, cu: Tensor | None, max_len: int | None, B: int
 
 
 def _varlen_general(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, scale, causal, window, softcap,
-                    deterministic, return_lse):
+                    deterministic, return_lse, extra=None):
     """Mixed padded/packed sides and ``seqused_*``: one culmen varlen call over ``2 * batch`` sequences
-    (each slot's used prefix, then its unused tail, see ``_split_cu``), tails masked out afterwards."""
+    (each slot's used prefix, then its unused tail, see ``_split_cu``), tails masked out afterwards.
+    ``extra``: FA3's ``(attention_chunk, q_descale, k_descale, v_descale)`` (descales repeated per half)."""
     q_padded = cu_q is None
     B = q.shape[0] if q_padded else _check_cu("cu_seqlens_q", cu_q, None)
     qp, cu_q, max_q = _packed(q, "q", cu_q, max_q, B)
@@ -327,8 +352,15 @@ def _varlen_general(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, sca
     used_q = _used_bounds("seqused_q", cu_q, seqused_q, check)
     used_k = _used_bounds("seqused_k", cu_k, seqused_k, check)
     cu2_q, cu2_k = _split_cu(cu_q, used_q), _split_cu(cu_k, used_k)
-    res = attention_varlen(qp, kp, vp, cu2_q, cu2_k, max_q, max_k, 0.0, scale, causal, window, softcap, None,
-                           deterministic, return_lse, False)
+    if extra is None:
+        res = attention_varlen(qp, kp, vp, cu2_q, cu2_k, max_q, max_k, 0.0, scale, causal, window, softcap, None,
+                               deterministic, return_lse, False)
+    else:
+        chunk, qd, kd, vd = extra
+        if qd is not None or kd is not None or vd is not None:
+            qd, kd, vd = (d.repeat_interleave(2, dim=0) for d in fa3_descales(qd, kd, vd, B, kp.shape[1], q.device))
+        res = attention_fa3(qp, kp, vp, cu2_q, cu2_k, max_q, max_k, scale, causal, window, softcap, deterministic,
+                            return_lse, chunk, qd, kd, vd)
     out, lse = (res[0], res[1]) if return_lse else (res, None)
     if used_q is not None:
         ok = _row_used(cu_q, used_q, qp.shape[0])
@@ -337,7 +369,7 @@ def _varlen_general(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, sca
             lse = torch.where(ok[None, :], lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
     if q_padded:
         Bq, Sq = q.shape[0], q.shape[1]
-        out = out.reshape(q.shape)
+        out = out.reshape(*q.shape[:-1], out.shape[-1])
         if lse is not None:
             lse = lse.reshape(lse.shape[0], Bq, Sq).permute(1, 0, 2).contiguous()
     return (out, lse) if return_lse else out
@@ -390,13 +422,20 @@ def flash_attn_with_kvcache(
     ``cache_seqlens``. ``cache_batch_idx`` picks cache rows, ``cache_leftpad`` where each row's keys start.
     Each row attends to keys ``[cache_leftpad, cache_seqlens + seqlen_new)``, masks aligned bottom-right.
 
-    Returns ``out`` shaped like ``q``, or with ``return_softmax_lse`` ``(out, softmax_lse, out_accum,
-    softmax_lse_accum)``: lse ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)`` for packed q) fp32, and
-    two empty fp32 tensors (culmen does not split the keys; FA3 returns these empty when it does not).
+    FA3's features: ``v_cache`` (and new ``v``) may have their own head dim ``dv`` (``out`` has it);
+    ``attention_chunk > 0`` chunked-local masks over key positions counted from ``cache_leftpad``;
+    float8_e4m3fn q and caches with optional fp32 ``(batch, nheads_k)`` descales (bf16 ``out``; rotary is
+    refused for float8: rotate before quantizing). ``qv`` raises ``NotImplementedError``.
+
+    Returns ``out`` shaped like ``q`` (with V's head dim), or with ``return_softmax_lse`` ``(out,
+    softmax_lse, out_accum, softmax_lse_accum)``: lse ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)``
+    for packed q) fp32, and two empty fp32 tensors (culmen does not split the keys; FA3 returns these
+    empty when it does not).
     """
-    if (qv is not None or q_descale is not None or k_descale is not None or v_descale is not None
-            or attention_chunk or q.dtype in _FP8 or v_cache.shape[-1] != q.shape[-1]):
-        _refuse(q, v_cache.shape[-1], qv, q_descale, k_descale, v_descale, attention_chunk)
+    if qv is not None:
+        _refuse_qv()
+    if q.dtype in _FP8:
+        _check_fp8(q)
     if num_splits or pack_gqa is not None or sm_margin:
         _knobs(num_splits, pack_gqa, sm_margin)
     if scheduler_metadata is not None and (not isinstance(scheduler_metadata, Tensor)
@@ -408,12 +447,13 @@ def flash_attn_with_kvcache(
     if cu_seqlens_q is None and cu_seqlens_k_new is None and rotary_seqlens is None:
         res = attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
-                                rotary_interleaved, None, 0, return_softmax_lse)
+                                rotary_interleaved, None, 0, return_softmax_lse, attention_chunk, q_descale, k_descale,
+                                v_descale)
     else:
         res = _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
                                rotary_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                               return_softmax_lse)
+                               return_softmax_lse, (attention_chunk, q_descale, k_descale, v_descale))
     if not return_softmax_lse:
         return res
     empty = torch.empty(0, dtype=torch.float32, device=q.device)
@@ -434,7 +474,7 @@ def _token_batch(cu: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
-                     softmax_scale, causal, window_size, softcap, rotary_interleaved, return_lse):
+                     softmax_scale, causal, window_size, softcap, rotary_interleaved, return_lse, extra):
     """The FA3-only forms (packed queries, packed new keys, explicit rotary offsets): rotate and append
     here in PyTorch (every write bounds-safe), then attend through culmen's kvcache op with no new tokens
     and packed queries end-aligned in a ``(batch, max_seqlen_q)`` grid (so the bottom-right diagonal of
@@ -484,9 +524,9 @@ def _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise TypeError(f"k/v must have q's dtype {q.dtype}, got {k.dtype} / {v.dtype}")
         kn, cu_new, _ = _packed(k, "k", cu_seqlens_k_new, 0, B)
         vn, _, _ = _packed(v, "v", cu_seqlens_k_new, 0, B)
-        if kn.shape != vn.shape or kn.shape[1:] != k_cache.shape[2:]:
-            raise ValueError(f"new k/v rows must be (nheads_k, headdim) = {tuple(k_cache.shape[2:])}, got "
-                             f"{tuple(kn.shape)} / {tuple(vn.shape)}")
+        if kn.shape[:-1] != vn.shape[:-1] or kn.shape[1:] != k_cache.shape[2:] or vn.shape[1:] != v_cache.shape[2:]:
+            raise ValueError(f"new k/v rows must be (nheads_k, headdim) = {tuple(k_cache.shape[2:])} / "
+                             f"{tuple(v_cache.shape[2:])}, got {tuple(kn.shape)} / {tuple(vn.shape)}")
         cu64 = cu_new.to(torch.int64)
         n_new = (cu64[1:] - cu64[:-1]).clamp(min=0)
         tb, ti, tvalid = _token_batch(cu_new, kn.shape[0])
@@ -539,7 +579,7 @@ def _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         q_grid = qr.view(q.shape)
     out, lse = attention_kvcache(q_grid, k_cache, v_cache, None, None, None, None, seqlen_k, cache_batch_idx,
                                  cache_leftpad, page_table, softmax_scale, causal, window_size, softcap, True, None,
-                                 0, True)
+                                 0, True, *extra)
     if cu_seqlens_q is not None:
         src_b, src_s = qb, slot.clamp(0, max(max_seqlen_q - 1, 0))
         out = out[src_b, src_s]
@@ -581,8 +621,7 @@ def get_scheduler_metadata(
     ``(batch_size + 1,)`` tensor on ``cache_seqlens``' device: a zero (FA3's tile semaphore slot) and then
     the number of key splits per sequence (1). ``flash_attn_with_kvcache`` checks its type and ignores its
     values; it stays valid when cache lengths change, so a CUDA-graph decode loop can reuse it.
-    Unsupported arguments (``attention_chunk``, ``headdim_v != headdim``, float8) raise
-    ``NotImplementedError`` as in the attention functions.
+    ``attention_chunk``, ``headdim_v`` and float8 ``qkv_dtype`` are accepted (nothing to schedule).
     """
     if not isinstance(cache_seqlens, Tensor):
         raise TypeError(f"cache_seqlens must be a tensor, got {type(cache_seqlens).__name__}")
@@ -594,12 +633,10 @@ def get_scheduler_metadata(
         raise ValueError(f"num_heads_kv={num_heads_kv} must divide num_heads_q={num_heads_q}")
     if page_size is not None and (type(page_size) is not int or page_size < 1):
         raise ValueError(f"page_size must be None or a positive int, got {page_size!r}")
-    if attention_chunk:
-        _not_yet(f"attention_chunk={attention_chunk!r} (chunked-local attention)")
-    if qkv_dtype in _FP8:
-        _not_yet(f"float8 inputs (qkv_dtype={qkv_dtype}; FP8 attention)")
-    if headdim_v is not None and headdim_v != headdim:
-        _not_yet(f"a V head dim ({headdim_v}) different from the QK head dim ({headdim})")
+    if type(attention_chunk) is not int or attention_chunk < 0:
+        raise ValueError(f"attention_chunk must be an int >= 0, got {attention_chunk!r}")
+    if headdim_v is not None and (type(headdim_v) is not int or headdim_v <= 0):
+        raise ValueError(f"headdim_v must be None or a positive int, got {headdim_v!r}")
     _window(window_size)
     _knobs(num_splits, pack_gqa, sm_margin)
     meta = torch.ones(batch_size + 1, dtype=torch.int32, device=cache_seqlens.device)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn",) if hasattr(torch, n))
 MAX_HEADDIM = 512
 
 
@@ -19,13 +20,16 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def check_common(q, k, v, dropout_p, window_size, softcap, alibi_slopes, batch, rank: int, layout: str) -> None:
+def check_common(q, k, v, dropout_p, window_size, softcap, alibi_slopes, batch, rank: int, layout: str,
+                 v_dim_ok: bool = False, fp8_ok: bool = False) -> None:
     """Dtypes, ranks, devices, head counts and dims of ``q``/``k``/``v`` and the scalar options shared by
-    the dense, varlen and KV-cache forms. Raises ``TypeError`` / ``ValueError`` naming the argument."""
+    the dense, varlen and KV-cache forms. Raises ``TypeError`` / ``ValueError`` naming the argument.
+    FA3's forms pass ``v_dim_ok`` (v's head dim may differ from q/k's) and ``fp8_ok`` (float8_e4m3fn)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
-    if q.dtype not in FLOATS:
-        raise TypeError(f"q must be float16/bfloat16/float32/float64, got {q.dtype}")
+    if q.dtype not in FLOATS and not (fp8_ok and q.dtype in FP8):
+        allowed = "float16/bfloat16/float32/float64" + ("/float8_e4m3fn" if fp8_ok else "")
+        raise TypeError(f"q must be {allowed}, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}")
@@ -38,8 +42,10 @@ def check_common(q, k, v, dropout_p, window_size, softcap, alibi_slopes, batch, 
     if not 0 < d <= MAX_HEADDIM:
         raise ValueError(f"q head dim must be in [1, {MAX_HEADDIM}], got {d}")
     for name, t in (("k", k), ("v", v)):
-        if t.shape[-1] != d:
+        if t.shape[-1] != d and not (name == "v" and v_dim_ok):
             raise ValueError(f"{name} head dim {t.shape[-1]} must equal q's head dim {d}")
+    if not 0 < v.shape[-1] <= MAX_HEADDIM:
+        raise ValueError(f"v head dim must be in [1, {MAX_HEADDIM}], got {v.shape[-1]}")
     if v.shape[:-1] != k.shape[:-1]:
         raise ValueError(f"v shape {tuple(v.shape)} must match k shape {tuple(k.shape)}")
     h, hk = q.shape[-2], k.shape[-2]

@@ -65,8 +65,8 @@ def _su(stride, SU: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` with fp32 accumulation. ``UPCAST`` (CPU interpreter and bf16 only: the interpreter's
-    bf16 dot is wrong) multiplies the exactly upcast fp32 operands instead."""
+    """``a @ b`` with fp32 accumulation. ``UPCAST`` (CPU interpreter only, for bf16 (1), whose dot it gets
+    wrong, and fp8 (2)) multiplies the exactly upcast fp32 operands instead."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=DOT_PREC)
@@ -116,8 +116,16 @@ def _query_tile(NUM_M, HEAVY_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _chunk_start(pos, sq, CHUNK: tl.constexpr):
+    """First key position of the chunk holding key position ``pos >= -sq`` (floor division, computed on
+    non-negative numbers so that C-style and floor division agree)."""
+    off = tl.cdiv(sq, CHUNK) * CHUNK
+    return ((pos + off) // CHUNK) * CHUNK - off
+
+
+@triton.jit
 def _bounds(m0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CHUNK: tl.constexpr = 0):
     """Key columns rows ``m0 .. m0 + BLOCK_M`` visit: ``[lo, f0)`` masked, ``[f0, f1)`` full (every
     row ``< sq`` sees every column, all columns ``< sk``), ``[f1, hi)`` masked. ``lo``, ``f0``, ``f1``
     are multiples of ``BLOCK_N`` unless equal to ``hi``; empty when ``m0 >= sq``."""
@@ -133,6 +141,13 @@ def _bounds(m0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
     if HAS_LEFT:
         lo = (tl.maximum(m0 + diag - left, 0) // BLOCK_N) * BLOCK_N
         full_lo = tl.cdiv(tl.maximum(last + diag - left, 0), BLOCK_N) * BLOCK_N
+    if CHUNK > 0:  # keys of the chunks of the first and the last row: [start(first), end(last))
+        c_first = _chunk_start(m0 + diag, sq, CHUNK)
+        c_last = _chunk_start(last + diag, sq, CHUNK)
+        hi = tl.minimum(hi, tl.maximum(c_last + CHUNK, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(c_first + CHUNK, 0) // BLOCK_N) * BLOCK_N)
+        lo = tl.maximum(lo, (tl.maximum(c_first, 0) // BLOCK_N) * BLOCK_N)
+        full_lo = tl.maximum(full_lo, tl.cdiv(tl.maximum(c_last, 0), BLOCK_N) * BLOCK_N)
     hi = tl.where(m0 < sq, hi, 0)
     lo = tl.minimum(lo, hi)
     f0 = tl.minimum(tl.maximum(full_lo, lo), hi)
@@ -142,7 +157,7 @@ def _bounds(m0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 @triton.jit
 def _bounds_t(n0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CHUNK: tl.constexpr = 0):
     """The transpose of ``_bounds``: query rows that see key columns ``n0 .. n0 + BLOCK_N``, split the
     same way (full blocks: every column of the block, all ``< sk``, is seen by every row, all ``< sq``)."""
     diag = sk - sq
@@ -157,6 +172,13 @@ def _bounds_t(n0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     if HAS_LEFT:  # ... and only if i <= j - diag + left
         hi = tl.minimum(hi, tl.maximum(last - diag + left + 1, 0))
         full_hi = tl.minimum(full_hi, (tl.maximum(n0 - diag + left + 1, 0) // BLOCK_M) * BLOCK_M)
+    if CHUNK > 0:  # row i sees column j only if i + diag is in j's chunk
+        c0 = (n0 // CHUNK) * CHUNK
+        c1 = (last // CHUNK) * CHUNK
+        lo = tl.maximum(lo, (tl.maximum(c0 - diag, 0) // BLOCK_M) * BLOCK_M)
+        full_lo = tl.maximum(full_lo, tl.cdiv(tl.maximum(c1 - diag, 0), BLOCK_M) * BLOCK_M)
+        hi = tl.minimum(hi, tl.maximum(c1 + CHUNK - diag, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(c0 + CHUNK - diag, 0) // BLOCK_M) * BLOCK_M)
     hi = tl.where(n0 < sk, hi, 0)
     full_hi = tl.where(n0 + BLOCK_N <= sk, full_hi, 0)  # a partial key block is masked throughout
     lo = tl.minimum(lo, hi)
@@ -167,7 +189,8 @@ def _bounds_t(n0, sq, sk, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _scores2(qk, i, j, sq, sk, qk_scale, softcap, slope2, left, right, MASK: tl.constexpr,
-             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+             CHUNK: tl.constexpr = 0):
     """Scores in base-2 units (``s * log2 e``) from the raw ``q . k`` tile, masked -> -inf when
     ``MASK``; also the softcap ``tanh`` (else ``qk``). ``i`` / ``j`` are the tile's row / column
     indices broadcast to its shape (``[M, 1]`` and ``[1, N]``, or transposed)."""
@@ -187,6 +210,9 @@ def _scores2(qk, i, j, sq, sk, qk_scale, softcap, slope2, left, right, MASK: tl.
                 vis = vis & (rel <= right)
             if HAS_LEFT:
                 vis = vis & (rel >= -left)
+            if CHUNK > 0:  # chunked-local: the key lies in the chunk of the row's position i + sk - sq
+                c0 = _chunk_start(i + sk - sq, sq, CHUNK)
+                vis = vis & (j >= c0) & (j < c0 + CHUNK)
             s = tl.where(vis, s, float("-inf"))
     return s, t
 
@@ -219,14 +245,15 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
                softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
                BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr):
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
+               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr):
     j = n0 + tl.arange(0, BLOCK_N)
     j64 = j.to(tl.int64)[:, None]
     k = _load_rows(k_desc, k_base, sks, n0, j64, dd, dmask, sk, MASK, EVEN_D, USE_TMA)
     qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST)
     if MASK or SOFTCAP or ALIBI:
         s, _t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
-                         ALIBI, HAS_LEFT, HAS_RIGHT)
+                         ALIBI, HAS_LEFT, HAS_RIGHT, CHUNK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASK:  # a row may still have seen nothing: keep its max finite so exp2 gives 0, not NaN
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -238,14 +265,18 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(_keep(rng_ptr, p_drop, bh, i[:, None], j[None, :], SQS, SKS), p, 0.0)
-    v = _load_rows(v_desc, v_base, svs, n0, j64, dd, dmask, sk, MASK, EVEN_D, USE_TMA)
-    acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+    v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
+    if UPCAST == 2:  # fp8 under the CPU interpreter, whose fp32 -> fp8 rounding is wrong at binade edges: P in fp32
+        acc = _dot_acc(p, v, acc * alpha[:, None], DOT_PREC, UPCAST)
+    else:
+        acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
     return acc, l_i, m_new
 
 
 @_jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr,
+    qd_ptr, kd_ptr, vd_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
     stride_ab,
     H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M, K_ADD,
@@ -254,11 +285,16 @@ def _attn_fwd_kernel(
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
 ):
     """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
 
     ``K_RANGE`` (dense only; a KV cache): 1 = batch row ``b`` attends to keys ``[0, ken[b] + K_ADD)``,
     2 = keys ``[kst[b], ken[b] + K_ADD)``, clamped to ``[0, SK)``; its causal diagonal aligned to the end.
+    FA3's features, each off (and absent from the generated code) at its default: ``DV > 0`` a V head dim
+    ``DV`` (padded to ``BLOCK_DV``) other than the QK head dim ``D``; ``CHUNK > 0`` chunked-local attention
+    (``_scores2``); ``DESCALE`` FP8 descales ``qd``/``kd``/``vd`` (fp32 ``(B, HK)``, contiguous), the first
+    two folded into the softmax scale, the last into the output.
     """
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
@@ -288,6 +324,12 @@ def _attn_fwd_kernel(
     i = m0 + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
+    if DV > 0:
+        ddv = tl.arange(0, BLOCK_DV)
+        dvmask = ddv < DV
+    else:
+        ddv = dd
+        dvmask = dmask
     b64 = b.to(tl.int64)
     q_base = q_ptr + b64 * sqb + h.to(tl.int64) * sqh + q0 * sqs
     k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh + k0 * sks
@@ -298,39 +340,47 @@ def _attn_fwd_kernel(
     slope2 = 0.0
     if ALIBI:
         slope2 = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32) * LOG2E
+    if DESCALE:  # FP8: q . k in units of the descaled inputs; v's descale multiplies the output
+        sc = b * (H // GROUP) + kh
+        qk_scale = qk_scale * tl.load(qd_ptr + sc) * tl.load(kd_ptr + sc)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     if USE_TMA:  # per-program descriptors bound to this sequence: rows past sk read as 0
         k_desc = tl.make_tensor_descriptor(k_base, shape=[sk, D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
         v_desc = tl.make_tensor_descriptor(v_base, shape=[sk, D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
     else:
         k_desc = k_base
         v_desc = v_base
-    lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, CHUNK)
     for n0 in range(lo, f0, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
-                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA)
+                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
+                                   dvmask, EVEN_DV, CHUNK)
     for n0 in range(f0, f1, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
-                                   UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA)
+                                   UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
+                                   dvmask, EVEN_DV, CHUNK)
     for n0 in range(f1, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
-                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA)
+                                   UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
+                                   dvmask, EVEN_DV, CHUNK)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:
         inv = inv / (1.0 - p_drop)
+    if DESCALE:
+        inv = inv * tl.load(vd_ptr + sc)
     out = acc * inv[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     o_base = o_ptr + b64 * sob + h.to(tl.int64) * soh + q0 * sos
-    tl.store(o_base + i64 * sos + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=rowmask & dmask[None, :])
+    tl.store(o_base + i64 * sos + ddv[None, :], out.to(o_ptr.dtype.element_ty), mask=rowmask & dvmask[None, :])
     if STORE_LSE:
         tl.store(lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0 + i, lse, mask=i < sq)
 
@@ -364,7 +414,8 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sq
                 sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
                 BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr, ddv, dvmask,
+                DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr):
     """One query block's contribution to a key block's dK / dV, computed in the transposed
     ``(key, query)`` orientation so that ``dV += P^T dO`` and ``dK += dS^T Q`` need no transposed tile."""
     i = m0 + tl.arange(0, BLOCK_M)
@@ -372,11 +423,17 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sq
     if MASK:
         qmask = (i[:, None] < sq) & dmask[None, :]
         q = tl.load(q_base + i64 * sqs + dd[None, :], mask=qmask, other=0.0)
-        do = tl.load(do_base + i64 * sds + dd[None, :], mask=qmask, other=0.0)
+        if DV > 0:
+            do = tl.load(do_base + i64 * sds + ddv[None, :], mask=(i[:, None] < sq) & dvmask[None, :], other=0.0)
+        else:
+            do = tl.load(do_base + i64 * sds + dd[None, :], mask=qmask, other=0.0)
         lse = tl.load(lse_base + i, mask=i < sq, other=float("inf"))
         delta = tl.load(delta_base + i, mask=i < sq, other=0.0)
     else:
-        if EVEN_D:
+        if DV > 0:
+            q = _load_rows(q_base, q_base, sqs, 0, i64, dd, dmask, sq, False, EVEN_D, False)
+            do = _load_rows(do_base, do_base, sds, 0, i64, ddv, dvmask, sq, False, EVEN_DV, False)
+        elif EVEN_D:
             q = tl.load(q_base + i64 * sqs + dd[None, :])
             do = tl.load(do_base + i64 * sds + dd[None, :])
         else:
@@ -386,7 +443,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sq
         delta = tl.load(delta_base + i)
     kq = _dot(k, tl.trans(q), DOT_PREC, UPCAST)  # (N, M) = scores transposed
     s, t = _scores2(kq, i[None, :], j[:, None], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
-                    ALIBI, HAS_LEFT, HAS_RIGHT)
+                    ALIBI, HAS_LEFT, HAS_RIGHT, CHUNK)
     # lse = +inf on rows that see nothing and s = -inf on masked entries: both give p = 0, not NaN.
     p = tl.math.exp2(s - lse[None, :] * LOG2E)
     if MASK:
@@ -426,9 +483,10 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    SU: tl.constexpr,
+    SU: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """dK and dV of one key block (and, with ``ATOMIC_DQ``, its atomic share of dQ in fp32 ``dq_ptr``)."""
+    """dK and dV of one key block (and, with ``ATOMIC_DQ``, its atomic share of dQ in fp32 ``dq_ptr``).
+    ``DV`` / ``CHUNK`` as in the forward (a V head dim other than ``D``; chunked-local masks)."""
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -456,11 +514,19 @@ def _attn_bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     j64 = (k0 + j.to(tl.int64))[:, None]
     kvmask = (j[:, None] < sk) & dmask[None, :]
+    if DV > 0:
+        ddv = tl.arange(0, BLOCK_DV)
+        dvmask = ddv < DV
+        vmask = (j[:, None] < sk) & dvmask[None, :]
+    else:
+        ddv = dd
+        dvmask = dmask
+        vmask = kvmask
     k = tl.load(k_ptr + b64 * skb + kh.to(tl.int64) * skh + j64 * sks + dd[None, :], mask=kvmask, other=0.0)
-    v = tl.load(v_ptr + b64 * svb + kh.to(tl.int64) * svh + j64 * svs + dd[None, :], mask=kvmask, other=0.0)
+    v = tl.load(v_ptr + b64 * svb + kh.to(tl.int64) * svh + j64 * svs + ddv[None, :], mask=vmask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    lo, f0, f1, hi = _bounds_t(n0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, f0, f1, hi = _bounds_t(n0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, CHUNK)
     for g in range(0, GROUP):
         h = kh * GROUP + g
         bh = b * H + h
@@ -476,22 +542,22 @@ def _attn_bwd_dkdv_kernel(
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
                                  dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
                                  SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                                 HAS_RIGHT, ATOMIC_DQ)
+                                 HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
         for m0 in range(f0, f1, BLOCK_M):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
                                  dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
                                  SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                                 HAS_RIGHT, ATOMIC_DQ)
+                                 HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
         for m0 in range(f1, hi, BLOCK_M):
             dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
                                  dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
                                  SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                                 HAS_RIGHT, ATOMIC_DQ)
+                                 HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
     dk = dk * (qk_scale * LN2)
     tl.store(dk_ptr + b64 * sdkb + kh.to(tl.int64) * sdkh + j64 * sdks + dd[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=kvmask)
-    tl.store(dv_ptr + b64 * sdvb + kh.to(tl.int64) * sdvh + j64 * sdvs + dd[None, :],
-             dv.to(dv_ptr.dtype.element_ty), mask=kvmask)
+    tl.store(dv_ptr + b64 * sdvb + kh.to(tl.int64) * sdvh + j64 * sdvs + ddv[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=vmask)
 
 
 @triton.jit
@@ -499,10 +565,14 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0
               left, right, p_drop, rng_ptr, bh, SQS, SKS,
               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
               EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ddv, dvmask, DV: tl.constexpr,
+              EVEN_DV: tl.constexpr, CHUNK: tl.constexpr):
     j = n0 + tl.arange(0, BLOCK_N)
     j64 = j.to(tl.int64)[:, None]
-    if MASK:
+    if DV > 0:
+        k = _load_rows(k_base, k_base, sks, n0, j64, dd, dmask, sk, MASK, EVEN_D, False)
+        v = _load_rows(v_base, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, False)
+    elif MASK:
         kvmask = (j[:, None] < sk) & dmask[None, :]
         k = tl.load(k_base + j64 * sks + dd[None, :], mask=kvmask, other=0.0)
         v = tl.load(v_base + j64 * svs + dd[None, :], mask=kvmask, other=0.0)
@@ -514,7 +584,7 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0
         v = tl.load(v_base + j64 * svs + dd[None, :], mask=dmask[None, :], other=0.0)
     qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST)
     s, t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
-                    ALIBI, HAS_LEFT, HAS_RIGHT)
+                    ALIBI, HAS_LEFT, HAS_RIGHT, CHUNK)
     p = tl.math.exp2(s - lse2[:, None])
     if MASK:
         p = tl.where(s == float("-inf"), 0.0, p)
@@ -538,9 +608,10 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-    SU: tl.constexpr,
+    SU: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """dQ of one query block of one head (each program owns its rows: deterministic)."""
+    """dQ of one query block of one head (each program owns its rows: deterministic). ``DV`` / ``CHUNK``
+    as in the forward."""
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -566,7 +637,15 @@ def _attn_bwd_dq_kernel(
     i64 = (q0 + i.to(tl.int64))[:, None]
     qmask = (i[:, None] < sq) & dmask[None, :]
     q = tl.load(q_ptr + b64 * sqb + h.to(tl.int64) * sqh + i64 * sqs + dd[None, :], mask=qmask, other=0.0)
-    do = tl.load(do_ptr + b64 * sdb + h.to(tl.int64) * sdh + i64 * sds + dd[None, :], mask=qmask, other=0.0)
+    if DV > 0:
+        ddv = tl.arange(0, BLOCK_DV)
+        dvmask = ddv < DV
+        do = tl.load(do_ptr + b64 * sdb + h.to(tl.int64) * sdh + i64 * sds + ddv[None, :],
+                     mask=(i[:, None] < sq) & dvmask[None, :], other=0.0)
+    else:
+        ddv = dd
+        dvmask = dmask
+        do = tl.load(do_ptr + b64 * sdb + h.to(tl.int64) * sdh + i64 * sds + dd[None, :], mask=qmask, other=0.0)
     row = b64 * slb + h.to(tl.int64) * slh + q0 + i
     lse2 = tl.load(lse_ptr + row, mask=i < sq, other=float("inf")) * LOG2E
     delta = tl.load(delta_ptr + row, mask=i < sq, other=0.0)
@@ -576,19 +655,19 @@ def _attn_bwd_dq_kernel(
     k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh + k0 * sks
     v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0 * svs
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, CHUNK)
     for n0 in range(lo, f0, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
                        slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, True, EVEN_D,
-                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
     for n0 in range(f0, f1, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
                        slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D,
-                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
     for n0 in range(f1, hi, BLOCK_N):
         dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
                        slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, True, EVEN_D,
-                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT)
+                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
     dq = dq * (qk_scale * LN2)
     tl.store(dq_ptr + b64 * sdqb + h.to(tl.int64) * sdqh + i64 * sdqs + dd[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=qmask)

@@ -90,7 +90,7 @@ class KVCachePlan:
 
     def __init__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                 alibi_slopes, num_splits, return_lse) -> None:
+                 alibi_slopes, num_splits, return_lse, attention_chunk: int = 0, descale: bool = False) -> None:
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(t, Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
@@ -98,15 +98,18 @@ class KVCachePlan:
                 raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
         B, sq, h, d = q.shape
         hk = k_cache.shape[2]
-        if k_cache.shape != v_cache.shape or k_cache.shape[-1] != d or hk == 0 or h % hk:
-            raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must match, with head "
-                             f"dim {d} and a number of heads dividing q's {h}")
+        dv = v_cache.shape[-1]  # FA3: V may have its own head dim
+        if (k_cache.shape[:-1] != v_cache.shape[:-1] or k_cache.shape[-1] != d or hk == 0 or h % hk
+                or not 0 < dv <= checks.MAX_HEADDIM):
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} must match (but in "
+                             f"v's head dim), with k's head dim {d} and a number of heads dividing q's {h}")
         if k_cache.shape[0] == 0 or k_cache.shape[1] == 0:
             raise ValueError(f"k_cache/v_cache must hold at least one row of one position, got {tuple(k_cache.shape)}")
         if (k is None) != (v is None):
             raise ValueError("k and v (the new tokens) must be given together")
-        if k is not None and (k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (hk, d)):
-            raise ValueError(f"k/v must be (batch={B}, seqlen_new, {hk}, {d}), got {tuple(k.shape)} / "
+        if k is not None and (k.dim() != 4 or k.shape[:-1] != v.shape[:-1] or k.shape[0] != B
+                              or k.shape[2:] != (hk, d) or v.shape[-1] != dv):
+            raise ValueError(f"k/v must be (batch={B}, seqlen_new, {hk}, {d} / {dv}), got {tuple(k.shape)} / "
                              f"{tuple(v.shape)}")
         if k is not None and (k.dtype != q.dtype or v.dtype != q.dtype):
             raise TypeError(f"k/v must have q's dtype {q.dtype}, got {k.dtype} / {v.dtype}")
@@ -157,7 +160,9 @@ class KVCachePlan:
         if not isinstance(num_splits, int) or num_splits < 0:
             raise ValueError(f"num_splits must be a non-negative int, got {num_splits!r}")
         checks.check_common(q, k_cache, v_cache, 0.0, window_size, softcap, alibi_slopes, B, 4,
-                            "(batch, seqlen, nheads, headdim)")
+                            "(batch, seqlen, nheads, headdim)", True, True)
+        if q.dtype in checks.FP8 and rotary_cos is not None:
+            raise ValueError("rotary_cos/rotary_sin cannot rotate float8 q/k: rotate before quantizing")
         self.B, self.s_new, self.capacity, self.page = B, s_new, capacity, page
         self.device = q.device
         self.rotary = rotary_cos is not None
@@ -172,10 +177,8 @@ class KVCachePlan:
         # What the attention reads: the cache itself, or a dense (B, seqlen_k, hk, d) gather of it.
         if self.paged or self.gather_rows:
             S = capacity if self.paged else k_cache.shape[1]
-            shape = (B, S, hk, d)
-            strides = (S * hk * d, hk * d, d, 1)
-            kd = TensorSpec(shape, strides, k_cache.dtype, k_cache.device)
-            vd = TensorSpec(shape, strides, v_cache.dtype, v_cache.device)
+            kd = TensorSpec((B, S, hk, d), (S * hk * d, hk * d, d, 1), k_cache.dtype, k_cache.device)
+            vd = TensorSpec((B, S, hk, dv), (S * hk * dv, hk * dv, dv, 1), v_cache.dtype, v_cache.device)
         else:
             kd, vd = k_cache, v_cache
         # With rotary the attention reads the rotated copy of q (contiguous), not the caller's layout.
@@ -185,9 +188,11 @@ class KVCachePlan:
             qa = TensorSpec(tuple(q.shape), (sq * hq * dq, hq * dq, dq, 1), q.dtype, q.device)
         self.attn = AttnPlan("kvcache", qa, kd, vd, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
                              window_size=tuple(window_size), softcap=softcap, return_lse=return_lse,
-                             k_range=2 if cache_leftpad is not None else 1, k_add=s_new)
+                             k_range=2 if cache_leftpad is not None else 1, k_add=s_new,
+                             attention_chunk=attention_chunk, descale=descale, fa3=True)
         self.append = None
-        if s_new and self.attn.use_kernel:
+        # The append kernel writes k and v rows of one head dim; a V head dim of its own appends in PyTorch.
+        if s_new and self.attn.use_kernel and dv == d:
             self._plan_append(k_cache, v_cache, block_table)
             self.new_strides = (*k.stride(), *v.stride())  # the call's own k/v (part of the plan's key)
 
@@ -205,8 +210,9 @@ class KVCachePlan:
         self.stream = stream_getter(self.device)
 
     def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                 cache_leftpad, block_table, alibi_slopes):
-        """Append, then attend: ``(out (B, sq, h, d), lse (B, h, sq) fp32 or None)``."""
+                 cache_leftpad, block_table, alibi_slopes, descales=None):
+        """Append, then attend: ``(out (B, sq, h, dv), lse (B, h, sq) fp32 or None)``. ``descales``: FP8
+        ``(q, k, v)`` descales (contiguous fp32 ``(B, hk)``) when the plan has them."""
         B = self.B
         if cache_seqlens is None:  # the caches are full (after the new tokens)
             cache_seqlens = self.capacity - self.s_new
@@ -261,7 +267,8 @@ class KVCachePlan:
         else:
             kd, vd = k_cache, v_cache
         out, lse, _ = self.attn.forward(q, kd, vd, alibi_slopes, None, store_lse=self.return_lse,
-                                        k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned)
+                                        k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned,
+                                        descales=descales)
         return out, lse
 
 
@@ -284,24 +291,37 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | N
                       softmax_scale: float | None = None, causal: bool = False,
                       window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True,
                       alibi_slopes: Tensor | None = None, num_splits: int = 0,
-                      return_softmax_lse: bool = False):
-    """``flash_attn_with_kvcache`` (arguments, shapes and return as there): ``out (B, sq, h, d)`` or
-    ``(out, softmax_lse (B, h, sq) fp32)``; ``k_cache``/``v_cache`` are updated in place."""
+                      return_softmax_lse: bool = False, attention_chunk: int = 0, q_descale: Tensor | None = None,
+                      k_descale: Tensor | None = None, v_descale: Tensor | None = None):
+    """``flash_attn_with_kvcache`` (arguments, shapes and return as there): ``out (B, sq, h, dv)`` or
+    ``(out, softmax_lse (B, h, sq) fp32)``; ``k_cache``/``v_cache`` are updated in place. FA3's additions:
+    ``v_cache``'s head dim ``dv`` may differ from ``d``; ``attention_chunk`` (chunked-local, key positions
+    counted from ``cache_leftpad``); float8_e4m3fn inputs with descales broadcastable to ``(B, hk)`` (bf16
+    out), as ``culmen.ops.attention.op.attention_fa3``."""
+    has_desc = q_descale is not None or k_descale is not None or v_descale is not None
     try:
         key = (_sig(q), _sig(k_cache), _sig(v_cache), _sig(k), _sig(v), _sig(rotary_cos), _sig(rotary_sin),
                type(cache_seqlens) is int or _sig(cache_seqlens), _sig(cache_batch_idx), _sig(cache_leftpad),
                _sig(block_table), _sig(alibi_slopes), softmax_scale, causal, window_size, softcap,
-               rotary_interleaved, num_splits, return_softmax_lse)
+               rotary_interleaved, num_splits, return_softmax_lse, attention_chunk, has_desc)
         plan = PLANS.get(key)
     except (AttributeError, TypeError):
         key, plan = None, None
     if plan is None:
         plan = KVCachePlan(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                           rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+                           rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, attention_chunk,
+                           has_desc)
         if key is not None:
             PLANS.put(key, plan)
+    desc = None
+    if has_desc:
+        if not plan.attn.fp8:
+            raise ValueError(f"q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only, q is {q.dtype}")
+        from culmen.ops.attention.op import fa3_descales
+
+        desc = fa3_descales(q_descale, k_descale, v_descale, plan.B, plan.attn.HK, plan.device)
     with torch.no_grad():
         out, lse = plan(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                        cache_leftpad, block_table, alibi_slopes)
+                        cache_leftpad, block_table, alibi_slopes, desc)
     return (out, lse) if return_softmax_lse else out

@@ -83,7 +83,8 @@ def supported(dtype: torch.dtype, head_dim: int, return_probs: bool = False) -> 
     """Whether the kernels handle this call (else the reference runs it)."""
     # fp32 tiles take twice the shared memory: they use the configs of twice the head dim (so <= 256).
     max_d = MAX_KERNEL_HEADDIM // (2 if dtype == torch.float32 else 1)
-    return not return_probs and dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim <= max_d
+    return (not return_probs and (dtype in (torch.float16, torch.bfloat16, torch.float32) or dtype in checks.FP8)
+            and head_dim <= max_d)
 
 
 def use_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, return_probs: bool = False) -> bool:
@@ -158,17 +159,28 @@ class AttnPlan:
     def __init__(self, kind: str, q, k, v, alibi, cu_q=None, cu_k=None, max_q=None, max_k=None, *,
                  dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  deterministic=False, return_lse=True, return_probs=False, k_range: int = 0, k_add: int = 0,
-                 traced: bool = False) -> None:
+                 traced: bool = False, attention_chunk: int = 0, descale: bool = False, fa3: bool = False) -> None:
         self.kind = kind
         self.varlen = varlen = kind == "varlen"
         if kind == "dense":
             checks.check_common(q, k, v, dropout_p, window_size, softcap, alibi, q.shape[0] if q.dim() else 0, 4,
-                                "(batch, seqlen, nheads, headdim)")
+                                "(batch, seqlen, nheads, headdim)", fa3, fa3)
             checks.check_dense(q, k, v)
         elif varlen:
             checks.check_cu_seqlens(cu_q, cu_k, max_q, max_k)
             checks.check_common(q, k, v, dropout_p, window_size, softcap, alibi, cu_q.shape[0] - 1, 3,
-                                "(total, nheads, headdim)")
+                                "(total, nheads, headdim)", fa3, fa3)
+        # FA3's features (all off for flash_attn 2's calls): a V head dim DV != D, chunked-local masks,
+        # float8 inputs (bf16 output) with per-(batch, kv head) descales.
+        if type(attention_chunk) is not int or attention_chunk < 0:
+            raise ValueError(f"attention_chunk must be an int >= 0, got {attention_chunk!r}")
+        self.DV = int(v.shape[-1])
+        self.split_v = self.DV != int(q.shape[-1])
+        self.chunk = int(attention_chunk)
+        self.fp8 = q.dtype in checks.FP8
+        self.descale = bool(descale)
+        self.out_dtype = torch.bfloat16 if self.fp8 else q.dtype
+        self.o_shape = torch.Size((*q.shape[:-1], self.DV))
         self.device, self.dtype = q.device, q.dtype
         self.q_shape, self.k_shape, self.v_shape = q.shape, k.shape, v.shape
         D = int(q.shape[-1])  # specialized under torch.compile(dynamic=True) too: it picks the kernel config
@@ -201,7 +213,7 @@ class AttnPlan:
         self.H, self.HK, self.D = q.shape[-2], k.shape[-2], D
         # Value checks (cu_seqlens): always on CPU; on GPUs only under the checking switch (a host sync).
         self.check_values = varlen and not traced and (q.device.type == "cpu" or check_values_on())
-        self.use_kernel = use_kernels(q.device, q.dtype, D, self.return_probs)
+        self.use_kernel = use_kernels(q.device, q.dtype, max(D, self.DV), self.return_probs)
         if traced:
             self.use_kernel = self.use_kernel and traceable_kernels()
         if not self.use_kernel and q.device.type != "cpu" and not traced:
@@ -234,14 +246,17 @@ class AttnPlan:
         self.fix_inputs = any(self.copy) or self.alibi_fix or self.cu_fix
         # Outputs shaped and typed like a contiguous input come from empty_like (cheaper on the host).
         self.q_like = q.is_contiguous() or self.copy[0]
+        self.o_like = self.q_like and not self.split_v and not self.fp8
         self.k_like = k.is_contiguous() or self.copy[1]
         self.v_like = v.is_contiguous() or self.copy[2]
         self.qs, self.ks, self.vs = self._bsh(q), self._bsh(k), self._bsh(v)
-        self.os = self._out_bsh(q.shape)
+        self.os = self._out_bsh(self.o_shape)
         self.dks, self.dvs = self._out_bsh(k.shape), self._out_bsh(v.shape)
         lse_st = _contiguous_strides(self.lse_shape)
         self.slb, self.slh = (0, lse_st[0]) if self.varlen else (lse_st[0], lse_st[1])
         self.block_d = max(16, next_pow2(self.D))
+        self.block_dv = max(16, next_pow2(self.DV))
+        self.block_w = max(self.block_d, self.block_dv)  # the tile configs go by the wider of the two
         self.on_gpu = on_gpu
         self.stride_ab = (self.H if self.alibi_2d else 0)
         # SQ, SK (the lengths, or the max lengths of varlen), the dropout counters' row strides (the same),
@@ -251,12 +266,14 @@ class AttnPlan:
                      max(self.left, 0), max(self.right, 0))
         self.flags = dict(
             DOT_PREC="ieee" if q.dtype == _F32 else "tf32",
-            UPCAST=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+            UPCAST=q.device.type == "cpu" and (q.dtype == torch.bfloat16 or (2 if self.fp8 else False)),
             EVEN_D=self.D == self.block_d,
             SOFTCAP=self.softcap > 0.0, ALIBI=self.has_alibi, DROPOUT=self.has_dropout,
             HAS_LEFT=self.left >= 0, HAS_RIGHT=self.right >= 0, VARLEN=self.varlen,
+            DV=self.DV if self.split_v else 0, BLOCK_DV=self.block_dv, EVEN_DV=self.DV == self.block_dv,
+            CHUNK=self.chunk,
         )
-        bm, bn, warps, stages = _blocks("fwd", self.block_d, on_gpu, q.dtype)
+        bm, bn, warps, stages = _blocks("fwd", self.block_w, on_gpu, q.dtype)
         su = _stride_unit(self.qs + self.ks + self.vs + self.os)
         self.num_m = cdiv(self.sq, bm)
         self.fwd_grid = (self.num_m * self.B * self.H,)
@@ -266,12 +283,13 @@ class AttnPlan:
         # TMA descriptors need 16-byte aligned row strides and a Hopper-class GPU (or the interpreter).
         es = q.element_size()
         self.tma = (TUNING["tma"] and not traced and not self.varlen and not any(self.copy[1:])
+                    and not self.split_v and not self.fp8
                     and all((s * es) % 16 == 0 for s in self.ks + self.vs)
                     and (not on_gpu or (torch.cuda.get_device_capability(q.device)[0] >= 9
                                         and not getattr(torch.version, "hip", None))))
         self.fwd_empty = self.fwd_grid[0] == 0
         # Pointers besides q/k/v whose alignment the direct launch must check per call.
-        self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0
+        self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0 or self.descale
         self.atomic_ok = TUNING["atomic_dq"] and not self.deterministic
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
@@ -281,7 +299,7 @@ class AttnPlan:
         if la is None:
             bm, bn, warps, stages, su = self.fwd_cfg
             meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=self.block_d, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
-                        USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su)
+                        USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale)
             la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
         return la
 
@@ -304,18 +322,22 @@ class AttnPlan:
         return q, k, v, alibi, cu_q, cu_k
 
     def forward(self, q, k, v, alibi, rng, cu_q=None, cu_k=None, store_lse: bool = True, k_start=None, k_end=None,
-                traced: bool = False, aligned: bool | None = None):
-        """``(out, lse, probs)``: ``out`` like ``q``; ``lse`` fp32 ``(B, h, sq)`` / ``(h, total_q)`` or
-        ``None`` when not ``store_lse`` (the reference always gives it); ``probs`` only with
-        ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``). ``aligned``: the caller's
-        finding that every pointer given is 16-byte aligned (else it is checked here)."""
+                traced: bool = False, aligned: bool | None = None, descales=None):
+        """``(out, lse, probs)``: ``out`` like ``q`` (head dim ``DV``; bf16 for float8 inputs); ``lse`` fp32
+        ``(B, h, sq)`` / ``(h, total_q)`` or ``None`` when not ``store_lse`` (the reference always gives it);
+        ``probs`` only with ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``).
+        ``aligned``: the caller's finding that every pointer given is 16-byte aligned (else it is checked
+        here). ``descales``: ``(q_descale, k_descale, v_descale)``, contiguous fp32 ``(B, hk)`` (the plan's
+        ``descale``), else ``None``."""
         if self.check_values:
             self.check_cu(q, k, cu_q, cu_k)
         if not self.use_kernel:
-            return self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end)
+            return self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end, descales)
         if self.fix_inputs:
             q, k, v, alibi, cu_q, cu_k = self._kernel_inputs(q, k, v, alibi, cu_q, cu_k)
-        out = torch.empty_like(q) if self.q_like else torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
+        qd, kd, vd = _NO_DESCALE if descales is None else descales
+        out = (torch.empty_like(q) if self.o_like
+               else torch.empty(self.o_shape, dtype=self.out_dtype, device=self.device))
         lse = torch.empty(self.lse_shape, dtype=_F32, device=self.device) if store_lse else None
         if self.fwd_empty:  # no query block to run (a varlen batch of empty sequences)
             out.zero_()
@@ -323,12 +345,12 @@ class AttnPlan:
                 lse.fill_(float("inf"))
             return out, lse, None
         if traced:
-            self.fwd_launch(store_lse).traced(q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end,
+            self.fwd_launch(store_lse).traced(q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd,
                                               *self.fwd_ints)
             return out, lse, None
         if aligned is None:
             if self.extra_ptrs:
-                aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end)
+                aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end, qd, kd, vd)
             else:
                 aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0
         if self.tma and aligned:
@@ -336,7 +358,8 @@ class AttnPlan:
             la = self.fwd_launch(store_lse, True)
         else:
             la = self._fwd.get(store_lse) or self.fwd_launch(store_lse)
-        la(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, *self.fwd_ints)
+        la(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd,
+           *self.fwd_ints)
         return out, lse, None
 
     def check_cu(self, q, k, cu_q, cu_k) -> None:
@@ -345,11 +368,19 @@ class AttnPlan:
         checks.check_cu_values("cu_seqlens_k", cu_k, k.shape[0], self.sk, "max_seqlen_k")
 
     def _ref_kw(self, alibi, rng) -> dict:
-        return dict(softmax_scale=self.scale, causal=self.causal, window_size=self.window_size, softcap=self.softcap,
-                    alibi_slopes=alibi, dropout_p=self.dropout_p, rng_state=rng if self.has_dropout else None)
+        kw = dict(softmax_scale=self.scale, causal=self.causal, window_size=self.window_size, softcap=self.softcap,
+                  alibi_slopes=alibi, dropout_p=self.dropout_p, rng_state=rng if self.has_dropout else None)
+        if self.chunk:
+            kw["attention_chunk"] = self.chunk
+        return kw
 
-    def _forward_ref(self, q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end):
-        """The plan's forward on the PyTorch reference (CPU, fp64, return_probs, ``set_kernels_on_gpu``)."""
+    def _forward_ref(self, q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end, descales=None):
+        """The plan's forward on the PyTorch reference (CPU, fp64, return_probs, ``set_kernels_on_gpu``);
+        float8 inputs are dequantized to fp32 first (times their descales) and give bf16."""
+        if self.fp8 and q.dtype in checks.FP8:
+            q, k, v = dequantize_fp8(q, k, v, descales, cu_q, cu_k)
+            out, lse, probs = self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end)
+            return out.to(self.out_dtype), lse, probs
         if self.k_range:
             kw = self._ref_kw(alibi, None)
             del kw["dropout_p"], kw["rng_state"]
@@ -373,27 +404,27 @@ class AttnPlan:
         b = _BwdPlan()
         b.copy_do = _needs_copy(dout)
         dos = self._bsh(dout)
-        dqs = self.os  # dq is allocated contiguous like out
+        dqs = self._out_bsh(self.q_shape)  # dq is allocated contiguous
         su = _stride_unit(self.qs + self.ks + self.vs + self.os + dos + dqs + self.dks + self.dvs)
         u = (lambda st: tuple(s // su for s in st))
         dev, H, B, gpu, dt, bd = self.device, self.H, self.B, self.on_gpu, self.dtype, self.block_d
         pbm = TUNING["pre_block_m"] if gpu else TUNING["interp_block"]
         num_pm = cdiv(self.sq, pbm)
         b.pre = Launch(_attn_bwd_preprocess_kernel, (num_pm * B * H,),
-                       dict(BLOCK_M=pbm, BLOCK_D=bd, VARLEN=self.varlen, SU=su), 4, 1, device=dev)
-        b.pre_ints = (*u(self.os), *u(dos), self.slb, self.slh, H, self.sq, self.total_q, self.D, num_pm)
+                       dict(BLOCK_M=pbm, BLOCK_D=self.block_dv, VARLEN=self.varlen, SU=su), 4, 1, device=dev)
+        b.pre_ints = (*u(self.os), *u(dos), self.slb, self.slh, H, self.sq, self.total_q, self.DV, num_pm)
         common = (self.slb, self.slh, self.stride_ab)
         qkvd = (*u(self.qs), *u(self.ks), *u(self.vs), *u(dos))
         b.dkdv, b.dkdv_ints = {}, {}
         for atomic in ((False, True) if self.atomic_ok else (False,)):
-            bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", bd, gpu, dt)
+            bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", self.block_w, gpu, dt)
             num_n = cdiv(self.sk, bn)
             b.dkdv[atomic] = Launch(_attn_bwd_dkdv_kernel, (num_n * B * self.HK,),
                                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, ATOMIC_DQ=atomic, SU=su),
                                     warps, stages, device=dev)
             b.dkdv_ints[atomic] = (*qkvd, *u(self.dks), *u(self.dvs), *u(dqs), *common, H, self.HK, H // self.HK,
                                    *self.sizes, self.D, num_n, *self.scal)
-        bm, bn, warps, stages = _blocks("dq", bd, gpu, dt)
+        bm, bn, warps, stages = _blocks("dq", self.block_w, gpu, dt)
         num_m = cdiv(self.sq, bm)
         b.dq = Launch(_attn_bwd_dq_kernel, (num_m * B * H,),
                       dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
@@ -449,6 +480,34 @@ class AttnPlan:
         if atomic:
             dq.copy_(dq_acc)
         return dq, dk, dv
+
+
+_NO_DESCALE = (None, None, None)
+
+
+def dequantize_fp8(q, k, v, descales, cu_q=None, cu_k=None):
+    """float8 ``q``/``k``/``v`` as fp32 times their descales (fp32 ``(B, hk)``; ``None``: 1): query head
+    ``h`` uses KV head ``h // (h_q / h_k)``'s. Packed (varlen) rows take their sequence's batch index."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if descales is None:
+        return qf, kf, vf
+    g = q.shape[-2] // k.shape[-2]
+
+    def rows(cu, n):  # batch index of each packed row
+        t = torch.arange(n, device=cu.device)
+        return torch.searchsorted(cu[1:].to(torch.int64).contiguous(), t, right=True).clamp(max=cu.shape[0] - 2)
+
+    out = []
+    for x, d, cu, grp in ((qf, descales[0], cu_q, g), (kf, descales[1], cu_k, 1), (vf, descales[2], cu_k, 1)):
+        d = d.to(device=x.device, dtype=torch.float32)
+        if grp > 1:
+            d = d.repeat_interleave(grp, dim=1)
+        if x.dim() == 3:
+            d = d[rows(cu, x.shape[0])]  # (total, h)
+        else:  # (B, 1, h); a KV cache may hold more rows than the batch (the first B are attended)
+            x, d = x[:d.shape[0]], d[:, None]
+        out.append(x * d[..., None])
+    return tuple(out)
 
 
 class _BwdPlan:

@@ -286,3 +286,85 @@ def _attention_compiled(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_sc
     else:
         out, lse, probs = flash_attn_varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, *tail)
     return (out, lse, probs) if (return_lse or return_probs) else out
+
+
+# ------------------------------------------------------------------------------------ FA3 features
+
+FA3_PLANS = PlanCache("attention_fa3")
+
+
+def fa3_descales(q_descale, k_descale, v_descale, batch: int, nheads_k: int, device):
+    """FA3's descales as the kernels read them: contiguous fp32 ``(batch, nheads_k)`` on ``device`` (a
+    missing one is 1). Each may be any tensor that broadcasts to ``(batch, nheads_k)``, as FA3 takes them."""
+    out = []
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is None:
+            out.append(torch.ones(batch, nheads_k, dtype=torch.float32, device=device))
+            continue
+        if not isinstance(d, Tensor) or not d.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor of shape ({batch}, {nheads_k}), got "
+                            f"{getattr(d, 'dtype', type(d).__name__)}")
+        try:
+            out.append(d.to(device=device, dtype=torch.float32).expand(batch, nheads_k).contiguous())
+        except RuntimeError:
+            raise ValueError(f"{name} must have shape ({batch}, {nheads_k}) (batch, nheads_k), got "
+                             f"{tuple(d.shape)}") from None
+    return tuple(out)
+
+
+def attention_fa3(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None = None,
+                  cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
+                  max_seqlen_k: int | None = None, softmax_scale: float | None = None, causal: bool = False,
+                  window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, deterministic: bool = False,
+                  return_lse: bool = False, attention_chunk: int = 0, q_descale: Tensor | None = None,
+                  k_descale: Tensor | None = None, v_descale: Tensor | None = None):
+    """Attention with FlashAttention-3's extra features, dense (``q (B, sq, h, d)``, ``k (B, sk, hk, d)``,
+    ``v (B, sk, hk, dv)``) or varlen (packed ``(total, heads, ...)`` with int32 ``cu_seqlens_q/k``):
+
+    * ``dv != d``: a V head dim other than the QK head dim (DeepSeek's 192/128); ``out`` is ``(..., dv)``;
+      forward and backward.
+    * ``attention_chunk = C > 0``: chunked-local attention; query ``i`` (at key position ``i + sk - sq``)
+      sees key ``j`` only when both lie in the same chunk of ``C`` positions (``j // C == (i + sk - sq) // C``),
+      on top of ``causal`` / ``window_size``. Differentiable (FA3 has no backward for it; here it is the
+      same kernels with one more mask term, so it costs nothing extra).
+    * float8_e4m3fn ``q``/``k``/``v`` with ``q_descale``/``k_descale``/``v_descale`` (fp32, broadcastable to
+      ``(B, hk)``; missing = 1): the forward computes ``softmax(scale * (q * qd) . (k * kd)) (v * vd)``
+      with fp8 tensor-core products (P is rounded to fp8 for the second one, as FA3 does) and returns bf16.
+      No backward (as FA3).
+
+    Returns ``out``, or with ``return_lse`` ``(out, lse)`` (fp32 ``(B, h, sq)`` / ``(h, total_q)``). Runs
+    eagerly (``torch.compile`` calls it outside the graph).
+    """
+    if type(attention_chunk) is not int or attention_chunk < 0:
+        raise ValueError(f"attention_chunk must be an int >= 0, got {attention_chunk!r}")
+    has_desc = q_descale is not None or k_descale is not None or v_descale is not None
+    fp8 = isinstance(q, Tensor) and q.dtype in checks.FP8
+    if has_desc and not fp8:
+        raise ValueError(f"q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only, q is "
+                         f"{getattr(q, 'dtype', type(q).__name__)}")
+    varlen = cu_seqlens_q is not None
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device, varlen and (cu_seqlens_q.shape, cu_seqlens_q.device,
+                                                                   cu_seqlens_k.shape, cu_seqlens_k.device),
+               max_seqlen_q, max_seqlen_k, softmax_scale, causal, tuple(window_size), softcap, deterministic,
+               return_lse, attention_chunk, has_desc)
+        plan = FA3_PLANS.get(key)
+    except (AttributeError, TypeError):
+        key, plan = None, None
+    if plan is None:
+        plan = AttnPlan("varlen" if varlen else "dense", q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, deterministic=deterministic, return_lse=return_lse,
+                        attention_chunk=attention_chunk, descale=has_desc, fa3=True)
+        if key is not None:
+            FA3_PLANS.put(key, plan)
+    if plan.fp8:
+        desc = fa3_descales(q_descale, k_descale, v_descale, plan.B, plan.HK, plan.device) if has_desc else None
+        out, lse, _ = plan.forward(q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, return_lse, descales=desc)
+        return (out, lse) if return_lse else out
+    res = _run(plan, q, k, v, None, cu_seqlens_q, cu_seqlens_k)
+    return (res[0], res[1]) if return_lse else res
+
+
+attention_fa3 = torch.compiler.disable(attention_fa3)

@@ -11,6 +11,9 @@ Semantics follow flash_attn 2.8 (BSHD layout). The math runs in fp32 (fp64 for f
 * dropout: ``keep`` from ``culmen.ops.attention.dropout`` (Philox, replayable), kept probabilities
   scaled by ``1 / (1 - dropout_p)``; ``lse`` is that of the undropped softmax.
 * MQA/GQA: query head ``h`` uses KV head ``h // (nheads // nheads_k)``.
+* FA3's ``attention_chunk = C > 0`` (chunked-local): on top of the window, query ``i`` sees key ``j`` only
+  if ``j // C == (i + sk - sq) // C`` (floor division: both key positions lie in one chunk of ``C``).
+* ``v`` may have its own head dim ``dv`` (FA3): ``out`` is ``(..., dv)``.
 """
 
 from __future__ import annotations
@@ -56,9 +59,14 @@ def _rows_rel(sq: int, sk: int, diag_end: Tensor) -> Tensor:
     return (j - (i + diag_end.view(-1, 1, 1) - sq)).unsqueeze(1).unsqueeze(1)
 
 
-def _visible(rel: Tensor, valid: Tensor | None, causal: bool, window_size) -> Tensor | None:
-    """Bool mask of the (row, key) pairs attended, or ``None`` when all are."""
+def _visible(rel: Tensor, valid: Tensor | None, causal: bool, window_size, chunk: int = 0,
+             kpos: Tensor | None = None) -> Tensor | None:
+    """Bool mask of the (row, key) pairs attended, or ``None`` when all are. ``chunk > 0`` needs ``kpos``,
+    the key positions broadcastable against ``rel`` (the row's position is ``kpos - rel``)."""
     left, right = int(window_size[0]), int(window_size[1])
+    if chunk > 0:
+        same = torch.div(kpos, chunk, rounding_mode="floor") == torch.div(kpos - rel, chunk, rounding_mode="floor")
+        valid = same if valid is None else valid & same
     if causal:
         right = 0
     ok = valid
@@ -150,9 +158,9 @@ def _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi, dropout_p, rng_
         pd = p
         if return_probs:
             probs = p
-    out = torch.matmul(pd, vg)  # (B, hk, g, sq, d)
-    # Contiguous (B, sq, h, d) like the kernels' output and flash_attn's: the fake implementations say so.
-    out = out.reshape(B, h, sq, d).transpose(1, 2).contiguous()
+    out = torch.matmul(pd, vg)  # (B, hk, g, sq, dv)
+    # Contiguous (B, sq, h, dv) like the kernels' output and flash_attn's: the fake implementations say so.
+    out = out.reshape(B, h, sq, v.shape[-1]).transpose(1, 2).contiguous()
     lse = lse.reshape(B, h, sq)
     if probs is not None:
         probs = probs.reshape(B, h, sq, sk)
@@ -167,9 +175,10 @@ def _dense_bwd(dout, q, k, v, out, lse, softmax_scale, rel, vis, softcap, alibi,
     B, sq, h, d = q.shape
     hk, sk = k.shape[2], k.shape[1]
     g = h // hk
+    dv_ = v.shape[-1]
     qg, kg, vg, al = _group(q, k, v, alibi, dt)
-    dog = dout.to(dt).permute(0, 2, 1, 3).reshape(B, hk, g, sq, d)
-    og = out.to(dt).permute(0, 2, 1, 3).reshape(B, hk, g, sq, d)
+    dog = dout.to(dt).permute(0, 2, 1, 3).reshape(B, hk, g, sq, dv_)
+    og = out.to(dt).permute(0, 2, 1, 3).reshape(B, hk, g, sq, dv_)
     s, t = _scores(qg, kg, softmax_scale, rel, vis, softcap, al)
     lse_g = lse.to(dt).reshape(B, hk, g, sq, 1)
     p = torch.exp(s - lse_g)
@@ -203,15 +212,15 @@ def _rng(rng_state: Tensor | None, dropout_p: float, device) -> Tensor | None:
 def attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, causal: bool = False,
                       window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                       alibi_slopes: Tensor | None = None, dropout_p: float = 0.0, rng_state: Tensor | None = None,
-                      return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Dense forward. ``q``: ``(B, sq, h, d)``; ``k``/``v``: ``(B, sk, hk, d)``. Returns ``out``
-    (q's dtype, contiguous), ``lse`` ``(B, h, sq)`` (fp32; fp64 for fp64 inputs) and, with
+                      return_probs: bool = False, attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Dense forward. ``q``: ``(B, sq, h, d)``; ``k``/``v``: ``(B, sk, hk, d)`` (``v``'s head dim may differ).
+    Returns ``out`` (q's dtype, contiguous), ``lse`` ``(B, h, sq)`` (fp32; fp64 for fp64 inputs) and, with
     ``return_probs``, ``(B, h, sq, sk)`` in q's dtype (``_dense_fwd``: flash_attn's ``S_dmask`` values
     with dropout, the probabilities without) or ``None``."""
     rng = _rng(rng_state, dropout_p, q.device)
     bidx = torch.arange(q.shape[0], device=q.device)
     rel = _dense_rel(q.shape[1], k.shape[1], q.device)
-    vis = _visible(rel, None, causal, window_size)
+    vis = _visible(rel, None, causal, window_size, attention_chunk, torch.arange(k.shape[1], device=q.device))
     out, lse, probs = _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi_slopes, dropout_p, rng, bidx,
                                  q.shape[1], k.shape[1], return_probs)
     return out.to(q.dtype), lse, (probs.to(q.dtype) if probs is not None else None)
@@ -220,12 +229,12 @@ def attention_fwd_ref(q: Tensor, k: Tensor, v: Tensor, *, softmax_scale: float, 
 def attention_bwd_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                       softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
                       softcap: float = 0.0, alibi_slopes: Tensor | None = None, dropout_p: float = 0.0,
-                      rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                      rng_state: Tensor | None = None, attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Dense backward: ``(dq, dk, dv)`` in the dtypes of ``q``, ``k``, ``v`` (``dk``/``dv`` per KV head)."""
     rng = _rng(rng_state, dropout_p, q.device)
     bidx = torch.arange(q.shape[0], device=q.device)
     rel = _dense_rel(q.shape[1], k.shape[1], q.device)
-    vis = _visible(rel, None, causal, window_size)
+    vis = _visible(rel, None, causal, window_size, attention_chunk, torch.arange(k.shape[1], device=q.device))
     dq, dk, dv = _dense_bwd(dout, q, k, v, out, lse, softmax_scale, rel, vis, softcap, alibi_slopes, dropout_p, rng,
                             bidx, q.shape[1], k.shape[1])
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -266,22 +275,22 @@ class _Packing:
         return torch.where(mine, y, torch.full_like(y, fill))
 
 
-def _varlen_geometry(cu_q, cu_k, max_q, max_k, total_q, total_k, causal, window_size, device):
+def _varlen_geometry(cu_q, cu_k, max_q, max_k, total_q, total_k, causal, window_size, device, chunk=0):
     cu_q, cu_k = cu_q.to(device), cu_k.to(device)
     pq, pk = _Packing(cu_q, max_q, total_q), _Packing(cu_k, max_k, total_k)
     rel = _rows_rel(max_q, max_k, pk.lens - pq.lens + max_q)  # each sequence's diagonal: i + lens_k - lens_q
     i = torch.arange(max_q, device=cu_q.device).view(1, 1, 1, -1, 1)
     j = torch.arange(max_k, device=cu_q.device).view(1, 1, 1, 1, -1)
     valid = (i < pq.lens.view(-1, 1, 1, 1, 1)) & (j < pk.lens.view(-1, 1, 1, 1, 1))
-    return pq, pk, rel, _visible(rel, valid, causal, window_size)
+    return pq, pk, rel, _visible(rel, valid, causal, window_size, chunk, j)
 
 
 def attention_varlen_fwd_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, *, softmax_scale: float, causal: bool = False,
                              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: Tensor | None = None, dropout_p: float = 0.0,
-                             rng_state: Tensor | None = None,
-                             return_probs: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+                             rng_state: Tensor | None = None, return_probs: bool = False,
+                             attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor | None]:
     """Varlen forward on packed ``(total, heads, d)`` inputs. Returns ``out (total_q, h, d)``,
     ``lse (h, total_q)`` and, when asked, ``(B, h, max_seqlen_q, max_seqlen_k)`` as in
     ``attention_fwd_ref`` (sequence ``b``'s rows and columns from 0, zero outside each sequence).
@@ -294,12 +303,12 @@ def attention_varlen_fwd_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tens
     B = cu_seqlens_q.shape[0] - 1
     dt = _compute_dtype(q)
     if total_q == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.zeros((total_q, h, v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.full((h, total_q), float("inf"), dtype=dt, device=q.device)
         probs = torch.zeros(B, h, max_seqlen_q, max_seqlen_k, dtype=q.dtype, device=q.device) if return_probs else None
         return out, lse, probs
     pq, pk, rel, vis = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, k.shape[0],
-                                        causal, window_size, q.device)
+                                        causal, window_size, q.device, attention_chunk)
     bidx = torch.arange(B, device=q.device)
     out, lse, probs = _dense_fwd(pq.padded(q), pk.padded(k), pk.padded(v), softmax_scale, rel, vis, softcap,
                                  alibi_slopes, dropout_p, rng, bidx, max_seqlen_q, max_seqlen_k, return_probs)
@@ -316,14 +325,15 @@ def attention_varlen_bwd_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                              softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
                              softcap: float = 0.0, alibi_slopes: Tensor | None = None, dropout_p: float = 0.0,
-                             rng_state: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                             rng_state: Tensor | None = None,
+                             attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Varlen backward: ``(dq, dk, dv)`` packed like ``q``, ``k``, ``v`` (0 on rows of no sequence)."""
     rng = _rng(rng_state, dropout_p, q.device)
     if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     B = cu_seqlens_q.shape[0] - 1
     pq, pk, rel, vis = _varlen_geometry(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
-                                        k.shape[0], causal, window_size, q.device)
+                                        k.shape[0], causal, window_size, q.device, attention_chunk)
     lse_p = pq.padded(lse.t()).transpose(1, 2)  # (B, h, max_q)
     bidx = torch.arange(B, device=q.device)
     dq, dk, dv = _dense_bwd(pq.padded(dout), pq.padded(q), pk.padded(k), pk.padded(v), pq.padded(out), lse_p,
@@ -334,7 +344,8 @@ def attention_varlen_bwd_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
 
 def attention_range_fwd_ref(q: Tensor, k: Tensor, v: Tensor, k_start: Tensor | None, k_end: Tensor, *,
                             softmax_scale: float, causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-                            softcap: float = 0.0, alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            softcap: float = 0.0, alibi_slopes: Tensor | None = None,
+                            attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """Dense forward where batch row ``b`` attends to keys ``k_start[b] .. k_end[b]`` of ``k``/``v``
     ``(B, sk, hk, d)`` only, its causal diagonal aligned to ``k_end[b]`` (a KV cache's filled part).
     ``k_start`` (default 0) / ``k_end``: integer ``(B,)``, clamped into ``[0, sk]``. Returns ``(out (B,
@@ -346,10 +357,11 @@ def attention_range_fwd_ref(q: Tensor, k: Tensor, v: Tensor, k_start: Tensor | N
     rel = _rows_rel(q.shape[1], sk, end)
     j = torch.arange(sk, device=q.device).view(1, 1, 1, 1, -1)
     valid = (j >= start.view(-1, 1, 1, 1, 1)) & (j < end.view(-1, 1, 1, 1, 1))
-    vis = _visible(rel, valid, causal, window_size)
+    vis = _visible(rel, valid, causal, window_size, attention_chunk, j - start.view(-1, 1, 1, 1, 1))
     # Slots outside the range may hold anything (a cache from torch.empty): a zero probability times a
     # NaN value is still NaN, so they are zeroed rather than only masked.
-    keep = valid.reshape(-1, sk)[:, :, None, None]
+    keep = (j >= start.view(-1, 1, 1, 1, 1)) & (j < end.view(-1, 1, 1, 1, 1))
+    keep = keep.reshape(-1, sk)[:, :, None, None]
     k = k.masked_fill(~keep, 0)
     v = v.masked_fill(~keep, 0)
     out, lse, _ = _dense_fwd(q, k, v, softmax_scale, rel, vis, softcap, alibi_slopes, 0.0, None, None, 0, 0, False)
