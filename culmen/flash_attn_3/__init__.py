@@ -2,7 +2,8 @@
 
 ``import culmen.flash_attn_3 as fa3`` or, through culmen's import alias (``culmen.compat``),
 ``from flash_attn_interface import flash_attn_func``. See ``culmen.flash_attn_3.interface`` for what is
-honoured and what raises ``NotImplementedError`` (tracked in issue 17).
+honoured: FA3's arguments, a V head dim other than the QK head dim, ``attention_chunk`` (with a backward,
+which FA3 lacks) and the FP8 forward; only ``qv`` raises ``NotImplementedError`` (issue 17).
 """
 
 from culmen.flash_attn_3.combine import flash_attn_combine
