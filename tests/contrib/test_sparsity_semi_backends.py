@@ -62,6 +62,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(torch, "_cslt_sparse_mm_search", f.search, raising=False)
     monkeypatch.setattr(sb, "_capture", f.capture)
     monkeypatch.setattr(sb, "_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))  # where cutlass runs
     cutlass = types.SimpleNamespace(from_dense=lambda w: types.SimpleNamespace(packed=w.clone(), meta=None))
     monkeypatch.setattr(torch.sparse, "SparseSemiStructuredTensorCUTLASS", cutlass)
     monkeypatch.setattr(torch, "_sparse_semi_structured_mm", lambda a, meta, b: a @ b, raising=False)
@@ -102,9 +103,11 @@ def test_backend_order(monkeypatch):
     assert ss.backend_order("auto")[0] == "cutlass"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
     order = ss.backend_order("auto")
-    assert order[0] == "cusparselt-graph" and order[-1] == "dense" and sorted(order) == sorted(ss.BACKENDS)
+    # CUTLASS's 2:4 kernels are SM80 code (an illegal instruction on an H200): never tried outside 8.x
+    assert order[0] == "cusparselt-graph" and order[-1] == "dense" and "cutlass" not in order
+    assert sorted(order) == sorted(b for b in ss.BACKENDS if b != "cutlass")
     named = ss.backend_order("torch")
-    assert named[0] == "torch" and named.count("torch") == 1 and len(named) == len(ss.BACKENDS)
+    assert named[0] == "torch" and named.count("torch") == 1 and len(named) == len(ss.BACKENDS) - 1
     with pytest.raises(ValueError, match="backend"):
         ss.backend_order("cublas")
     with pytest.raises(ValueError, match="max_graphs"):

@@ -4,7 +4,8 @@
 Why several: PyTorch's ``SparseSemiStructuredTensor`` costs about 1 ms of host time per matmul on
 SM90 (torch 2.11): ``torch._cslt_sparse_mm`` builds and destroys its cuSPARSELt descriptors and
 matmul plan on every call (the plan init dominates; the Python subclass dispatch is ~20 us). The
-CUTLASS kernels (``torch._sparse_semi_structured_mm/addmm``) have no plan but refuse anything but
+CUTLASS kernels (``torch._sparse_semi_structured_mm/addmm``) have no plan but are SM80 code: on SM90
+they do not refuse, they hit an illegal instruction (seen on an H200), so culmen never runs them outside
 compute capability 8.x. So:
 
 - ``cusparselt-graph``: ``torch._cslt_sparse_mm`` captured once per token count in a CUDA graph
@@ -113,6 +114,12 @@ class _Cutlass(_Compressed):
     def compress(self, weight: Tensor) -> None:
         from torch.sparse import SparseSemiStructuredTensorCUTLASS
 
+        major, minor = torch.cuda.get_device_capability(weight.device)
+        if major != 8:
+            # Its kernels are SM80 code: on an H200 (9.0) they ran into an illegal instruction, which
+            # poisons the whole CUDA context, so they are never tried outside 8.x.
+            raise RuntimeError(f"cutlass: PyTorch's CUTLASS 2:4 kernels need compute capability 8.x, "
+                               f"got {major}.{minor}")
         t = SparseSemiStructuredTensorCUTLASS.from_dense(weight)  # validates dtype / shape / device
         self.packed, self.meta = t.packed, t.meta
         self.op_mm, self.op_addmm = torch._sparse_semi_structured_mm, torch._sparse_semi_structured_addmm

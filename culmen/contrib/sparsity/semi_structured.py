@@ -87,8 +87,9 @@ def backend_order(backend: str = "auto", device: torch.device | str | None = Non
     dev = torch.device(device) if device is not None else None
     if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
         major = torch.cuda.get_device_capability(dev)[0]
+    # CUTLASS's 2:4 kernels are SM80 code (an illegal instruction on SM90 kills the CUDA context): 8.x only
     auto = (("cutlass", "cusparselt-graph", "cusparselt", "torch", "dense") if major == 8
-            else ("cusparselt-graph", "cusparselt", "cutlass", "torch", "dense"))
+            else ("cusparselt-graph", "cusparselt", "torch", "dense"))
     if backend == "auto":
         return auto
     return (backend,) + tuple(b for b in auto if b != backend)
