@@ -64,7 +64,39 @@ def _check_dropout(dropout) -> float:
     return float(dropout)
 
 
-class bidirectionalRNN(nn.Module):
+class _CellStack(nn.Module):
+    """The hidden-state management shared by ``stackedRNN`` and ``bidirectionalRNN``: each call goes to every
+    module of ``self.rnns`` (cells, or the two directions' stacks)."""
+
+    rnns: nn.ModuleList
+
+    def reset_parameters(self) -> None:
+        """Re-draw every cell's parameters."""
+        for rnn in self.rnns:
+            rnn.reset_parameters()
+
+    def init_hidden(self, bsz: int) -> None:
+        """Create zero hidden states of batch ``bsz`` where a cell has none or another batch size."""
+        for rnn in self.rnns:
+            rnn.init_hidden(bsz)
+
+    def detach_hidden(self) -> None:
+        """Cut the autograd graph behind every cell's hidden state (truncated backpropagation)."""
+        for rnn in self.rnns:
+            rnn.detach_hidden()
+
+    def reset_hidden(self, bsz: int) -> None:
+        """Zero every cell's hidden state, for batch ``bsz``."""
+        for rnn in self.rnns:
+            rnn.reset_hidden(bsz)
+
+    def init_inference(self, bsz: int) -> None:
+        """Fresh zero hidden states of batch ``bsz`` (no graph), to start an inference run."""
+        for rnn in self.rnns:
+            rnn.init_inference(bsz)
+
+
+class bidirectionalRNN(_CellStack):
     """Two independent ``stackedRNN`` of ``num_layers`` cells like ``inputRNN``: ``fwd`` reads the sequence
     forward, ``bckwrd`` backward; their outputs and hidden states are concatenated on the feature dim.
 
@@ -98,33 +130,8 @@ class bidirectionalRNN(nn.Module):
             hiddens = tuple(torch.cat([a, b], -1) for a, b in zip(fwd_hiddens, bck_hiddens))
         return output, hiddens
 
-    def reset_parameters(self) -> None:
-        """Re-draw every cell's parameters."""
-        for rnn in self.rnns:
-            rnn.reset_parameters()
 
-    def init_hidden(self, bsz: int) -> None:
-        """Create zero hidden states of batch ``bsz`` where a cell has none or another batch size."""
-        for rnn in self.rnns:
-            rnn.init_hidden(bsz)
-
-    def detach_hidden(self) -> None:
-        """Cut the autograd graph behind every cell's hidden state (truncated backpropagation)."""
-        for rnn in self.rnns:
-            rnn.detach_hidden()
-
-    def reset_hidden(self, bsz: int) -> None:
-        """Zero every cell's hidden state, for batch ``bsz``."""
-        for rnn in self.rnns:
-            rnn.reset_hidden(bsz)
-
-    def init_inference(self, bsz: int) -> None:
-        """Fresh zero hidden states of batch ``bsz`` (no graph), to start an inference run."""
-        for rnn in self.rnns:
-            rnn.init_inference(bsz)
-
-
-class stackedRNN(nn.Module):
+class stackedRNN(_CellStack):
     """``num_layers`` cells applied in sequence: layer ``k + 1`` reads layer ``k``'s output (``hidden[0]``).
 
     Args:
@@ -184,31 +191,6 @@ class stackedRNN(nn.Module):
             # (layers, seq, batch, f) -> seq_len views of (layers, batch, f)
             hidden_states = [list(h.unbind(1)) for h in hidden_states]
         return prev, hidden_states
-
-    def reset_parameters(self) -> None:
-        """Re-draw every cell's parameters."""
-        for rnn in self.rnns:
-            rnn.reset_parameters()
-
-    def init_hidden(self, bsz: int) -> None:
-        """Create zero hidden states of batch ``bsz`` where a cell has none or another batch size."""
-        for rnn in self.rnns:
-            rnn.init_hidden(bsz)
-
-    def detach_hidden(self) -> None:
-        """Cut the autograd graph behind every cell's hidden state (truncated backpropagation)."""
-        for rnn in self.rnns:
-            rnn.detach_hidden()
-
-    def reset_hidden(self, bsz: int) -> None:
-        """Zero every cell's hidden state, for batch ``bsz``."""
-        for rnn in self.rnns:
-            rnn.reset_hidden(bsz)
-
-    def init_inference(self, bsz: int) -> None:
-        """Fresh zero hidden states of batch ``bsz`` (no graph), to start an inference run."""
-        for rnn in self.rnns:
-            rnn.init_inference(bsz)
 
 
 def _positive(name: str, value) -> int:

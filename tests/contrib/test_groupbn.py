@@ -19,6 +19,7 @@ from culmen.testing import randn
 from culmen.testing.tolerance import assert_close_tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from bn_checks import relative_failures  # noqa: E402
 from dist_harness import run_group  # noqa: E402
 
 
@@ -116,12 +117,10 @@ def _dist_worker(rank, world, sizes):
         if bn_group == 2:  # this rank's share: the shares add up to the batch's gradient
             torch.distributed.all_reduce(dw)
             torch.distributed.all_reduce(db)
-        for name, got, want in (("y", y, yr[mine]), ("dx", x.grad, xr.grad[mine]), ("dz", z.grad, zr.grad[mine]),
-                                ("dweight", dw, w.grad), ("dbias", db, b.grad), ("running_mean", m.running_mean, rm),
-                                ("running_var", m.running_var, rv)):
-            err = (got - want).abs().max().item()
-            if err > 1e-9 * max(1.0, want.abs().max().item()):
-                failures.append(f"bn_group={bn_group}: {name} max err {err:.3g}")
+        failures += relative_failures((("y", y, yr[mine]), ("dx", x.grad, xr.grad[mine]), ("dz", z.grad, zr.grad[mine]),
+                                       ("dweight", dw, w.grad), ("dbias", db, b.grad),
+                                       ("running_mean", m.running_mean, rm), ("running_var", m.running_var, rv)),
+                                      f"bn_group={bn_group}: ")
     return failures
 
 

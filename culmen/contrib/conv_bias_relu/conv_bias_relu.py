@@ -358,7 +358,19 @@ _fwd_amp = torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float16)
 _bwd_amp = torch.amp.custom_bwd(device_type="cuda")
 
 
-class ConvBiasReLU_(torch.autograd.Function):
+class _ConvBiasFunction(torch.autograd.Function):
+    """The backward of the ``Conv*Bias*_`` functions whose inputs start ``(x, weight, bias, ...)``: gradients for
+    those three, ``None`` for the rest (mask, padding, stride)."""
+
+    @staticmethod
+    @_bwd_amp
+    def backward(ctx, grad_output):
+        n = ctx.needs_input_grad
+        dx, dw, db, _, _ = _backward(ctx, grad_output, n[0], n[1], n[2], False, False)
+        return (dx, dw, db) + (None,) * (len(n) - 3)
+
+
+class ConvBiasReLU_(_ConvBiasFunction):
     """``relu(conv2d(x, weight, stride, padding) + bias)``.
 
     ``forward(x, weight, bias, padding, stride)``: ``x`` ``(N, C, H, W)``, ``weight`` ``(K, C, R, S)`` of ``x``'s
@@ -373,15 +385,8 @@ class ConvBiasReLU_(torch.autograd.Function):
         pad, st = _check(x, weight, (("bias", bias),), None, padding, stride)
         return _forward(ctx, x, weight, None, bias, None, None, None, None, pad, st, None, True)
 
-    @staticmethod
-    @_bwd_amp
-    def backward(ctx, grad_output):
-        n = ctx.needs_input_grad
-        dx, dw, db, _, _ = _backward(ctx, grad_output, n[0], n[1], n[2], False, False)
-        return dx, dw, db, None, None
 
-
-class ConvBias_(torch.autograd.Function):
+class ConvBias_(_ConvBiasFunction):
     """``conv2d(x, weight, stride, padding) + bias``; arguments and gradients as ``ConvBiasReLU_``."""
 
     @staticmethod
@@ -390,15 +395,8 @@ class ConvBias_(torch.autograd.Function):
         pad, st = _check(x, weight, (("bias", bias),), None, padding, stride)
         return _forward(ctx, x, weight, None, bias, None, None, None, None, pad, st, None, False)
 
-    @staticmethod
-    @_bwd_amp
-    def backward(ctx, grad_output):
-        n = ctx.needs_input_grad
-        dx, dw, db, _, _ = _backward(ctx, grad_output, n[0], n[1], n[2], False, False)
-        return dx, dw, db, None, None
 
-
-class ConvBiasMaskReLU_(torch.autograd.Function):
+class ConvBiasMaskReLU_(_ConvBiasFunction):
     """``relu((conv2d(x, weight, stride, padding) + bias) * mask)``.
 
     ``forward(x, weight, bias, mask, padding, stride)``: as ``ConvBiasReLU_`` plus ``mask`` of the output's shape
@@ -410,13 +408,6 @@ class ConvBiasMaskReLU_(torch.autograd.Function):
     def forward(ctx, x, weight, bias, mask, padding, stride):
         pad, st = _check(x, weight, (("bias", bias),), mask, padding, stride)
         return _forward(ctx, x, weight, None, bias, None, None, None, mask, pad, st, None, True)
-
-    @staticmethod
-    @_bwd_amp
-    def backward(ctx, grad_output):
-        n = ctx.needs_input_grad
-        dx, dw, db, _, _ = _backward(ctx, grad_output, n[0], n[1], n[2], False, False)
-        return dx, dw, db, None, None, None
 
 
 class ConvFrozenScaleBiasReLU_(torch.autograd.Function):

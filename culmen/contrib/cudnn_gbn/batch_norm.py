@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from culmen.contrib.groupbn.batch_norm import rank_group
+from culmen.contrib.groupbn.batch_norm import group_and_factor, rank_group
 from culmen.ops.batch_norm import sync_batch_norm
 
 __all__ = ["GroupBatchNorm2d"]
@@ -86,13 +86,7 @@ class GroupBatchNorm2d(_BatchNorm):
         if not self.training and self.track_running_stats:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
                                 self.eps)
-        group = self._group
-        if group is None:  # built before torch.distributed was initialized (or never distributed)
-            group = self._group = rank_group(self.group_size, "group_size")
-        factor = 0.0
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        group, factor = group_and_factor(self, self.group_size, "group_size")
         keep = self.training and self.track_running_stats
         weight, bias = self.weight, self.bias
         if self.group_size > 1 and weight is not None and torch.is_grad_enabled() and weight.requires_grad:

@@ -50,6 +50,21 @@ def rank_group(group_size: int, arg: str = "group_size"):
     return group
 
 
+def group_and_factor(bn: _BatchNorm, group_size: int, arg: str) -> tuple[object, float]:
+    """A training step's bookkeeping for a group-synchronized batch norm ``bn``: its process group (``bn._group``,
+    looked up now if the layer was built before ``torch.distributed`` was initialized) and the running-statistics
+    update factor (``momentum``, or the cumulative average's ``1 / batches`` when it is ``None``; 0 outside
+    training), counting the batch in ``num_batches_tracked``."""
+    group = bn._group
+    if group is None:
+        group = bn._group = rank_group(group_size, arg)
+    factor = 0.0
+    if bn.training and bn.track_running_stats:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    return group, factor
+
+
 class BatchNorm2d_NHWC(_BatchNorm):
     """Batch norm over ``(N, H, W, C)`` (explicit NHWC, Apex's layout) input.
 
@@ -92,13 +107,7 @@ class BatchNorm2d_NHWC(_BatchNorm):
             raise ValueError("z (the fused add-ReLU residual) needs fuse_relu=True")
         if x.dim() != 4 or x.shape[-1] != self.num_features:
             raise ValueError(f"x must be (N, H, W, {self.num_features}), got shape {tuple(x.shape)}")
-        group = self._group
-        if group is None:  # built before torch.distributed was initialized (or never distributed)
-            group = self._group = rank_group(self.bn_group, "bn_group")
-        factor = 0.0
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        group, factor = group_and_factor(self, self.bn_group, "bn_group")
         use_batch_stats = self.training or not self.track_running_stats
         keep = self.track_running_stats
         return sync_batch_norm(x, self.weight, self.bias, self.running_mean if keep else None,
