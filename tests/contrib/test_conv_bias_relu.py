@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from culmen.contrib.conv_bias_relu import ConvBias, ConvBiasMaskReLU, ConvBiasReLU, ConvFrozenScaleBiasReLU
-from culmen.contrib.conv_bias_relu.conv_bias_relu import ROUTING, ConvBiasMaskReLU_, ConvBiasReLU_
+from culmen.contrib.conv_bias_relu.conv_bias_relu import ROUTING, ConvBias_, ConvBiasMaskReLU_, ConvBiasReLU_
 from culmen.ops.backend import use_backend
 from culmen.ops.conv_epilogue import conv_epilogue
 from culmen.testing import randn
@@ -142,12 +142,13 @@ def test_fused_forward_without_autograd(kind):
 
 
 def test_function_classes_apply():
-    """``ConvBiasReLU_.apply`` / ``ConvBiasMaskReLU_.apply`` (Apex's autograd functions) run the fused formulation
-    at any size."""
+    """``ConvBiasReLU_.apply`` / ``ConvBias_.apply`` / ``ConvBiasMaskReLU_.apply`` (Apex's autograd functions) run
+    the fused formulation at any size."""
     x0 = randn((2, 3, 5, 6)).contiguous(memory_format=CL)
     w0, b0 = randn((4, 3, 3, 3), scale=0.5), randn((1, 4, 1, 1))
     mask = (torch.rand(2, 4, 5, 6) > 0.5).to(torch.int8)
-    for fn, args, kind in ((ConvBiasReLU_.apply, (1, 1), "relu"), (ConvBiasMaskReLU_.apply, (mask, 1, 1), "mask")):
+    for fn, args, kind in ((ConvBiasReLU_.apply, (1, 1), "relu"), (ConvBias_.apply, (1, 1), "bias"),
+                           (ConvBiasMaskReLU_.apply, (mask, 1, 1), "mask")):
         x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
         with use_backend("triton"):
             y = fn(x, w, b, *args)

@@ -10,11 +10,13 @@ from culmen.contrib.multihead_attn._core import check_dropout, check_heads, encd
 from culmen.contrib.multihead_attn.encdec_multihead_attn_func import encdec_attn_func
 from culmen.contrib.multihead_attn.self_multihead_attn import (
     _check_flag,
+    add_norm_params,
     check_impl,
+    default_norm_input,
     pick_mask,
+    reset_norm_params,
     residual_dropout_add,
 )
-from culmen.normalization import FusedLayerNorm
 
 
 class EncdecMultiheadAttn(nn.Module):
@@ -46,15 +48,7 @@ class EncdecMultiheadAttn(nn.Module):
         self.out_proj_weight = Parameter(torch.empty(e, e))
         for name, n in (("in_proj_bias_q", e), ("in_proj_bias_kv", 2 * e), ("out_proj_bias", e)):
             self.register_parameter(name, Parameter(torch.empty(n)) if bias else None)
-        if include_norm_add:
-            if impl == "fast":
-                self.lyr_nrm_gamma_weights = Parameter(torch.empty(e))
-                self.lyr_nrm_beta_weights = Parameter(torch.empty(e))
-                self.lyr_nrm = None
-            else:
-                self.lyr_nrm_gamma_weights = None
-                self.lyr_nrm_beta_weights = None
-                self.lyr_nrm = FusedLayerNorm(e)
+        add_norm_params(self, e, include_norm_add, impl)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -65,12 +59,7 @@ class EncdecMultiheadAttn(nn.Module):
         if self.bias:
             for b in (self.in_proj_bias_q, self.in_proj_bias_kv, self.out_proj_bias):
                 nn.init.zeros_(b)
-        if self.include_norm_add:
-            if self.impl == "fast":
-                nn.init.ones_(self.lyr_nrm_gamma_weights)
-                nn.init.zeros_(self.lyr_nrm_beta_weights)
-            else:
-                self.lyr_nrm.reset_parameters()
+        reset_norm_params(self)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor | None,
                 key_padding_mask: Tensor | None = None, need_weights: bool = False,
@@ -90,9 +79,7 @@ class EncdecMultiheadAttn(nn.Module):
                                    self.out_proj_bias, mask, time, self.mask_additive, p, norm=norm,
                                    out_dropout_p=p)
             return out, None
-        if time and self.mask_additive:
-            raise ValueError("mask_additive applies to key padding masks; a time mask (attn_mask) is boolean")
-        x = self.lyr_nrm(query) if self.include_norm_add else query
+        x = default_norm_input(self, query, time)
         out = encdec_attn_func(time, is_training, self.num_heads, self.scaling, x, key, self.in_proj_weight_q,
                                self.in_proj_weight_kv, self.out_proj_weight, self.in_proj_bias_q,
                                self.in_proj_bias_kv, self.out_proj_bias, mask, self.dropout, self.mask_additive)

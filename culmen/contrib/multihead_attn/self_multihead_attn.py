@@ -40,6 +40,35 @@ def residual_dropout_add(x: Tensor, residual: Tensor, p: float, is_training: boo
     return residual + (F.dropout(x, p) if is_training and p > 0.0 else x)
 
 
+def add_norm_params(module: nn.Module, embed_dim: int, include_norm_add: bool, impl: str) -> None:
+    """The pre-LayerNorm's parameters under Apex's names: ``lyr_nrm_gamma_weights`` / ``lyr_nrm_beta_weights``
+    ``(embed_dim,)`` for the fast path, a ``FusedLayerNorm`` ``lyr_nrm`` for the default one."""
+    if not include_norm_add:
+        return
+    fast = impl == "fast"
+    module.lyr_nrm_gamma_weights = Parameter(torch.empty(embed_dim)) if fast else None
+    module.lyr_nrm_beta_weights = Parameter(torch.empty(embed_dim)) if fast else None
+    module.lyr_nrm = None if fast else FusedLayerNorm(embed_dim)
+
+
+def reset_norm_params(module: nn.Module) -> None:
+    """LayerNorm parameters back to ``(1, 0)`` (those ``add_norm_params`` made)."""
+    if not module.include_norm_add:
+        return
+    if module.impl == "fast":
+        nn.init.ones_(module.lyr_nrm_gamma_weights)
+        nn.init.zeros_(module.lyr_nrm_beta_weights)
+    else:
+        module.lyr_nrm.reset_parameters()
+
+
+def default_norm_input(module: nn.Module, query: Tensor, time: bool) -> Tensor:
+    """The default path's checks and pre-LayerNorm: the input its attention function reads."""
+    if time and module.mask_additive:
+        raise ValueError("mask_additive applies to key padding masks; a time mask (attn_mask) is boolean")
+    return module.lyr_nrm(query) if module.include_norm_add else query
+
+
 class SelfMultiheadAttn(nn.Module):
     """Multi-head self-attention on sequence-first activations, Apex's ``SelfMultiheadAttn``.
 
@@ -89,15 +118,7 @@ class SelfMultiheadAttn(nn.Module):
         for name, n in zip(names, sizes):
             self.register_parameter(name, Parameter(torch.empty(n)) if bias else None)
         self.register_parameter("out_proj_bias", Parameter(torch.empty(e)) if bias else None)
-        if include_norm_add:
-            if impl == "fast":
-                self.lyr_nrm_gamma_weights = Parameter(torch.empty(e))
-                self.lyr_nrm_beta_weights = Parameter(torch.empty(e))
-                self.lyr_nrm = None
-            else:
-                self.lyr_nrm_gamma_weights = None
-                self.lyr_nrm_beta_weights = None
-                self.lyr_nrm = FusedLayerNorm(e)
+        add_norm_params(self, e, include_norm_add, impl)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -113,12 +134,7 @@ class SelfMultiheadAttn(nn.Module):
             for b in self._in_biases():
                 nn.init.zeros_(b)
             nn.init.zeros_(self.out_proj_bias)
-        if self.include_norm_add:
-            if self.impl == "fast":
-                nn.init.ones_(self.lyr_nrm_gamma_weights)
-                nn.init.zeros_(self.lyr_nrm_beta_weights)
-            else:
-                self.lyr_nrm.reset_parameters()
+        reset_norm_params(self)
 
     def _in_biases(self) -> tuple:
         return (self.q_bias, self.k_bias, self.v_bias) if self.separate_qkv_params else (self.in_proj_bias,)
@@ -158,9 +174,7 @@ class SelfMultiheadAttn(nn.Module):
             out = self_attention(query, self.num_heads, w, b, self.out_proj_weight, self.out_proj_bias, mask, time,
                                  self.mask_additive, p, norm=norm, out_dropout_p=p)
             return out, None
-        if time and self.mask_additive:
-            raise ValueError("mask_additive applies to key padding masks; a time mask (attn_mask) is boolean")
-        x = self.lyr_nrm(query) if self.include_norm_add else query
+        x = default_norm_input(self, query, time)
         out = self_attn_func(time, is_training, self.num_heads, self.scaling, x, w, self.out_proj_weight, b,
                              self.out_proj_bias, mask, self.mask_additive, self.dropout)
         if self.include_norm_add:

@@ -58,23 +58,15 @@ def _check_float(name: str, op: str, t, dim: int) -> None:
 
 
 def _check_lengths(name: str, op: str, t, B: int, device: torch.device) -> None:
+    """``t`` (``f_len``, ``g_len``, ``y_len`` or ``batch_offset``) must be an integer tensor of shape ``(B,)`` on
+    ``device``."""
     if not _is_int_tensor(t):
         got = t.dtype if isinstance(t, Tensor) else type(t).__name__
         raise TypeError(f"{op}: {name} must be an integer tensor, got {got}")
     if tuple(t.shape) != (B,):
-        raise ValueError(f"{op}: {name} must have shape ({B},) (one length per batch), got {tuple(t.shape)}")
+        raise ValueError(f"{op}: {name} must have shape ({B},) (one per batch), got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but the inputs are on {device}")
-
-
-def _check_batch_offset(op: str, boff, B: int, device: torch.device) -> None:
-    if not _is_int_tensor(boff):
-        got = boff.dtype if isinstance(boff, Tensor) else type(boff).__name__
-        raise TypeError(f"{op}: batch_offset must be an integer tensor when packing, got {got}")
-    if tuple(boff.shape) != (B,):
-        raise ValueError(f"{op}: batch_offset must have shape ({B},), got {tuple(boff.shape)}")
-    if boff.device != device:
-        raise ValueError(f"{op}: batch_offset is on {boff.device} but the inputs are on {device}")
 
 
 def _bad(name: str, op: str, values: Tensor, what: str) -> ValueError:
@@ -116,7 +108,7 @@ class JointPlan:
         _check_lengths("g_len", op, g_len, B, f.device)
         self.pack = bool(pack_output)
         if self.pack:
-            _check_batch_offset(op, batch_offset, B, f.device)
+            _check_lengths("batch_offset", op, batch_offset, B, f.device)
             if isinstance(packed_batch, bool) or not isinstance(packed_batch, int) or packed_batch < 0:
                 raise ValueError(f"{op}: packed_batch must be a non-negative int when packing, got {packed_batch!r}")
         if dropout_p is not None and not 0.0 <= float(dropout_p) <= 1.0:
@@ -265,7 +257,7 @@ class LossPlan:
             if isinstance(max_f_len, bool) or not isinstance(max_f_len, int) or max_f_len < 1:
                 raise ValueError(f"{op}: max_f_len must be a positive int with packed_input, got {max_f_len!r}")
             T, U = max_f_len, label.shape[1] + 1
-            _check_batch_offset(op, batch_offset, B, x.device)
+            _check_lengths("batch_offset", op, batch_offset, B, x.device)
         else:
             if x.shape[0] != B:
                 raise ValueError(f"{op}: x has batch size {x.shape[0]} but label has {B} rows")
