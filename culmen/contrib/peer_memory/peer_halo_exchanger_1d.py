@@ -125,18 +125,15 @@ class PeerHaloExchanger1d:
 
     def _exchange_p2p(self, low_out: Tensor, low_inp: Tensor, high_out: Tensor, high_inp: Tensor) -> None:
         ops, recvs = [], []
-        if not self.low_zero:
-            peer = self.ranks[self.low_neighbor]
-            buf = torch.empty(low_inp.shape, dtype=low_inp.dtype, device=low_inp.device)
-            ops.append(dist.P2POp(dist.isend, low_out.contiguous(), peer))
+        for zero, neighbor, out, inp in ((self.low_zero, self.low_neighbor, low_out, low_inp),
+                                         (self.high_zero, self.high_neighbor, high_out, high_inp)):
+            if zero:
+                continue
+            peer = self.ranks[neighbor]
+            buf = torch.empty(inp.shape, dtype=inp.dtype, device=inp.device)
+            ops.append(dist.P2POp(dist.isend, out.contiguous(), peer))
             ops.append(dist.P2POp(dist.irecv, buf, peer))
-            recvs.append((low_inp, buf))
-        if not self.high_zero:
-            peer = self.ranks[self.high_neighbor]
-            buf = torch.empty(high_inp.shape, dtype=high_inp.dtype, device=high_inp.device)
-            ops.append(dist.P2POp(dist.isend, high_out.contiguous(), peer))
-            ops.append(dist.P2POp(dist.irecv, buf, peer))
-            recvs.append((high_inp, buf))
+            recvs.append((inp, buf))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()

@@ -90,7 +90,7 @@ def _finish(matrix, local: Tensor, base: list[int], start: float):
     return result, time.perf_counter() - start, [base[i] for i in local_list]
 
 
-def _prepare(matrix, permutation):
+def _prepare(matrix, permutation) -> tuple[Tensor, list[int], int, Tensor]:
     absmat = as_search_tensor(matrix)
     c = absmat.shape[1]
     if c % GROUP_WIDTH:
@@ -98,7 +98,8 @@ def _prepare(matrix, permutation):
     base = list(range(c)) if permutation is None else [int(p) for p in permutation]
     if len(base) != c:
         raise ValueError(f"permutation has {len(base)} entries for {c} columns")
-    return absmat, base
+    # The searches' state: stripes of GROUP_WIDTH columns, and the order found so far (identity to start).
+    return absmat, base, c // GROUP_WIDTH, torch.arange(c, device=absmat.device)
 
 
 def Channel_Swap(matrix, escape_attempts: int = 0, verbosity: int = 0, permutation=None, seed: int | None = None):
@@ -107,10 +108,7 @@ def Channel_Swap(matrix, escape_attempts: int = 0, verbosity: int = 0, permutati
     Returns ``(matrix[:, order], seconds, order)`` with ``order`` in terms of ``permutation`` (the order
     ``matrix`` is already in; identity if None). ``seed`` seeds the escape swaps (culmen addition)."""
     start = time.perf_counter()
-    absmat, base = _prepare(matrix, permutation)
-    c = absmat.shape[1]
-    nst = c // GROUP_WIDTH
-    local = torch.arange(c, device=absmat.device)
+    absmat, base, nst, local = _prepare(matrix, permutation)
     if nst < 2:
         return _finish(matrix, local, base, start)
     rng = np.random.default_rng(0 if seed is None else seed)
@@ -158,10 +156,7 @@ def progressive_channel_swap(matrix, time_limit: float = 60.0, improvement_thres
     scored about twice the number of stripe pairs in a row without a gain.
     Returns ``(matrix[:, order], seconds, order)``."""
     start = time.perf_counter()
-    absmat, base = _prepare(matrix, permutation)
-    c = absmat.shape[1]
-    nst = c // GROUP_WIDTH
-    local = torch.arange(c, device=absmat.device)
+    absmat, base, nst, local = _prepare(matrix, permutation)
     if nst < 2:
         return _finish(matrix, local, base, start)
     gen = torch.Generator(device="cpu").manual_seed(0 if seed is None else seed)
