@@ -4,20 +4,15 @@ arguments, the alias import."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from fresh_python import run_python
 
 from culmen.contrib.fmha import FMHA, FMHAFun
 from culmen.testing.tolerance import assert_close_tolerance
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def ref_fmha(qkv: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -117,9 +112,7 @@ def test_alias_import():
         assert FMHAFun is F2 is c.FMHAFun and FMHA is c.FMHA
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    assert run_python(code).endswith("ok")
 
 
 @pytest.mark.gpu

@@ -6,22 +6,16 @@ future time mask, arbitrary time masks); the functional modules; bad arguments."
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from fresh_python import run_python
 
 from culmen.contrib.multihead_attn import EncdecMultiheadAttn, SelfMultiheadAttn, fast_mask_softmax_dropout_func
 from culmen.contrib.multihead_attn._core import is_future_mask
 from culmen.ops.backend import interpreter_enabled
 from culmen.testing.tolerance import assert_close_tolerance
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 # ----------------------------------------------------------------------------------------- reference
 
@@ -534,9 +528,7 @@ def test_alias_imports():
         assert m(x, x, x)[0].shape == (3, 2, 8)
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+    assert run_python(code).endswith("ok")
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -8,13 +8,10 @@ gradient summed over whatever dims the bias is broadcast on.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from fresh_python import run_python
 
 from culmen.contrib.openfold_triton import (
     AttnBiasJIT,
@@ -26,8 +23,6 @@ from culmen.contrib.openfold_triton import (
 )
 from culmen.ops.pair_attention import pair_attention, pair_attention_ref
 from culmen.testing import assert_close_tolerance, poisoned_allocations, randn
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _key_mask(shape, dtype=torch.float32, p=0.35):
@@ -234,9 +229,7 @@ assert AttnTri is c.AttnTri and FusedAdamSWA is c.FusedAdamSWA
 assert set(_tuneable_triton_kernels) == {"layer_norm", "pair_attention"}
 print("OK")
 """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr
+    assert run_python(code) == "OK"
 
 
 # ------------------------------------------------------------------------------------------- GPU

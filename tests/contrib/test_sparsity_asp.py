@@ -2,20 +2,15 @@
 weights at zero, dense weights restorable, layer selection, checkpoints, permutation preserving the
 model, bad arguments, and the apex alias."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from fresh_python import run_python
 from torch import nn
 
 from culmen.contrib.sparsity import ASP
 from culmen.contrib.sparsity.permutation_lib import Permutation
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -246,16 +241,24 @@ def test_permutation_keeps_the_dense_function_and_keeps_more_magnitude():
     assert kept_perm > kept_plain
 
 
-def test_prune_trained_model_and_permutation_saving(tmp_path, capsys):
+def test_prune_trained_model_and_permutation_saving(tmp_path, capsys, monkeypatch):
+    # The graphs go to permutation_output_dir only: nothing may land in the working directory (a relative
+    # default once wrote model_offline_permutation_graph.json into the repo root).
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    out_dir = tmp_path / "out"
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ASP.set_permutation_saving_params(allow_permutation=True, save_permutation_graph=True,
-                                      permutation_output_dir=str(tmp_path))
+                                      permutation_output_dir=str(out_dir))
     Permutation.set_permutation_search_options({"strategy": "channel swap"})
     ASP.prune_trained_model(model, opt)
     assert ASP.is_sparsity_enabled()
     assert "Enabled 50.00% sparsity for 0::weight" in capsys.readouterr().out
-    assert (tmp_path / "model_offline_permutation_graph.json").exists()
+    assert (out_dir / "model_offline_permutation_graph.json").exists()
+    assert (out_dir / "model_permutation_graph.json").exists()
+    assert list(cwd.iterdir()) == []
     model(torch.randn(2, 32)).sum().backward()
     opt.step()
     for *_, p, mask, _ in ASP.sparse_parameters():
@@ -278,6 +281,4 @@ def test_alias_import_paths():
         assert ASP is ASP2 is real.ASP and create_mask is real.create_mask
         print("OK")
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+    assert run_python(code).endswith("OK")

@@ -9,16 +9,14 @@ from __future__ import annotations
 import copy
 import json
 import operator
-import subprocess
-import sys
 import textwrap
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from fresh_python import run_python
 from torch._functorch.aot_autograd import make_boxed_func
 
 import culmen.contrib.torchsched as ts
@@ -410,9 +408,7 @@ def test_alias_import():
         assert "torchsched" in list_backends(exclude_tags=())
         print("OK")
     """)
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
-    assert out.stdout.strip() == "OK", out.stderr
+    assert run_python(code) == "OK"
 
 
 # ------------------------------------------------------------------ GPU

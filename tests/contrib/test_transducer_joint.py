@@ -5,20 +5,16 @@ bad arguments, and the Apex import path through the alias."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from fresh_python import run_python
 
 from culmen.contrib.transducer import TransducerJoint
 from culmen.ops.backend import use_backend
 from culmen.testing import assert_close_tolerance, poisoned_allocations, randn
 
-ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ["reference", "triton"]
 
 
@@ -185,9 +181,7 @@ def test_apex_import_path_through_the_alias():
         assert t.TransducerJointFunc and t.TransducerLossFunc
         print("OK")
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stdout + proc.stderr
+    assert run_python(code) == "OK"
 
 
 def test_apex_function_stand_in_and_non_contiguous_inputs(triton_backend):
