@@ -32,7 +32,10 @@ FA3's features (issue 17), through ``culmen.ops.attention.op.attention_fa3`` and
   nheads_k)``, each optional) give a bf16 ``out``; the products run on fp8 tensor cores (P rounded to fp8,
   as FA3 does), the descales folded into the softmax scale and the output. No backward (as FA3).
 
-Not yet: ``qv`` raises ``NotImplementedError`` naming it; it is never ignored.
+* ``qv`` (FA3's MLA-style extra query, ``(.., nheads, headdim_v)``, shaped like ``out``): every score is
+  ``softmax_scale * (q . k + qv . v)``, the default scale ``(headdim + headdim_v) ** -0.5`` as in FA3; dense,
+  varlen (``seqused_*`` too) and ``flash_attn_with_kvcache``. Differentiable (dq, dk, dv and dqv; FA3's
+  backward drops qv); not with float8 inputs.
 
 Bad index values (``seqused_*`` outside ``[0, slot length]``, ``cu_seqlens``, page numbers) raise
 ``ValueError`` on CPU tensors and on GPUs under ``culmen.ops.backend.set_check_values(True)``; unchecked
@@ -65,16 +68,6 @@ __all__ = [
 
 _FP8 = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
                  if hasattr(torch, n))
-_ISSUE = "tracked in culmen issue 17 (FlashAttention at FA3's level)"
-
-
-def _not_yet(what: str) -> None:
-    raise NotImplementedError(f"culmen.flash_attn_3: {what} is not supported yet; {_ISSUE}")
-
-
-def _refuse_qv() -> None:
-    """``qv`` is not there yet: raise rather than ignore it."""
-    _not_yet("qv (an extra query projected against V, MLA-style)")
 
 
 def _check_fp8(q: Tensor) -> None:
@@ -129,21 +122,20 @@ def flash_attn_func(
     ``num_splits``, ``pack_gqa``, ``sm_margin`` are accepted (speed knobs in FA3). ``v`` may have its own
     head dim ``headdim_v`` (``out`` then has it); ``attention_chunk > 0`` adds chunked-local masks
     (differentiable here, unlike FA3); float8_e4m3fn q/k/v with the optional fp32 ``(batch, nheads_k)``
-    descales run the FP8 forward (bf16 ``out``, no backward). ``qv`` raises ``NotImplementedError``.
+    descales run the FP8 forward (bf16 ``out``, no backward). ``qv (batch, seqlen_q, nheads, headdim_v)`` adds
+    ``qv . v`` to every score (default scale ``(headdim + headdim_v) ** -0.5``), differentiable.
 
     Returns ``out (batch, seqlen_q, nheads, headdim_v)`` in q's dtype (bf16 for float8), or with
     ``return_attn_probs`` ``(out, softmax_lse (batch, nheads, seqlen_q) fp32)``.
     """
-    if qv is not None:
-        _refuse_qv()
     if num_splits != 1 or pack_gqa is not None or sm_margin:
         _knobs(num_splits, pack_gqa, sm_margin)
     window_size = _window(window_size)
     if (q_descale is not None or k_descale is not None or v_descale is not None or attention_chunk
-            or q.dtype in _FP8 or v.shape[-1] != q.shape[-1]):
+            or q.dtype in _FP8 or v.shape[-1] != q.shape[-1] or qv is not None):
         _check_fp8(q)
         return attention_fa3(q, k, v, None, None, None, None, softmax_scale, causal, window_size, softcap,
-                             deterministic, return_attn_probs, attention_chunk, q_descale, k_descale, v_descale)
+                             deterministic, return_attn_probs, attention_chunk, q_descale, k_descale, v_descale, qv)
     if return_attn_probs:
         res = attention(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic, True, False)
         return res[0], res[1]
@@ -274,19 +266,18 @@ def flash_attn_varlen_func(
 
     Returns ``out`` shaped like ``q`` (with V's head dim), or with ``return_attn_probs`` ``(out,
     softmax_lse)``: ``(nheads, total_q)`` for packed ``q``, ``(batch, nheads, seqlen_q)`` for padded ``q``,
-    fp32. Other arguments (``attention_chunk``, descales, float8, ``qv``) as ``flash_attn_func``; chunks
+    fp32. Other arguments (``attention_chunk``, descales, float8, ``qv`` shaped like ``out``) as
+    ``flash_attn_func``; chunks
     count key positions from each sequence's start.
     """
-    if qv is not None:
-        _refuse_qv()
     if num_splits != 1 or pack_gqa is not None or sm_margin:
         _knobs(num_splits, pack_gqa, sm_margin)
     window_size = _window(window_size)
     plain = seqused_q is None and seqused_k is None
     if (q_descale is not None or k_descale is not None or v_descale is not None or attention_chunk
-            or q.dtype in _FP8 or v.shape[-1] != q.shape[-1]):
+            or q.dtype in _FP8 or v.shape[-1] != q.shape[-1] or qv is not None):
         _check_fp8(q)
-        extra = (attention_chunk, q_descale, k_descale, v_descale)
+        extra = (attention_chunk, q_descale, k_descale, v_descale, qv)
         if plain and cu_seqlens_q is not None and cu_seqlens_k is not None:
             return attention_fa3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                  causal, window_size, softcap, deterministic, return_attn_probs, *extra)
@@ -331,7 +322,8 @@ def _varlen_general(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, sca
                     deterministic, return_lse, extra=None):
     """Mixed padded/packed sides and ``seqused_*``: one culmen varlen call over ``2 * batch`` sequences
     (each slot's used prefix, then its unused tail, see ``_split_cu``), tails masked out afterwards.
-    ``extra``: FA3's ``(attention_chunk, q_descale, k_descale, v_descale)`` (descales repeated per half)."""
+    ``extra``: FA3's ``(attention_chunk, q_descale, k_descale, v_descale, qv)`` (descales repeated per half,
+    ``qv`` packed like ``q``)."""
     q_padded = cu_q is None
     B = q.shape[0] if q_padded else _check_cu("cu_seqlens_q", cu_q, None)
     qp, cu_q, max_q = _packed(q, "q", cu_q, max_q, B)
@@ -356,11 +348,16 @@ def _varlen_general(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, sca
         res = attention_varlen(qp, kp, vp, cu2_q, cu2_k, max_q, max_k, 0.0, scale, causal, window, softcap, None,
                                deterministic, return_lse, False)
     else:
-        chunk, qd, kd, vd = extra
+        chunk, qd, kd, vd, qv = extra
         if qd is not None or kd is not None or vd is not None:
             qd, kd, vd = (d.repeat_interleave(2, dim=0) for d in fa3_descales(qd, kd, vd, B, kp.shape[1], q.device))
+        if qv is not None:
+            if qv.shape[:-1] != q.shape[:-1]:
+                raise ValueError(f"qv must be shaped like q but for its head dim, got {tuple(qv.shape)} for q "
+                                 f"{tuple(q.shape)}")
+            qv = qv.reshape(*qp.shape[:-1], qv.shape[-1])
         res = attention_fa3(qp, kp, vp, cu2_q, cu2_k, max_q, max_k, scale, causal, window, softcap, deterministic,
-                            return_lse, chunk, qd, kd, vd)
+                            return_lse, chunk, qd, kd, vd, qv)
     out, lse = (res[0], res[1]) if return_lse else (res, None)
     if used_q is not None:
         ok = _row_used(cu_q, used_q, qp.shape[0])
@@ -425,15 +422,14 @@ def flash_attn_with_kvcache(
     FA3's features: ``v_cache`` (and new ``v``) may have their own head dim ``dv`` (``out`` has it);
     ``attention_chunk > 0`` chunked-local masks over key positions counted from ``cache_leftpad``;
     float8_e4m3fn q and caches with optional fp32 ``(batch, nheads_k)`` descales (bf16 ``out``; rotary is
-    refused for float8: rotate before quantizing). ``qv`` raises ``NotImplementedError``.
+    refused for float8: rotate before quantizing). ``qv`` (shaped like ``q`` with ``v_cache``'s head dim, not
+    rotated) adds ``qv . v`` to every score; default scale ``(d + dv) ** -0.5``.
 
     Returns ``out`` shaped like ``q`` (with V's head dim), or with ``return_softmax_lse`` ``(out,
     softmax_lse, out_accum, softmax_lse_accum)``: lse ``(batch, nheads, seqlen_q)`` (``(nheads, total_q)``
     for packed q) fp32, and two empty fp32 tensors (culmen does not split the keys; FA3 returns these
     empty when it does not).
     """
-    if qv is not None:
-        _refuse_qv()
     if q.dtype in _FP8:
         _check_fp8(q)
     if num_splits or pack_gqa is not None or sm_margin:
@@ -448,12 +444,12 @@ def flash_attn_with_kvcache(
         res = attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
                                 rotary_interleaved, None, 0, return_softmax_lse, attention_chunk, q_descale, k_descale,
-                                v_descale)
+                                v_descale, qv)
     else:
         res = _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
                                rotary_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                               return_softmax_lse, (attention_chunk, q_descale, k_descale, v_descale))
+                               return_softmax_lse, (attention_chunk, q_descale, k_descale, v_descale), qv)
     if not return_softmax_lse:
         return res
     empty = torch.empty(0, dtype=torch.float32, device=q.device)
@@ -474,7 +470,7 @@ def _token_batch(cu: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
-                     softmax_scale, causal, window_size, softcap, rotary_interleaved, return_lse, extra):
+                     softmax_scale, causal, window_size, softcap, rotary_interleaved, return_lse, extra, qv=None):
     """The FA3-only forms (packed queries, packed new keys, explicit rotary offsets): rotate and append
     here in PyTorch (every write bounds-safe), then attend through culmen's kvcache op with no new tokens
     and packed queries end-aligned in a ``(batch, max_seqlen_q)`` grid (so the bottom-right diagonal of
@@ -575,11 +571,17 @@ def _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         q_grid = qr.new_zeros(grid_rows + 1, *q.shape[-2:])
         q_grid[dest] = qr
         q_grid = q_grid[:grid_rows].view(B, max_seqlen_q, *q.shape[-2:])
+        if qv is not None:
+            if qv.dim() != 3 or qv.shape[:-1] != q.shape[:-1]:
+                raise ValueError(f"qv must be packed like q, (total_q, nheads, headdim_v), got {tuple(qv.shape)}")
+            qv_grid = qv.new_zeros(grid_rows + 1, *qv.shape[-2:])
+            qv_grid[dest] = qv
+            qv = qv_grid[:grid_rows].view(B, max_seqlen_q, *qv.shape[-2:])
     else:
         q_grid = qr.view(q.shape)
     out, lse = attention_kvcache(q_grid, k_cache, v_cache, None, None, None, None, seqlen_k, cache_batch_idx,
                                  cache_leftpad, page_table, softmax_scale, causal, window_size, softcap, True, None,
-                                 0, True, *extra)
+                                 0, True, *extra, qv)
     if cu_seqlens_q is not None:
         src_b, src_s = qb, slot.clamp(0, max(max_seqlen_q - 1, 0))
         out = out[src_b, src_s]

@@ -1,7 +1,7 @@
 """``culmen.flash_attn_3`` (FA3's ``flash_attn_interface``) against float64 attention written out here:
 return conventions, GQA, causal / local / softcap, gradients, ``seqused_q/k`` with random used lengths,
 padded and packed sides, the KV cache with paged ``page_table`` of odd page sizes, packed queries and new
-keys, ``rotary_seqlens``, the accepted-but-inert knobs, ``NotImplementedError`` for what is not there yet,
+keys, ``rotary_seqlens``, the accepted-but-inert knobs, ``qv``'s argument checks,
 and the ``flash_attn_interface`` import alias."""
 
 from __future__ import annotations
@@ -332,12 +332,12 @@ def test_kvcache_bad_values_rejected_on_cpu():
         fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3, scheduler_metadata=torch.zeros(3))
 
 
-# ------------------------------------------------------------------------------ not yet (issue 17)
+# ----------------------------------------------------------------------------------------- qv checks
 
 
-def test_qv_raises_not_implemented():
-    """``qv`` is the one FA3 argument culmen does not take yet: it raises in every function, never ignored
-    (the V head dim, ``attention_chunk`` and FP8 are tested in test_fa3_features.py)."""
+def test_qv_of_the_wrong_shape_or_dtype_raises():
+    """``qv`` must be shaped like ``q`` with V's head dim, in q's dtype: each function names it (its numbers
+    are tested in test_fa3_qv.py)."""
     q, k, v = _qkv(1, 4, 4, 2, 2, 16, torch.float32, grad=False)
     funcs = {
         "func": lambda **kw: fa3.flash_attn_func(q, k, v, **kw),
@@ -345,8 +345,10 @@ def test_qv_raises_not_implemented():
         "kvcache": lambda **kw: fa3.flash_attn_with_kvcache(q, k.clone(), v.clone(), cache_seqlens=4, **kw),
     }
     for f in funcs.values():
-        with pytest.raises(NotImplementedError, match="qv.*issue 17"):
-            f(qv=torch.randn(1, 4, 2, 16))
+        with pytest.raises(ValueError, match="qv"):
+            f(qv=torch.randn(1, 4, 2, 8))
+        with pytest.raises(TypeError, match="qv"):
+            f(qv=torch.randn(1, 4, 2, 16, dtype=torch.float64))
 
 
 # ------------------------------------------------------------------------------------------- alias

@@ -246,11 +246,14 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
                BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
-               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr):
+               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr):
     j = n0 + tl.arange(0, BLOCK_N)
     j64 = j.to(tl.int64)[:, None]
     k = _load_rows(k_desc, k_base, sks, n0, j64, dd, dmask, sk, MASK, EVEN_D, USE_TMA)
     qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST)
+    if QV:  # FA3's qv (MLA): the scores gain qv . v, so V is needed before the softmax
+        v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
+        qk = _dot_acc(qv, tl.trans(v), qk, DOT_PREC, UPCAST)
     if MASK or SOFTCAP or ALIBI:
         s, _t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
                          ALIBI, HAS_LEFT, HAS_RIGHT, CHUNK)
@@ -265,7 +268,8 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(_keep(rng_ptr, p_drop, bh, i[:, None], j[None, :], SQS, SKS), p, 0.0)
-    v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
+    if not QV:
+        v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
     if UPCAST == 2:  # fp8 under the CPU interpreter, whose fp32 -> fp8 rounding is wrong at binade edges: P in fp32
         acc = _dot_acc(p, v, acc * alpha[:, None], DOT_PREC, UPCAST)
     else:
@@ -276,7 +280,7 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
 @_jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr,
-    qd_ptr, kd_ptr, vd_ptr,
+    qd_ptr, kd_ptr, vd_ptr, qv_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
     stride_ab,
     H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M, K_ADD,
@@ -286,6 +290,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
+    QV: tl.constexpr,
 ):
     """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
 
@@ -294,7 +299,8 @@ def _attn_fwd_kernel(
     FA3's features, each off (and absent from the generated code) at its default: ``DV > 0`` a V head dim
     ``DV`` (padded to ``BLOCK_DV``) other than the QK head dim ``D``; ``CHUNK > 0`` chunked-local attention
     (``_scores2``); ``DESCALE`` FP8 descales ``qd``/``kd``/``vd`` (fp32 ``(B, HK)``, contiguous), the first
-    two folded into the softmax scale, the last into the output.
+    two folded into the softmax scale, the last into the output; ``QV`` FA3's ``qv`` (``(.., h, DV)``, laid out
+    like ``out``: read with ``out``'s strides), whose ``qv . v`` joins ``q . k`` in every score.
     """
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
@@ -337,6 +343,11 @@ def _attn_fwd_kernel(
     i64 = i.to(tl.int64)[:, None]
     rowmask = i[:, None] < sq
     q = tl.load(q_base + i64 * sqs + dd[None, :], mask=rowmask & dmask[None, :], other=0.0)
+    if QV:
+        qv = tl.load(qv_ptr + b64 * sob + h.to(tl.int64) * soh + q0 * sos + i64 * sos + ddv[None, :],
+                     mask=rowmask & dvmask[None, :], other=0.0)
+    else:
+        qv = q
     slope2 = 0.0
     if ALIBI:
         slope2 = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32) * LOG2E
@@ -358,19 +369,19 @@ def _attn_fwd_kernel(
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV)
     for n0 in range(f0, f1, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV)
     for n0 in range(f1, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:
@@ -475,6 +486,7 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sq
 @_jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
+    qv_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh,
     sdkb, sdks, sdkh, sdvb, sdvs, sdvh, sdqb, sdqs, sdqh, slb, slh,
     stride_ab,
@@ -484,9 +496,11 @@ def _attn_bwd_dkdv_kernel(
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SU: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr,
+    QV: tl.constexpr,
 ):
     """dK and dV of one key block (and, with ``ATOMIC_DQ``, its atomic share of dQ in fp32 ``dq_ptr``).
-    ``DV`` / ``CHUNK`` as in the forward (a V head dim other than ``D``; chunked-local masks)."""
+    ``DV`` / ``CHUNK`` as in the forward (a V head dim other than ``D``; chunked-local masks). ``QV``: FA3's
+    ``qv`` (read with ``do``'s strides: both contiguous ``(.., h, DV)``) adds ``dS^T qv`` to dV."""
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -526,6 +540,8 @@ def _attn_bwd_dkdv_kernel(
     v = tl.load(v_ptr + b64 * svb + kh.to(tl.int64) * svh + j64 * svs + ddv[None, :], mask=vmask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    if QV:
+        dvq = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, f0, f1, hi = _bounds_t(n0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, CHUNK)
     for g in range(0, GROUP):
         h = kh * GROUP + g
@@ -535,25 +551,47 @@ def _attn_bwd_dkdv_kernel(
         lse_base = lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0
         delta_base = delta_ptr + b64 * slb + h.to(tl.int64) * slh + q0
         dq_base = dq_ptr + b64 * sdqb + h.to(tl.int64) * sdqh + q0 * sdqs
+        if QV:
+            qv_base = qv_ptr + b64 * sdb + h.to(tl.int64) * sdh + q0 * sds
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32) * LOG2E
         for m0 in range(lo, f0, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
-                                 dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
-                                 SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                                 HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
+            if QV:
+                dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs,
+                                             sds, dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right,
+                                             BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
+                                             HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
+            else:
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
+                                     dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
+                                     rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI,
+                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
         for m0 in range(f0, f1, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
-                                 dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
-                                 SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                                 HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
+            if QV:
+                dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs,
+                                             sds, dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right,
+                                             BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
+                                             HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
+            else:
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
+                                     dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
+                                     rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI,
+                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
         for m0 in range(f1, hi, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd,
-                                 dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh,
-                                 SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                                 HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
+            if QV:
+                dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs,
+                                             sds, dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right,
+                                             BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
+                                             HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
+            else:
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
+                                     dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
+                                     rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI,
+                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
     dk = dk * (qk_scale * LN2)
+    if QV:
+        dv = dv + dvq * (qk_scale * LN2)
     tl.store(dk_ptr + b64 * sdkb + kh.to(tl.int64) * sdkh + j64 * sdks + dd[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=kvmask)
     tl.store(dv_ptr + b64 * sdvb + kh.to(tl.int64) * sdvh + j64 * sdvs + ddv[None, :],
@@ -598,9 +636,70 @@ def _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0
     return _dot_acc(ds.to(k.dtype), k, dq, DOT_PREC, UPCAST)
 
 
+@triton.jit
+def _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs, sds, dd, dmask, j, m0, sq,
+                   sk, qk_scale, softcap, slope2, left, right,
+                   BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
+                   EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, ddv, dvmask, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr):
+    """``_dkdv_block`` with FA3's ``qv`` (no dropout, no atomic dQ: FA3 has neither): scores ``k q^T + v qv^T``;
+    ``dvq += dS^T qv`` (scaled by the softmax scale at the end, like dK)."""
+    i = m0 + tl.arange(0, BLOCK_M)
+    i64 = i.to(tl.int64)[:, None]
+    q = _load_rows(q_base, q_base, sqs, 0, i64, dd, dmask, sq, MASK, EVEN_D, False)
+    qv = _load_rows(qv_base, qv_base, sds, 0, i64, ddv, dvmask, sq, MASK, EVEN_DV, False)
+    do = _load_rows(do_base, do_base, sds, 0, i64, ddv, dvmask, sq, MASK, EVEN_DV, False)
+    if MASK:
+        lse = tl.load(lse_base + i, mask=i < sq, other=float("inf"))
+        delta = tl.load(delta_base + i, mask=i < sq, other=0.0)
+    else:
+        lse = tl.load(lse_base + i)
+        delta = tl.load(delta_base + i)
+    kq = _dot_acc(v, tl.trans(qv), _dot(k, tl.trans(q), DOT_PREC, UPCAST), DOT_PREC, UPCAST)
+    s, t = _scores2(kq, i[None, :], j[:, None], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
+                    ALIBI, HAS_LEFT, HAS_RIGHT, CHUNK)
+    p = tl.math.exp2(s - lse[None, :] * LOG2E)
+    if MASK:
+        p = tl.where(s == float("-inf"), 0.0, p)
+    dp = _dot(v, tl.trans(do), DOT_PREC, UPCAST)
+    ds = p * (dp - delta[None, :])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dv = _dot_acc(p.to(do.dtype), do, dv, DOT_PREC, UPCAST)
+    dsc = ds.to(q.dtype)
+    dk = _dot_acc(dsc, q, dk, DOT_PREC, UPCAST)
+    dvq = _dot_acc(dsc, qv, dvq, DOT_PREC, UPCAST)
+    return dk, dv, dvq
+
+
+@triton.jit
+def _dq_block_qv(dq, dqv, q, qv, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
+                 slope2, left, right,
+                 BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
+                 EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, ddv, dvmask, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr):
+    """``_dq_block`` with FA3's ``qv``: scores ``q k^T + qv v^T``; ``dq += dS k``, ``dqv += dS v``."""
+    j = n0 + tl.arange(0, BLOCK_N)
+    j64 = j.to(tl.int64)[:, None]
+    k = _load_rows(k_base, k_base, sks, n0, j64, dd, dmask, sk, MASK, EVEN_D, False)
+    v = _load_rows(v_base, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, False)
+    qk = _dot_acc(qv, tl.trans(v), _dot(q, tl.trans(k), DOT_PREC, UPCAST), DOT_PREC, UPCAST)
+    s, t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
+                    ALIBI, HAS_LEFT, HAS_RIGHT, CHUNK)
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASK:
+        p = tl.where(s == float("-inf"), 0.0, p)
+    dp = _dot(do, tl.trans(v), DOT_PREC, UPCAST)
+    ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dsc = ds.to(k.dtype)
+    return _dot_acc(dsc, k, dq, DOT_PREC, UPCAST), _dot_acc(dsc, v, dqv, DOT_PREC, UPCAST)
+
+
 @_jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr, qv_ptr, dqv_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sdb, sds, sdh, sdqb, sdqs, sdqh, slb, slh,
     stride_ab,
     H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M,
@@ -609,9 +708,10 @@ def _attn_bwd_dq_kernel(
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     SU: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr,
+    QV: tl.constexpr,
 ):
     """dQ of one query block of one head (each program owns its rows: deterministic). ``DV`` / ``CHUNK``
-    as in the forward."""
+    as in the forward; ``QV``: also ``dqv = scale * dS V`` (``qv``/``dqv`` with ``do``'s strides)."""
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -655,22 +755,44 @@ def _attn_bwd_dq_kernel(
     k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh + k0 * sks
     v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0 * svs
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if QV:
+        qv_off = b64 * sdb + h.to(tl.int64) * sdh + i64 * sds + ddv[None, :]
+        qv_mask = (i[:, None] < sq) & dvmask[None, :]
+        qv = tl.load(qv_ptr + qv_off, mask=qv_mask, other=0.0)
+        dqv = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, CHUNK)
     for n0 in range(lo, f0, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
-                       slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, True, EVEN_D,
-                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
+        if QV:
+            dq, dqv = _dq_block_qv(dq, dqv, q, qv, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk,
+                                   qk_scale, softcap, slope2, left, right, BLOCK_N, DOT_PREC, UPCAST, True, EVEN_D,
+                                   SOFTCAP, ALIBI, HAS_LEFT, HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
+        else:
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
+                           softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, True,
+                           EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
     for n0 in range(f0, f1, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
-                       slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D,
-                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
+        if QV:
+            dq, dqv = _dq_block_qv(dq, dqv, q, qv, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk,
+                                   qk_scale, softcap, slope2, left, right, BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D,
+                                   SOFTCAP, ALIBI, HAS_LEFT, HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
+        else:
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
+                           softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST,
+                           False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
     for n0 in range(f1, hi, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale, softcap,
-                       slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, True, EVEN_D,
-                       SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
+        if QV:
+            dq, dqv = _dq_block_qv(dq, dqv, q, qv, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk,
+                                   qk_scale, softcap, slope2, left, right, BLOCK_N, DOT_PREC, UPCAST, True, EVEN_D,
+                                   SOFTCAP, ALIBI, HAS_LEFT, HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
+        else:
+            dq = _dq_block(dq, q, do, lse2, delta, k_base, v_base, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
+                           softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, True,
+                           EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, ddv, dvmask, DV, EVEN_DV, CHUNK)
     dq = dq * (qk_scale * LN2)
     tl.store(dq_ptr + b64 * sdqb + h.to(tl.int64) * sdqh + i64 * sdqs + dd[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=qmask)
+    if QV:
+        tl.store(dqv_ptr + qv_off, (dqv * (qk_scale * LN2)).to(dqv_ptr.dtype.element_ty), mask=qv_mask)
 
 
 @triton.jit(do_not_specialize=["sknb", "skns", "sknh", "svnb", "svns", "svnh", "skcb", "skcs", "skch", "svcb", "svcs",

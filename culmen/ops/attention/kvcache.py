@@ -90,7 +90,8 @@ class KVCachePlan:
 
     def __init__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                 alibi_slopes, num_splits, return_lse, attention_chunk: int = 0, descale: bool = False) -> None:
+                 alibi_slopes, num_splits, return_lse, attention_chunk: int = 0, descale: bool = False,
+                 qv: Tensor | None = None) -> None:
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(t, Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
@@ -161,6 +162,10 @@ class KVCachePlan:
             raise ValueError(f"num_splits must be a non-negative int, got {num_splits!r}")
         checks.check_common(q, k_cache, v_cache, 0.0, window_size, softcap, alibi_slopes, B, 4,
                             "(batch, seqlen, nheads, headdim)", True, True)
+        if qv is not None:
+            from culmen.ops.attention.op import check_qv
+
+            check_qv(qv, q, v_cache)
         if q.dtype in checks.FP8 and rotary_cos is not None:
             raise ValueError("rotary_cos/rotary_sin cannot rotate float8 q/k: rotate before quantizing")
         self.B, self.s_new, self.capacity, self.page = B, s_new, capacity, page
@@ -189,7 +194,7 @@ class KVCachePlan:
         self.attn = AttnPlan("kvcache", qa, kd, vd, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
                              window_size=tuple(window_size), softcap=softcap, return_lse=return_lse,
                              k_range=2 if cache_leftpad is not None else 1, k_add=s_new,
-                             attention_chunk=attention_chunk, descale=descale, fa3=True)
+                             attention_chunk=attention_chunk, descale=descale, fa3=True, qv=qv is not None)
         self.append = None
         # The append kernel writes k and v rows of one head dim; a V head dim of its own appends in PyTorch.
         if s_new and self.attn.use_kernel and dv == d:
@@ -210,9 +215,10 @@ class KVCachePlan:
         self.stream = stream_getter(self.device)
 
     def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                 cache_leftpad, block_table, alibi_slopes, descales=None):
+                 cache_leftpad, block_table, alibi_slopes, descales=None, qv=None):
         """Append, then attend: ``(out (B, sq, h, dv), lse (B, h, sq) fp32 or None)``. ``descales``: FP8
-        ``(q, k, v)`` descales (contiguous fp32 ``(B, hk)``) when the plan has them."""
+        ``(q, k, v)`` descales (contiguous fp32 ``(B, hk)``) when the plan has them; ``qv`` FA3's extra query
+        ``(B, sq, h, dv)`` (not rotated) when the plan has it."""
         B = self.B
         if cache_seqlens is None:  # the caches are full (after the new tokens)
             cache_seqlens = self.capacity - self.s_new
@@ -268,7 +274,7 @@ class KVCachePlan:
             kd, vd = k_cache, v_cache
         out, lse, _ = self.attn.forward(q, kd, vd, alibi_slopes, None, store_lse=self.return_lse,
                                         k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned,
-                                        descales=descales)
+                                        descales=descales, qv=qv)
         return out, lse
 
 
@@ -292,18 +298,19 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | N
                       window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, rotary_interleaved: bool = True,
                       alibi_slopes: Tensor | None = None, num_splits: int = 0,
                       return_softmax_lse: bool = False, attention_chunk: int = 0, q_descale: Tensor | None = None,
-                      k_descale: Tensor | None = None, v_descale: Tensor | None = None):
+                      k_descale: Tensor | None = None, v_descale: Tensor | None = None, qv: Tensor | None = None):
     """``flash_attn_with_kvcache`` (arguments, shapes and return as there): ``out (B, sq, h, dv)`` or
     ``(out, softmax_lse (B, h, sq) fp32)``; ``k_cache``/``v_cache`` are updated in place. FA3's additions:
     ``v_cache``'s head dim ``dv`` may differ from ``d``; ``attention_chunk`` (chunked-local, key positions
     counted from ``cache_leftpad``); float8_e4m3fn inputs with descales broadcastable to ``(B, hk)`` (bf16
-    out), as ``culmen.ops.attention.op.attention_fa3``."""
+    out), as ``culmen.ops.attention.op.attention_fa3``; ``qv (B, sq, h, dv)`` adds ``qv . v`` to every score
+    (FA3's MLA decode; default scale ``(d + dv) ** -0.5``)."""
     has_desc = q_descale is not None or k_descale is not None or v_descale is not None
     try:
         key = (_sig(q), _sig(k_cache), _sig(v_cache), _sig(k), _sig(v), _sig(rotary_cos), _sig(rotary_sin),
                type(cache_seqlens) is int or _sig(cache_seqlens), _sig(cache_batch_idx), _sig(cache_leftpad),
                _sig(block_table), _sig(alibi_slopes), softmax_scale, causal, window_size, softcap,
-               rotary_interleaved, num_splits, return_softmax_lse, attention_chunk, has_desc)
+               rotary_interleaved, num_splits, return_softmax_lse, attention_chunk, has_desc, _sig(qv))
         plan = PLANS.get(key)
     except (AttributeError, TypeError):
         key, plan = None, None
@@ -311,7 +318,7 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | N
         plan = KVCachePlan(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, attention_chunk,
-                           has_desc)
+                           has_desc, qv)
         if key is not None:
             PLANS.put(key, plan)
     desc = None
@@ -323,5 +330,5 @@ def attention_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | N
         desc = fa3_descales(q_descale, k_descale, v_descale, plan.B, plan.attn.HK, plan.device)
     with torch.no_grad():
         out, lse = plan(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                        cache_leftpad, block_table, alibi_slopes, desc)
+                        cache_leftpad, block_table, alibi_slopes, desc, qv)
     return (out, lse) if return_softmax_lse else out

@@ -159,7 +159,8 @@ class AttnPlan:
     def __init__(self, kind: str, q, k, v, alibi, cu_q=None, cu_k=None, max_q=None, max_k=None, *,
                  dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  deterministic=False, return_lse=True, return_probs=False, k_range: int = 0, k_add: int = 0,
-                 traced: bool = False, attention_chunk: int = 0, descale: bool = False, fa3: bool = False) -> None:
+                 traced: bool = False, attention_chunk: int = 0, descale: bool = False, fa3: bool = False,
+                 qv: bool = False) -> None:
         self.kind = kind
         self.varlen = varlen = kind == "varlen"
         if kind == "dense":
@@ -179,12 +180,18 @@ class AttnPlan:
         self.chunk = int(attention_chunk)
         self.fp8 = q.dtype in checks.FP8
         self.descale = bool(descale)
+        # FA3's qv (MLA): scores q . k + qv . v, qv shaped like out (.., h, DV); FA3's default scale then
+        # counts both head dims.
+        self.qv = bool(qv)
+        if self.qv and self.fp8:
+            raise ValueError("qv cannot be combined with float8 q/k/v (FA3 has no FP8 qv either)")
         self.out_dtype = torch.bfloat16 if self.fp8 else q.dtype
         self.o_shape = torch.Size((*q.shape[:-1], self.DV))
         self.device, self.dtype = q.device, q.dtype
         self.q_shape, self.k_shape, self.v_shape = q.shape, k.shape, v.shape
         D = int(q.shape[-1])  # specialized under torch.compile(dynamic=True) too: it picks the kernel config
-        self.scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+        self.scale = ((D + (self.DV if self.qv else 0)) ** -0.5 if softmax_scale is None
+                      else float(softmax_scale))
         self.dropout_p = float(dropout_p)
         self.has_dropout = self.dropout_p > 0.0
         self.causal = bool(causal)
@@ -271,7 +278,7 @@ class AttnPlan:
             SOFTCAP=self.softcap > 0.0, ALIBI=self.has_alibi, DROPOUT=self.has_dropout,
             HAS_LEFT=self.left >= 0, HAS_RIGHT=self.right >= 0, VARLEN=self.varlen,
             DV=self.DV if self.split_v else 0, BLOCK_DV=self.block_dv, EVEN_DV=self.DV == self.block_dv,
-            CHUNK=self.chunk,
+            CHUNK=self.chunk, QV=self.qv,
         )
         bm, bn, warps, stages = _blocks("fwd", self.block_w, on_gpu, q.dtype)
         su = _stride_unit(self.qs + self.ks + self.vs + self.os)
@@ -289,8 +296,8 @@ class AttnPlan:
                                         and not getattr(torch.version, "hip", None))))
         self.fwd_empty = self.fwd_grid[0] == 0
         # Pointers besides q/k/v whose alignment the direct launch must check per call.
-        self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0 or self.descale
-        self.atomic_ok = TUNING["atomic_dq"] and not self.deterministic
+        self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0 or self.descale or self.qv
+        self.atomic_ok = TUNING["atomic_dq"] and not self.deterministic and not self.qv
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
         """The forward's ``Launch`` (built on first use)."""
@@ -322,19 +329,21 @@ class AttnPlan:
         return q, k, v, alibi, cu_q, cu_k
 
     def forward(self, q, k, v, alibi, rng, cu_q=None, cu_k=None, store_lse: bool = True, k_start=None, k_end=None,
-                traced: bool = False, aligned: bool | None = None, descales=None):
+                traced: bool = False, aligned: bool | None = None, descales=None, qv=None):
         """``(out, lse, probs)``: ``out`` like ``q`` (head dim ``DV``; bf16 for float8 inputs); ``lse`` fp32
         ``(B, h, sq)`` / ``(h, total_q)`` or ``None`` when not ``store_lse`` (the reference always gives it);
         ``probs`` only with ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``).
         ``aligned``: the caller's finding that every pointer given is 16-byte aligned (else it is checked
         here). ``descales``: ``(q_descale, k_descale, v_descale)``, contiguous fp32 ``(B, hk)`` (the plan's
-        ``descale``), else ``None``."""
+        ``descale``), else ``None``. ``qv``: FA3's extra query ``(.., h, DV)`` when the plan has ``qv``."""
         if self.check_values:
             self.check_cu(q, k, cu_q, cu_k)
         if not self.use_kernel:
-            return self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end, descales)
+            return self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end, descales, qv)
         if self.fix_inputs:
             q, k, v, alibi, cu_q, cu_k = self._kernel_inputs(q, k, v, alibi, cu_q, cu_k)
+        if qv is not None:
+            qv = qv.contiguous()  # read with out's strides
         qd, kd, vd = _NO_DESCALE if descales is None else descales
         out = (torch.empty_like(q) if self.o_like
                else torch.empty(self.o_shape, dtype=self.out_dtype, device=self.device))
@@ -346,11 +355,11 @@ class AttnPlan:
             return out, lse, None
         if traced:
             self.fwd_launch(store_lse).traced(q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd,
-                                              *self.fwd_ints)
+                                              qv, *self.fwd_ints)
             return out, lse, None
         if aligned is None:
             if self.extra_ptrs:
-                aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end, qd, kd, vd)
+                aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end, qd, kd, vd, qv)
             else:
                 aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0
         if self.tma and aligned:
@@ -358,7 +367,7 @@ class AttnPlan:
             la = self.fwd_launch(store_lse, True)
         else:
             la = self._fwd.get(store_lse) or self.fwd_launch(store_lse)
-        la(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd,
+        la(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd, qv,
            *self.fwd_ints)
         return out, lse, None
 
@@ -374,9 +383,12 @@ class AttnPlan:
             kw["attention_chunk"] = self.chunk
         return kw
 
-    def _forward_ref(self, q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end, descales=None):
+    def _forward_ref(self, q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end, descales=None, qv=None):
         """The plan's forward on the PyTorch reference (CPU, fp64, return_probs, ``set_kernels_on_gpu``);
-        float8 inputs are dequantized to fp32 first (times their descales) and give bf16."""
+        float8 inputs are dequantized to fp32 first (times their descales) and give bf16. ``qv``: the scores
+        ``q . k + qv . v`` are those of ``[q, qv] . [k, v]`` (the scale is explicit, so nothing else changes)."""
+        if qv is not None:
+            q, k = torch.cat([q, qv.to(q.dtype)], -1), torch.cat([k, v], -1)
         if self.fp8 and q.dtype in checks.FP8:
             q, k, v = dequantize_fp8(q, k, v, descales, cu_q, cu_k)
             out, lse, probs = self._forward_ref(q, k, v, alibi, rng, cu_q, cu_k, k_start, k_end)
@@ -404,6 +416,9 @@ class AttnPlan:
         b = _BwdPlan()
         b.copy_do = _needs_copy(dout)
         dos = self._bsh(dout)
+        if self.qv:  # qv and dqv are read / written with dout's strides: all three contiguous
+            b.copy_do = b.copy_do or not dout.is_contiguous()
+            dos = self._out_bsh(self.o_shape)
         dqs = self._out_bsh(self.q_shape)  # dq is allocated contiguous
         su = _stride_unit(self.qs + self.ks + self.vs + self.os + dos + dqs + self.dks + self.dvs)
         u = (lambda st: tuple(s // su for s in st))
@@ -432,9 +447,11 @@ class AttnPlan:
         b.dq_ints = (*qkvd, *u(dqs), *common, H, H // self.HK, *self.sizes, self.D, num_m, *self.scal)
         return b
 
-    def backward(self, dout, q, k, v, out, lse, alibi, rng, cu_q=None, cu_k=None, traced: bool = False):
-        """Gradients ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v`` (dK/dV per KV head). ``dout`` may have
-        any strides; ``out``/``lse`` are this plan's forward outputs."""
+    def backward(self, dout, q, k, v, out, lse, alibi, rng, cu_q=None, cu_k=None, traced: bool = False, qv=None):
+        """Gradients ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v`` (dK/dV per KV head), and ``dqv`` after them
+        when the plan has ``qv``. ``dout`` may have any strides; ``out``/``lse`` are this plan's forward outputs."""
+        if self.qv and not self.use_kernel:
+            return self._backward_ref_qv(dout, q, k, v, out, lse, qv, cu_q, cu_k)
         if not self.use_kernel:
             kw = self._ref_kw(alibi, rng)
             if self.varlen:
@@ -454,6 +471,10 @@ class AttnPlan:
         dk = torch.empty_like(k) if self.k_like else torch.empty(self.k_shape, dtype=self.dtype, device=dev)
         dv = torch.empty_like(v) if self.v_like else torch.empty(self.v_shape, dtype=self.dtype, device=dev)
         delta = torch.empty(self.lse_shape, dtype=_F32, device=dev)
+        dqv = None
+        if self.qv:
+            qv = qv.contiguous()
+            dqv = torch.empty(self.o_shape, dtype=self.dtype, device=dev)
         # Per call: torch.use_deterministic_algorithms / culmen.set_deterministic may change any time.
         atomic = self.atomic_ok and not deterministic_enabled()
         dq_acc = torch.zeros(self.q_shape, dtype=_F32, device=dev) if atomic else dq
@@ -461,14 +482,15 @@ class AttnPlan:
         if traced:
             ok = True
         elif self.extra_ptrs:
-            ok = _aligned(q, k, v, dout, alibi, cu_q, cu_k)
+            ok = _aligned(q, k, v, dout, alibi, cu_q, cu_k, qv, dqv)
         else:
             ok = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) & 15 == 0
         launches = ((b.pre, (out, dout, delta, cu_q, *b.pre_ints), ()),
-                    (b.dkdv[atomic], (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, cu_q, cu_k,
+                    (b.dkdv[atomic], (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, cu_q, cu_k, qv,
                                       *b.dkdv_ints[atomic]), (dk, dv)))
         if not atomic:
-            launches += ((b.dq, (q, k, v, dout, lse, delta, dq, alibi, rng, cu_q, cu_k, *b.dq_ints), (dq,)),)
+            launches += ((b.dq, (q, k, v, dout, lse, delta, dq, alibi, rng, cu_q, cu_k, qv, dqv, *b.dq_ints),
+                          (dq,) if dqv is None else (dq, dqv)),)
         for la, args, outs in launches:
             if la.grid[0] == 0:  # nothing to run: what it would write is all zeros (no keys / no queries)
                 for t in outs:
@@ -479,7 +501,22 @@ class AttnPlan:
                 la(stream, ok, *args)
         if atomic:
             dq.copy_(dq_acc)
+        if self.qv:
+            return dq, dk, dv, dqv
         return dq, dk, dv
+
+    def _backward_ref_qv(self, dout, q, k, v, out, lse, qv, cu_q, cu_k):
+        """The reference backward with ``qv``: that of ``[q, qv] . [k, v]`` attention over ``v``, the gradient of
+        the concatenated key's tail added to dV."""
+        d = q.shape[-1]
+        q2, k2 = torch.cat([q, qv.to(q.dtype)], -1), torch.cat([k, v], -1)
+        kw = self._ref_kw(None, None)
+        if self.varlen:
+            dq2, dk2, dv = attention_varlen_bwd_ref(dout, q2, k2, v, out, lse, cu_q, cu_k, self.sq, self.sk, **kw)
+        else:
+            dq2, dk2, dv = attention_bwd_ref(dout, q2, k2, v, out, lse, **kw)
+        return (dq2[..., :d].contiguous(), dk2[..., :d].contiguous(), (dv + dk2[..., d:]).to(v.dtype),
+                dq2[..., d:].to(qv.dtype).contiguous())
 
 
 _NO_DESCALE = (None, None, None)

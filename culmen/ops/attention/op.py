@@ -293,6 +293,41 @@ def _attention_compiled(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_sc
 FA3_PLANS = PlanCache("attention_fa3")
 
 
+class _AttnQVFn(torch.autograd.Function):
+    """Eager autograd of attention with FA3's ``qv`` (a fifth differentiable input). Returns ``out`` or
+    ``(out, lse)`` (``lse`` not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, plan, q, k, v, qv, cu_q, cu_k):
+        out, lse, _ = plan.forward(q, k, v, None, None, cu_q, cu_k, True, qv=qv)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, qv, out, lse, cu_q, cu_k)
+        ctx.set_materialize_grads(False)
+        if not plan.return_lse:
+            return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if dout is None:
+            return (None,) * 7
+        q, k, v, qv, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv, dqv = ctx.plan.backward(dout, q, k, v, out, lse, None, None, cu_q, cu_k, qv=qv)
+        return None, dq, dk, dv, dqv, None, None
+
+
+def check_qv(qv, q: Tensor, v: Tensor) -> None:
+    """FA3's ``qv``: q's dtype and device, ``q``'s shape but for the last dim, which is V's head dim."""
+    if not isinstance(qv, Tensor):
+        raise TypeError(f"qv must be a torch.Tensor, got {type(qv).__name__}")
+    want = (*q.shape[:-1], v.shape[-1])
+    if tuple(qv.shape) != want:
+        raise ValueError(f"qv must have shape {want} (q's with V's head dim), got {tuple(qv.shape)}")
+    if qv.dtype != q.dtype or qv.device != q.device:
+        raise TypeError(f"qv must have q's dtype {q.dtype} and device {q.device}, got {qv.dtype} on {qv.device}")
+
+
 def fa3_descales(q_descale, k_descale, v_descale, batch: int, nheads_k: int, device):
     """FA3's descales as the kernels read them: contiguous fp32 ``(batch, nheads_k)`` on ``device`` (a
     missing one is 1). Each may be any tensor that broadcasts to ``(batch, nheads_k)``, as FA3 takes them."""
@@ -317,7 +352,7 @@ def attention_fa3(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None =
                   max_seqlen_k: int | None = None, softmax_scale: float | None = None, causal: bool = False,
                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, deterministic: bool = False,
                   return_lse: bool = False, attention_chunk: int = 0, q_descale: Tensor | None = None,
-                  k_descale: Tensor | None = None, v_descale: Tensor | None = None):
+                  k_descale: Tensor | None = None, v_descale: Tensor | None = None, qv: Tensor | None = None):
     """Attention with FlashAttention-3's extra features, dense (``q (B, sq, h, d)``, ``k (B, sk, hk, d)``,
     ``v (B, sk, hk, dv)``) or varlen (packed ``(total, heads, ...)`` with int32 ``cu_seqlens_q/k``):
 
@@ -331,6 +366,9 @@ def attention_fa3(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None =
       ``(B, hk)``; missing = 1): the forward computes ``softmax(scale * (q * qd) . (k * kd)) (v * vd)``
       with fp8 tensor-core products (P is rounded to fp8 for the second one, as FA3 does) and returns bf16.
       No backward (as FA3).
+    * ``qv`` (FA3's MLA-style extra query, ``(B, sq, h, dv)`` / ``(total_q, h, dv)``, q's dtype): every score is
+      ``scale * (q . k + qv . v)``, ``scale`` defaulting to ``(d + dv) ** -0.5`` as in FA3. Differentiable
+      here (dq, dk, dv, dqv; FA3's backward ignores qv); not with float8 inputs.
 
     Returns ``out``, or with ``return_lse`` ``(out, lse)`` (fp32 ``(B, h, sq)`` / ``(h, total_q)``). Runs
     eagerly (``torch.compile`` calls it outside the graph).
@@ -343,8 +381,10 @@ def attention_fa3(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None =
         raise ValueError(f"q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only, q is "
                          f"{getattr(q, 'dtype', type(q).__name__)}")
     varlen = cu_seqlens_q is not None
+    if qv is not None:
+        check_qv(qv, q, v)
     try:
-        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+        key = (qv is not None, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
                v.shape, v.stride(), v.dtype, v.device, varlen and (cu_seqlens_q.shape, cu_seqlens_q.device,
                                                                    cu_seqlens_k.shape, cu_seqlens_k.device),
                max_seqlen_q, max_seqlen_k, softmax_scale, causal, tuple(window_size), softcap, deterministic,
@@ -356,9 +396,14 @@ def attention_fa3(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None =
         plan = AttnPlan("varlen" if varlen else "dense", q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                         max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                         softcap=softcap, deterministic=deterministic, return_lse=return_lse,
-                        attention_chunk=attention_chunk, descale=has_desc, fa3=True)
+                        attention_chunk=attention_chunk, descale=has_desc, fa3=True, qv=qv is not None)
         if key is not None:
             FA3_PLANS.put(key, plan)
+    if qv is not None:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or qv.requires_grad):
+            return _AttnQVFn.apply(plan, q, k, v, qv, cu_seqlens_q, cu_seqlens_k)
+        out, lse, _ = plan.forward(q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, return_lse, qv=qv)
+        return (out, lse) if return_lse else out
     if plan.fp8:
         desc = fa3_descales(q_descale, k_descale, v_descale, plan.B, plan.HK, plan.device) if has_desc else None
         out, lse, _ = plan.forward(q, k, v, None, None, cu_seqlens_q, cu_seqlens_k, return_lse, descales=desc)
