@@ -6,16 +6,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn import Parameter
 
-from culmen.contrib.multihead_attn._core import check_dropout, check_heads, encdec_attention
+from culmen.contrib.multihead_attn._core import encdec_attention
 from culmen.contrib.multihead_attn.encdec_multihead_attn_func import encdec_attn_func
 from culmen.contrib.multihead_attn.self_multihead_attn import (
-    _check_flag,
     add_norm_params,
-    check_impl,
     default_norm_input,
     pick_mask,
     reset_norm_params,
     residual_dropout_add,
+    set_attn_settings,
 )
 
 
@@ -33,15 +32,7 @@ class EncdecMultiheadAttn(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = False,
                  include_norm_add: bool = False, impl: str = "fast", mask_additive: bool = False) -> None:
         super().__init__()
-        self.head_dim = check_heads(embed_dim, num_heads)
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
-        self.dropout = check_dropout(dropout)
-        self.bias = _check_flag("bias", bias)
-        self.include_norm_add = _check_flag("include_norm_add", include_norm_add)
-        self.impl = check_impl(impl)
-        self.mask_additive = _check_flag("mask_additive", mask_additive)
-        self.scaling = self.head_dim ** -0.5
+        set_attn_settings(self, embed_dim, num_heads, dropout, bias, include_norm_add, impl, mask_additive)
         e = embed_dim
         self.in_proj_weight_q = Parameter(torch.empty(e, e))
         self.in_proj_weight_kv = Parameter(torch.empty(2 * e, e))

@@ -40,6 +40,21 @@ def residual_dropout_add(x: Tensor, residual: Tensor, p: float, is_training: boo
     return residual + (F.dropout(x, p) if is_training and p > 0.0 else x)
 
 
+def set_attn_settings(module: nn.Module, embed_dim: int, num_heads: int, dropout: float, bias: bool,
+                      include_norm_add: bool, impl: str, mask_additive: bool) -> None:
+    """Check the constructor arguments both attention modules share and keep them under Apex's attribute names
+    (plus ``head_dim`` and ``scaling = head_dim ** -0.5``)."""
+    module.head_dim = check_heads(embed_dim, num_heads)
+    module.embed_dim = embed_dim
+    module.num_heads = num_heads
+    module.dropout = check_dropout(dropout)
+    module.bias = _check_flag("bias", bias)
+    module.include_norm_add = _check_flag("include_norm_add", include_norm_add)
+    module.impl = check_impl(impl)
+    module.mask_additive = _check_flag("mask_additive", mask_additive)
+    module.scaling = module.head_dim ** -0.5
+
+
 def add_norm_params(module: nn.Module, embed_dim: int, include_norm_add: bool, impl: str) -> None:
     """The pre-LayerNorm's parameters under Apex's names: ``lyr_nrm_gamma_weights`` / ``lyr_nrm_beta_weights``
     ``(embed_dim,)`` for the fast path, a ``FusedLayerNorm`` ``lyr_nrm`` for the default one."""
@@ -95,16 +110,8 @@ class SelfMultiheadAttn(nn.Module):
                  include_norm_add: bool = False, impl: str = "fast", separate_qkv_params: bool = False,
                  mask_additive: bool = False) -> None:
         super().__init__()
-        self.head_dim = check_heads(embed_dim, num_heads)
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
-        self.dropout = check_dropout(dropout)
-        self.bias = _check_flag("bias", bias)
-        self.include_norm_add = _check_flag("include_norm_add", include_norm_add)
-        self.impl = check_impl(impl)
-        self.scaling = self.head_dim ** -0.5
+        set_attn_settings(self, embed_dim, num_heads, dropout, bias, include_norm_add, impl, mask_additive)
         self.separate_qkv_params = _check_flag("separate_qkv_params", separate_qkv_params)
-        self.mask_additive = _check_flag("mask_additive", mask_additive)
         e = embed_dim
         if separate_qkv_params:
             self.q_weight = Parameter(torch.empty(e, e))
