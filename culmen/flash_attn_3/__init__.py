@@ -3,10 +3,13 @@
 ``import culmen.flash_attn_3 as fa3`` or, through culmen's import alias (``culmen.compat``),
 ``from flash_attn_interface import flash_attn_func``. See ``culmen.flash_attn_3.interface`` for what is
 honoured: FA3's arguments, a V head dim other than the QK head dim, ``attention_chunk`` (with a backward,
-which FA3 lacks) and the FP8 forward; only ``qv`` raises ``NotImplementedError`` (issue 17).
+which FA3 lacks), the FP8 forward, ``qv`` (with a backward) and split-KV decoding. culmen's own additions:
+``quantize_fp8`` (FA3-style descales, optionally after a Hadamard rotation of Q and K, ``culmen.flash_attn_3.fp8``)
+and ``flash_attn_func(..., quantize="fp8" | "fp8_hadamard")``.
 """
 
 from culmen.flash_attn_3.combine import flash_attn_combine
+from culmen.flash_attn_3.fp8 import quantize_fp8
 from culmen.flash_attn_3.interface import (
     flash_attn_func,
     flash_attn_qkvpacked_func,
@@ -22,4 +25,5 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "get_scheduler_metadata",
+    "quantize_fp8",
 ]

@@ -56,6 +56,7 @@ from culmen.ops.attention.op import attention, attention_fa3, attention_varlen, 
 from culmen.ops.backend import check_values_on
 
 from .combine import flash_attn_combine
+from .fp8 import quantize_fp8
 
 __all__ = [
     "flash_attn_combine",
@@ -113,6 +114,8 @@ def flash_attn_func(
     deterministic: bool = False,
     sm_margin: int = 0,
     return_attn_probs: bool = False,
+    *,
+    quantize: str | None = None,
 ):
     """Attention with ``q (batch, seqlen_q, nheads, headdim)`` and ``k``/``v`` ``(batch, seqlen_k,
     nheads_k, headdim)``, ``nheads % nheads_k == 0``; fp16/bf16 (fp32/fp64 too), differentiable.
@@ -125,9 +128,20 @@ def flash_attn_func(
     descales run the FP8 forward (bf16 ``out``, no backward). ``qv (batch, seqlen_q, nheads, headdim_v)`` adds
     ``qv . v`` to every score (default scale ``(headdim + headdim_v) ** -0.5``), differentiable.
 
+    ``quantize`` (culmen's keyword, not FA3's): ``"fp8"`` quantizes fp16/bf16/fp32 q/k/v to float8_e4m3fn with
+    per-(batch, kv head) descales (``quantize_fp8``) and runs the FP8 forward; ``"fp8_hadamard"`` first rotates
+    q and k by a block Hadamard matrix (q.k unchanged in exact arithmetic, outlier channels spread, smaller FP8
+    error). No backward; not with descales or ``qv``.
+
     Returns ``out (batch, seqlen_q, nheads, headdim_v)`` in q's dtype (bf16 for float8), or with
     ``return_attn_probs`` ``(out, softmax_lse (batch, nheads, seqlen_q) fp32)``.
     """
+    if quantize is not None:
+        if quantize not in ("fp8", "fp8_hadamard"):
+            raise ValueError(f"quantize must be None, 'fp8' or 'fp8_hadamard', got {quantize!r}")
+        if q_descale is not None or k_descale is not None or v_descale is not None or qv is not None:
+            raise ValueError("quantize computes the descales itself: give no q/k/v_descale and no qv with it")
+        q, k, v, q_descale, k_descale, v_descale = quantize_fp8(q, k, v, hadamard=quantize == "fp8_hadamard")
     if num_splits != 1 or pack_gqa is not None or sm_margin:
         _knobs(num_splits, pack_gqa, sm_margin)
     window_size = _window(window_size)
