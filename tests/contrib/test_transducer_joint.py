@@ -179,6 +179,9 @@ def test_apex_import_path_through_the_alias():
         import culmen.contrib.transducer as ct
         assert TransducerJoint is ct.TransducerJoint and TransducerLoss is ct.TransducerLoss
         assert t.TransducerJointFunc and t.TransducerLossFunc
+        from apex.contrib.transducer import _transducer_ref
+        from apex.contrib.transducer._transducer_ref import transducer_joint_reference, transducer_loss_reference
+        assert _transducer_ref.transducer_joint_reference is transducer_joint_reference
         print("OK")
     """)
     assert run_python(code) == "OK"
@@ -248,3 +251,36 @@ def test_joint_dropout_gpu(pack):
     with ub("reference"):
         joint2(f.double(), g.double(), f_len, g_len)
     assert torch.equal(joint2.mask_probe[0], joint2.mask_probe[1])
+
+
+@pytest.mark.parametrize("pack,relu,dropout", [(False, False, False), (True, True, True)])
+def test_apex_joint_reference(pack, relu, dropout):
+    """``_transducer_ref.transducer_joint_reference`` (Apex's test oracle): ``h`` as the element-wise formula,
+    ``-1`` or packed outside the lengths, gradients over the whole grid (as Apex's: ``h_grad`` is not masked)."""
+    from culmen.contrib.transducer._transducer_ref import transducer_joint_reference
+
+    f, g, f_len, g_len = _inputs(torch.float64)
+    B, T, H = f.shape
+    U = g.shape[1]
+    dh = torch.randn(B, T, U, H, dtype=torch.float64)
+    mask = (torch.rand(B, T, U, H) > 0.4).to(torch.uint8) if dropout else None
+    h, df, dg = transducer_joint_reference(f, g, dh, f_len, g_len, pack, relu, dropout, 0.4, mask)
+    assert f.grad is None and g.grad is None
+    # Element-wise, with the chain rule written out (no autograd): keep = relu gate * dropout mask / (1 - p).
+    s = f.detach()[:, :, None] + g.detach()[:, None]
+    keep = torch.ones_like(s)
+    if relu:
+        keep = keep * (s > 0)
+    if dropout:
+        keep = keep * mask / 0.6
+    full = s * keep
+    want = _pack(full, f_len, g_len) if pack else full.clone()
+    if not pack:
+        for b in range(B):
+            want[b, int(f_len[b]):] = -1
+            want[b, :, int(g_len[b]):] = -1
+    torch.testing.assert_close(h, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(df, (dh * keep).sum(2), rtol=0, atol=1e-12)
+    torch.testing.assert_close(dg, (dh * keep).sum(1), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="mask"):
+        transducer_joint_reference(f, g, dh, f_len, g_len, pack, relu, True, 0.4, None)

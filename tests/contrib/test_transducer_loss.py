@@ -203,3 +203,29 @@ def test_loss_gpu(dtype, packed):
     dx_lo = rnnt_loss_bwd_ref(lg.cpu().float(), xf, cpu[1], cpu[2], cpu[3], blank, None, T, False, saved_lo)
     assert_close_tolerance(loss.cpu(), loss_hi, loss_lo.to(dtype), name="loss")
     assert_close_tolerance(dx.cpu(), dx_hi, dx_lo.to(dtype), name="dx")
+
+
+def test_apex_loss_reference():
+    """``_transducer_ref.transducer_loss_reference`` (Apex's test oracle) against the textbook float64 loss:
+    the loss, ``loss_grad``-weighted gradient, ``beta[:, 0, 0] = -loss``, ``alpha[:, 0, 0] = 0``, and both
+    lattices zero outside ``t < f_len``, ``u <= y_len``."""
+    from culmen.contrib.transducer._transducer_ref import transducer_loss_reference
+
+    x, label, f_len, y_len = _inputs(torch.float64)
+    B, T, U, _ = x.shape
+    lg = torch.rand(B, dtype=torch.float64) + 0.5
+    alpha, beta, dx, loss = transducer_loss_reference(x, label, f_len, y_len, 3, lg)
+    want_loss, want_dx = _oracle(x, label, f_len, y_len, 3, lg, torch.float64)
+    assert x.grad is None and loss.dtype == dx.dtype == torch.float64 and alpha.shape == beta.shape == (B, T, U)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dx, want_dx, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(beta[:, 0, 0], -want_loss, rtol=1e-10, atol=1e-10)
+    assert bool((alpha[:, 0, 0] == 0).all())
+    for b in range(B):
+        fl, yl = int(f_len[b]), int(y_len[b])
+        assert bool((alpha[b, fl:] == 0).all() and (alpha[b, :, yl + 1:] == 0).all())
+        assert bool((beta[b, fl:] == 0).all() and (beta[b, :, yl + 1:] == 0).all())
+        # The last node emits the final blank: beta there is that blank's log-probability.
+        want_end = torch.log_softmax(x.detach()[b, fl - 1, yl], -1)[3]
+        torch.testing.assert_close(beta[b, fl - 1, yl], want_end, rtol=1e-12, atol=1e-12)
+    assert transducer_loss_reference(x.float(), label, f_len, y_len, 3, lg.float())[0].dtype == torch.float32
