@@ -313,7 +313,9 @@ def flash_attn_with_kvcache(
     or int32 ``(B,)``; default: the caches are full). ``rotary_cos``/``rotary_sin`` ``(seqlen_ro,
     rotary_dim / 2)`` rotate the new K at ``cache_seqlens + t`` and Q at the same positions when causal
     or local, else at ``cache_seqlens``. ``cache_batch_idx (B,)`` picks cache rows; ``cache_leftpad (B,)``
-    is where each row's keys start. ``num_splits`` is accepted (the kernel needs no split-KV pass).
+    is where each row's keys start. ``num_splits``: split-KV decoding; > 1 splits the keys into that many runs
+    merged by their lse (a fixed schedule, CUDA-graph capturable), 0 chooses on GPUs for decoding that would
+    not fill the SMs, 1 never splits.
     Returns ``out`` or ``(out, softmax_lse (B, h, sq) fp32)``.
     """
     if not (type(window_size) is tuple and window_size[1:2] and not window_size[2:]  # see flash_attn_qkvpacked_func

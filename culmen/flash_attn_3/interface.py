@@ -5,8 +5,8 @@ Same names, argument order, defaults and return conventions as FA3:
 * ``flash_attn_func`` / ``flash_attn_qkvpacked_func`` / ``flash_attn_varlen_func`` return ``out`` or,
   with ``return_attn_probs=True``, ``(out, softmax_lse)`` (FA2 returned a third ``S_dmask``; FA3 does not).
 * ``flash_attn_with_kvcache`` returns ``out`` or, with ``return_softmax_lse=True``, FA3's four values
-  ``(out, softmax_lse, out_accum, softmax_lse_accum)``; culmen does not split the keys (``num_splits`` is
-  accepted and changes nothing), so the last two are empty fp32 tensors, as FA3 returns them unsplit.
+  ``(out, softmax_lse, out_accum, softmax_lse_accum)``; the last two are empty fp32 tensors (culmen merges its
+  split-KV partials itself and does not hand them back).
 * ``softmax_lse`` is ``(batch, nheads, seqlen_q)`` fp32, or ``(nheads, total_q)`` for packed (varlen)
   queries; rows that see no key output 0 and have ``lse = +inf``.
 
@@ -17,8 +17,13 @@ local masks align to those used lengths), ``cu_seqlens_q`` / ``cu_seqlens_k`` le
 (batched or packed by ``cu_seqlens_k_new``), packed queries (``cu_seqlens_q`` + ``max_seqlen_q``),
 rotary (``rotary_cos/sin``, ``rotary_interleaved``, explicit offsets ``rotary_seqlens``),
 ``cache_batch_idx``, ``cache_leftpad`` and ``page_table`` with any page size (1, 3, 64 ...).
-Accepted with no effect on the numbers: ``num_splits``, ``pack_gqa``, ``sm_margin``, ``scheduler_metadata``
-(``get_scheduler_metadata`` returns an int32 tensor for it).
+Split-KV decoding (flash-decoding) in ``flash_attn_with_kvcache``: ``num_splits > 1`` splits every row's keys
+into that many runs (fixed schedule: CUDA-graph capturable, no host sync), each writing a partial output and
+lse that ``flash_attn_combine`` merges; ``num_splits=0`` (the default) chooses on GPUs from batch, KV heads and
+cache capacity when ``seqlen_q <= 16`` and the programs would not fill the SMs
+(``culmen.ops.attention.launch.choose_num_splits``), else 1; a paged cache (any page size) is then read through
+``page_table`` directly. Accepted with no effect on the numbers: ``num_splits`` of the other functions,
+``pack_gqa``, ``sm_margin``, ``scheduler_metadata`` (``get_scheduler_metadata`` returns an int32 tensor for it).
 
 FA3's features (issue 17), through ``culmen.ops.attention.op.attention_fa3`` and the KV-cache op:
 
@@ -457,13 +462,14 @@ def flash_attn_with_kvcache(
     if cu_seqlens_q is None and cu_seqlens_k_new is None and rotary_seqlens is None:
         res = attention_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
-                                rotary_interleaved, None, 0, return_softmax_lse, attention_chunk, q_descale, k_descale,
-                                v_descale, qv)
+                                rotary_interleaved, None, max(num_splits, 0), return_softmax_lse, attention_chunk,
+                                q_descale, k_descale, v_descale, qv)
     else:
         res = _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q,
                                rotary_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                               return_softmax_lse, (attention_chunk, q_descale, k_descale, v_descale), qv)
+                               return_softmax_lse, (attention_chunk, q_descale, k_descale, v_descale), qv,
+                               max(num_splits, 0))
     if not return_softmax_lse:
         return res
     empty = torch.empty(0, dtype=torch.float32, device=q.device)
@@ -484,7 +490,8 @@ def _token_batch(cu: Tensor, total: int) -> tuple[Tensor, Tensor, Tensor]:
 
 def _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                      cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
-                     softmax_scale, causal, window_size, softcap, rotary_interleaved, return_lse, extra, qv=None):
+                     softmax_scale, causal, window_size, softcap, rotary_interleaved, return_lse, extra, qv=None,
+                     num_splits=0):
     """The FA3-only forms (packed queries, packed new keys, explicit rotary offsets): rotate and append
     here in PyTorch (every write bounds-safe), then attend through culmen's kvcache op with no new tokens
     and packed queries end-aligned in a ``(batch, max_seqlen_q)`` grid (so the bottom-right diagonal of
@@ -595,7 +602,7 @@ def _kvcache_general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         q_grid = qr.view(q.shape)
     out, lse = attention_kvcache(q_grid, k_cache, v_cache, None, None, None, None, seqlen_k, cache_batch_idx,
                                  cache_leftpad, page_table, softmax_scale, causal, window_size, softcap, True, None,
-                                 0, True, *extra, qv)
+                                 num_splits, True, *extra, qv)
     if cu_seqlens_q is not None:
         src_b, src_s = qb, slot.clamp(0, max(max_seqlen_q - 1, 0))
         out = out[src_b, src_s]
@@ -633,9 +640,9 @@ def get_scheduler_metadata(
 ) -> Tensor:
     """FA3's precomputed tile schedule for ``flash_attn_with_kvcache(..., scheduler_metadata=...)``.
 
-    culmen's kvcache kernel needs no schedule (it does not split the keys), so this returns an int32
-    ``(batch_size + 1,)`` tensor on ``cache_seqlens``' device: a zero (FA3's tile semaphore slot) and then
-    the number of key splits per sequence (1). ``flash_attn_with_kvcache`` checks its type and ignores its
+    culmen fixes its split-KV schedule per call signature on the host (``num_splits``, or the automatic choice
+    from batch, heads and cache capacity), so this returns an int32 ``(batch_size + 1,)`` tensor on
+    ``cache_seqlens``' device: a zero (FA3's tile semaphore slot) and then 1 per sequence. ``flash_attn_with_kvcache`` checks its type and ignores its
     values; it stays valid when cache lengths change, so a CUDA-graph decode loop can reuse it.
     ``attention_chunk``, ``headdim_v`` and float8 ``qkv_dtype`` are accepted (nothing to schedule).
     """

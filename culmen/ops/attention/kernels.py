@@ -241,18 +241,36 @@ def _load_rows(desc, base, stride, n0, j64, dd, dmask, n, MASK: tl.constexpr, EV
 
 
 @triton.jit
+def _load_paged(base, table_row, k0, sb, ss, j, dd, dmask, sk, PAGE: tl.constexpr):
+    """Rows ``j`` (``< sk``) of a paged cache: position ``k0 + j`` lives in row ``pos % PAGE`` of page
+    ``table_row[pos // PAGE]`` (page stride ``sb``, row stride ``ss``). The launcher clamps the page numbers."""
+    valid = j < sk
+    pos = k0 + j.to(tl.int64)
+    pg = tl.load(table_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+    off = pg * sb + (pos % PAGE) * ss
+    return tl.load(base + off[:, None] + dd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
 def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
                softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
                BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
-               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr):
+               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr, table_row, k0, skb, svb,
+               PAGE: tl.constexpr):
     j = n0 + tl.arange(0, BLOCK_N)
     j64 = j.to(tl.int64)[:, None]
-    k = _load_rows(k_desc, k_base, sks, n0, j64, dd, dmask, sk, MASK, EVEN_D, USE_TMA)
+    if PAGE > 0:
+        k = _load_paged(k_base, table_row, k0, skb, sks, j, dd, dmask, sk, PAGE)
+    else:
+        k = _load_rows(k_desc, k_base, sks, n0, j64, dd, dmask, sk, MASK, EVEN_D, USE_TMA)
     qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST)
     if QV:  # FA3's qv (MLA): the scores gain qv . v, so V is needed before the softmax
-        v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
+        if PAGE > 0:
+            v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+        else:
+            v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
         qk = _dot_acc(qv, tl.trans(v), qk, DOT_PREC, UPCAST)
     if MASK or SOFTCAP or ALIBI:
         s, _t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
@@ -269,7 +287,10 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
     if DROPOUT:
         p = tl.where(_keep(rng_ptr, p_drop, bh, i[:, None], j[None, :], SQS, SKS), p, 0.0)
     if not QV:
-        v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
+        if PAGE > 0:
+            v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+        else:
+            v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
     if UPCAST == 2:  # fp8 under the CPU interpreter, whose fp32 -> fp8 rounding is wrong at binade edges: P in fp32
         acc = _dot_acc(p, v, acc * alpha[:, None], DOT_PREC, UPCAST)
     else:
@@ -280,7 +301,7 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
 @_jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr,
-    qd_ptr, kd_ptr, vd_ptr, qv_ptr,
+    qd_ptr, kd_ptr, vd_ptr, qv_ptr, table_ptr,
     sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
     stride_ab,
     H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M, K_ADD,
@@ -290,7 +311,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
-    QV: tl.constexpr,
+    QV: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
 
@@ -301,6 +322,12 @@ def _attn_fwd_kernel(
     (``_scores2``); ``DESCALE`` FP8 descales ``qd``/``kd``/``vd`` (fp32 ``(B, HK)``, contiguous), the first
     two folded into the softmax scale, the last into the output; ``QV`` FA3's ``qv`` (``(.., h, DV)``, laid out
     like ``out``: read with ``out``'s strides), whose ``qv . v`` joins ``q . k`` in every score.
+
+    Split-KV decoding (``K_RANGE`` only): ``SPLIT`` splits each row's visible keys into ``num_programs(1)`` runs of
+    whole key blocks; program ``(.., s)`` writes split ``s``'s normalized partial output and lse (``-inf`` when it
+    saw no key) at ``o_ptr`` / ``lse_ptr`` + ``s`` times one output / lse (``flash_attn_combine`` merges them).
+    ``PAGE > 0``: K/V are a paged cache of ``PAGE`` rows a page read through ``table_ptr`` (contiguous ``(B,
+    SK // PAGE)``, page numbers already clamped); ``skb``/``svb`` are then the page strides.
     """
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
@@ -338,8 +365,14 @@ def _attn_fwd_kernel(
         dvmask = dmask
     b64 = b.to(tl.int64)
     q_base = q_ptr + b64 * sqb + h.to(tl.int64) * sqh + q0 * sqs
-    k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh + k0 * sks
-    v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0 * svs
+    if PAGE > 0:  # rows are found through the page table (_load_paged)
+        k_base = k_ptr + kh.to(tl.int64) * skh
+        v_base = v_ptr + kh.to(tl.int64) * svh
+        table_row = table_ptr + b64 * (SK // PAGE)
+    else:
+        k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh + k0 * sks
+        v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0 * svs
+        table_row = table_ptr
     i64 = i.to(tl.int64)[:, None]
     rowmask = i[:, None] < sq
     q = tl.load(q_base + i64 * sqs + dd[None, :], mask=rowmask & dmask[None, :], other=0.0)
@@ -364,24 +397,32 @@ def _attn_fwd_kernel(
         k_desc = k_base
         v_desc = v_base
     lo, f0, f1, hi = _bounds(m0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, CHUNK)
+    if SPLIT:  # this split's run of whole key blocks of [lo, hi), each of the three ranges cut to it
+        per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), tl.num_programs(1)) * BLOCK_N
+        s0 = lo + tl.program_id(1) * per
+        s1 = tl.maximum(tl.minimum(s0 + per, hi), s0)
+        lo = tl.minimum(tl.maximum(lo, s0), s1)
+        f0 = tl.minimum(tl.maximum(f0, s0), s1)
+        f1 = tl.minimum(tl.maximum(f1, s0), s1)
+        hi = tl.minimum(tl.maximum(hi, s0), s1)
     for n0 in range(lo, f0, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE)
     for n0 in range(f0, f1, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE)
     for n0 in range(f1, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:
@@ -389,7 +430,16 @@ def _attn_fwd_kernel(
     if DESCALE:
         inv = inv * tl.load(vd_ptr + sc)
     out = acc * inv[:, None]
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    if SPLIT:  # a split that saw no key weighs nothing in the merge
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+        one = tl.cast(tl.num_programs(0) // NUM_M, tl.int64) * SQ  # rows of one split's output (B * H * SQ)
+        if DV > 0:
+            o_ptr += tl.program_id(1) * one * DV
+        else:
+            o_ptr += tl.program_id(1) * one * D
+        lse_ptr += tl.program_id(1) * one
+    else:
+        lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     o_base = o_ptr + b64 * sob + h.to(tl.int64) * soh + q0 * sos
     tl.store(o_base + i64 * sos + ddv[None, :], out.to(o_ptr.dtype.element_ty), mask=rowmask & dvmask[None, :])
     if STORE_LSE:

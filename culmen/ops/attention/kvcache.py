@@ -6,7 +6,9 @@ to the row's last key. Inference only (no backward).
 A ``KVCachePlan`` holds what one call signature derives (the checks passed, the dense view of the cache
 and the ``AttnPlan`` of the attention, whose forward kernel reads each row's key range itself:
 ``K_RANGE``, the end computed in-kernel as ``cache_seqlens[b] + seqlen_new``). A paged cache
-(``block_table``) or ``cache_batch_idx`` is gathered into a dense ``(B, seqlen_k, hk, d)`` tensor first.
+(``block_table``) or ``cache_batch_idx`` is gathered into a dense ``(B, seqlen_k, hk, d)`` tensor first, except
+under split-KV decoding (``num_splits > 1``, or chosen by ``launch.kvcache_splits``), where the kernel reads the
+pages through the (clamped) page table and ``flash_attn_combine`` merges the splits' partial results.
 
 Bad values (memory safety first, DESIGN.md): what shapes alone decide is checked when the plan is built
 (``seqlen_new`` larger than the cache, a cache with fewer rows than the batch, rotary tables shorter than
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from culmen.ops.attention import checks
 from culmen.ops.attention.kernels import _kv_append_kernel
-from culmen.ops.attention.launch import AttnPlan, TensorSpec
+from culmen.ops.attention.launch import AttnPlan, TensorSpec, kvcache_splits
 from culmen.ops.backend import check_values_on
 from culmen.ops.common.launch import Launch, cdiv, next_pow2, stream_getter
 from culmen.ops.common.launch import aligned_16 as _aligned
@@ -179,8 +181,18 @@ class KVCachePlan:
         self.n_cache_rows = k_cache.shape[0]
         self.return_lse = bool(return_lse)
         self.check_values = q.device.type == "cpu" or check_values_on()
+        # Split-KV (flash-decoding): num_splits > 1 as given, 0 automatic (GPU decoding that would not fill the
+        # SMs), fixed per plan. A paged cache is then read through its page table (no gather).
+        self.n_splits = kvcache_splits(num_splits, q.device, q.dtype, B, hk, sq, capacity, d, dv)
+        self.paged_direct = self.paged and self.n_splits > 1
+        paged_strides = None
         # What the attention reads: the cache itself, or a dense (B, seqlen_k, hk, d) gather of it.
-        if self.paged or self.gather_rows:
+        if self.paged_direct:
+            kd = TensorSpec((B, capacity, hk, d), (capacity * hk * d, hk * d, d, 1), k_cache.dtype, k_cache.device)
+            vd = TensorSpec((B, capacity, hk, dv), (capacity * hk * dv, hk * dv, dv, 1), v_cache.dtype,
+                            v_cache.device)
+            paged_strides = (tuple(k_cache.stride()[:3]), tuple(v_cache.stride()[:3]))
+        elif self.paged or self.gather_rows:
             S = capacity if self.paged else k_cache.shape[1]
             kd = TensorSpec((B, S, hk, d), (S * hk * d, hk * d, d, 1), k_cache.dtype, k_cache.device)
             vd = TensorSpec((B, S, hk, dv), (S * hk * dv, hk * dv, dv, 1), v_cache.dtype, v_cache.device)
@@ -194,7 +206,9 @@ class KVCachePlan:
         self.attn = AttnPlan("kvcache", qa, kd, vd, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
                              window_size=tuple(window_size), softcap=softcap, return_lse=return_lse,
                              k_range=2 if cache_leftpad is not None else 1, k_add=s_new,
-                             attention_chunk=attention_chunk, descale=descale, fa3=True, qv=qv is not None)
+                             attention_chunk=attention_chunk, descale=descale, fa3=True, qv=qv is not None,
+                             n_splits=self.n_splits, page=page if self.paged_direct else 0,
+                             paged_strides=paged_strides)
         self.append = None
         # The append kernel writes k and v rows of one head dim; a V head dim of its own appends in PyTorch.
         if s_new and self.attn.use_kernel and dv == d:
@@ -263,7 +277,11 @@ class KVCachePlan:
             rows = cache_batch_idx.to(torch.int64) if self.gather_rows else None
             _safe_write(k_cache, k, rows, pos, block_table)
             _safe_write(v_cache, v, rows, pos, block_table)
-        if self.paged:
+        table = None
+        if self.paged_direct:
+            kd, vd = k_cache, v_cache
+            table = _gather_index(block_table, self.n_cache_rows).to(torch.int32).contiguous()
+        elif self.paged:
             blocks = _gather_index(block_table, self.n_cache_rows)
             kd = k_cache[blocks].reshape(self.attn.k_shape)
             vd = v_cache[blocks].reshape(self.attn.v_shape)
@@ -274,7 +292,7 @@ class KVCachePlan:
             kd, vd = k_cache, v_cache
         out, lse, _ = self.attn.forward(q, kd, vd, alibi_slopes, None, store_lse=self.return_lse,
                                         k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned,
-                                        descales=descales, qv=qv)
+                                        descales=descales, qv=qv, table=table)
         return out, lse
 
 

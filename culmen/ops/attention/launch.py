@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.attention import checks
+from culmen.ops.attention.combine import flash_attn_combine
 from culmen.ops.attention.kernels import (
     LOG2E_F,
     _attn_bwd_dkdv_kernel,
@@ -42,6 +43,9 @@ from culmen.ops.common.launch import aligned_16 as _aligned
 from culmen.ops.common.plans import clear_plans
 
 MAX_KERNEL_HEADDIM = 512
+SPLIT_MAX_SEQLEN_Q = 16
+"""The automatic split-KV choice engages only for KV-cache calls with at most this many query rows (decoding)."""
+MAX_SPLITS = 128
 _F32 = torch.float32
 
 # ``CULMEN_FLASH_TRITON=0`` sends GPU calls to the reference (an escape hatch for bisecting numerics).
@@ -108,6 +112,37 @@ def _blocks(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> tuple[
     raise ValueError(f"head dim {block_d} too large for the attention kernels")
 
 
+def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
+                      num_sms: int) -> int:
+    """The automatic split-KV factor of a KV-cache call (``num_splits=0``): 1 unless the call decodes
+    (``seqlen_q <= SPLIT_MAX_SEQLEN_Q``) and its ``batch * nheads_kv * ceil(seqlen_q / block_m)`` work units would
+    not fill the ``num_sms`` SMs; then enough splits to cover them, at most one per two key blocks of the cache
+    (``seqlen_k``, its capacity: a host number, so the choice is fixed per plan, no sync) and ``MAX_SPLITS``."""
+    if seqlen_q > SPLIT_MAX_SEQLEN_Q or seqlen_q <= 0 or seqlen_k <= 0:
+        return 1
+    units = batch * nheads_kv * cdiv(seqlen_q, block_m)
+    if units == 0 or units >= num_sms:
+        return 1
+    return max(1, min(cdiv(num_sms, units), cdiv(seqlen_k, 2 * block_n), MAX_SPLITS))
+
+
+def kvcache_splits(num_splits: int, device: torch.device, dtype: torch.dtype, batch: int, nheads_kv: int,
+                   seqlen_q: int, seqlen_k: int, head_dim: int, head_dim_v: int) -> int:
+    """The number of key splits a KV-cache call runs with: ``num_splits > 1`` as given (at most one per key block
+    and ``MAX_SPLITS``), ``1`` as given, ``0`` (or negative) ``choose_num_splits`` on GPUs (1 on CPU, where there
+    are no SMs to fill). Always 1 when the Triton kernels do not run the call."""
+    if num_splits == 1 or not use_kernels(device, dtype, max(head_dim, head_dim_v)):
+        return 1
+    width = max(16, next_pow2(head_dim), next_pow2(head_dim_v))
+    bm, bn, _, _ = _blocks("fwd", width, device.type == "cuda", dtype)
+    if num_splits > 1:
+        return max(1, min(num_splits, cdiv(seqlen_k, bn), MAX_SPLITS))
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return choose_num_splits(batch, nheads_kv, seqlen_q, seqlen_k, bm, bn, sms)
+
+
 def _stride_unit(strides) -> int:
     """The largest power of two <= 16 that divides every stride (the kernels' ``SU``)."""
     unit = 16
@@ -160,7 +195,7 @@ class AttnPlan:
                  dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  deterministic=False, return_lse=True, return_probs=False, k_range: int = 0, k_add: int = 0,
                  traced: bool = False, attention_chunk: int = 0, descale: bool = False, fa3: bool = False,
-                 qv: bool = False) -> None:
+                 qv: bool = False, n_splits: int = 1, page: int = 0, paged_strides=None) -> None:
         self.kind = kind
         self.varlen = varlen = kind == "varlen"
         if kind == "dense":
@@ -183,6 +218,9 @@ class AttnPlan:
         # FA3's qv (MLA): scores q . k + qv . v, qv shaped like out (.., h, DV); FA3's default scale then
         # counts both head dims.
         self.qv = bool(qv)
+        # Split-KV decoding (kvcache only, see kvcache_splits) and a paged cache read through its page table
+        # (page size ``page``; ``paged_strides`` the caches' (page, row, head) strides), used with splits only.
+        self.n_splits, self.page, self.paged_strides = int(n_splits), int(page), paged_strides
         if self.qv and self.fp8:
             raise ValueError("qv cannot be combined with float8 q/k/v (FA3 has no FP8 qv either)")
         self.out_dtype = torch.bfloat16 if self.fp8 else q.dtype
@@ -257,6 +295,8 @@ class AttnPlan:
         self.k_like = k.is_contiguous() or self.copy[1]
         self.v_like = v.is_contiguous() or self.copy[2]
         self.qs, self.ks, self.vs = self._bsh(q), self._bsh(k), self._bsh(v)
+        if self.paged_strides is not None:
+            self.ks, self.vs = self.paged_strides
         self.os = self._out_bsh(self.o_shape)
         self.dks, self.dvs = self._out_bsh(k.shape), self._out_bsh(v.shape)
         lse_st = _contiguous_strides(self.lse_shape)
@@ -283,14 +323,15 @@ class AttnPlan:
         bm, bn, warps, stages = _blocks("fwd", self.block_w, on_gpu, q.dtype)
         su = _stride_unit(self.qs + self.ks + self.vs + self.os)
         self.num_m = cdiv(self.sq, bm)
-        self.fwd_grid = (self.num_m * self.B * self.H,)
+        self.fwd_grid = ((self.num_m * self.B * self.H, self.n_splits) if self.n_splits > 1
+                         else (self.num_m * self.B * self.H,))
         self.fwd_cfg = (bm, bn, warps, stages, su)
         self.fwd_ints = (*(s // su for s in self.qs + self.ks + self.vs + self.os), self.slb, self.slh, self.stride_ab,
                          self.H, self.H // self.HK, *self.sizes, self.D, self.num_m, self.k_add, *self.scal)
         # TMA descriptors need 16-byte aligned row strides and a Hopper-class GPU (or the interpreter).
         es = q.element_size()
         self.tma = (TUNING["tma"] and not traced and not self.varlen and not any(self.copy[1:])
-                    and not self.split_v and not self.fp8
+                    and not self.split_v and not self.fp8 and self.n_splits == 1
                     and all((s * es) % 16 == 0 for s in self.ks + self.vs)
                     and (not on_gpu or (torch.cuda.get_device_capability(q.device)[0] >= 9
                                         and not getattr(torch.version, "hip", None))))
@@ -306,7 +347,8 @@ class AttnPlan:
         if la is None:
             bm, bn, warps, stages, su = self.fwd_cfg
             meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=self.block_d, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
-                        USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale)
+                        USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale,
+                        SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0)
             la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
         return la
 
@@ -329,13 +371,14 @@ class AttnPlan:
         return q, k, v, alibi, cu_q, cu_k
 
     def forward(self, q, k, v, alibi, rng, cu_q=None, cu_k=None, store_lse: bool = True, k_start=None, k_end=None,
-                traced: bool = False, aligned: bool | None = None, descales=None, qv=None):
+                traced: bool = False, aligned: bool | None = None, descales=None, qv=None, table=None):
         """``(out, lse, probs)``: ``out`` like ``q`` (head dim ``DV``; bf16 for float8 inputs); ``lse`` fp32
         ``(B, h, sq)`` / ``(h, total_q)`` or ``None`` when not ``store_lse`` (the reference always gives it);
         ``probs`` only with ``return_probs`` (``(B, h, round128(sq), round128(sk))``, else ``None``).
         ``aligned``: the caller's finding that every pointer given is 16-byte aligned (else it is checked
         here). ``descales``: ``(q_descale, k_descale, v_descale)``, contiguous fp32 ``(B, hk)`` (the plan's
-        ``descale``), else ``None``. ``qv``: FA3's extra query ``(.., h, DV)`` when the plan has ``qv``."""
+        ``descale``), else ``None``. ``qv``: FA3's extra query ``(.., h, DV)`` when the plan has ``qv``.
+        ``table``: the clamped contiguous int32 page table when the plan reads a paged cache directly."""
         if self.check_values:
             self.check_cu(q, k, cu_q, cu_k)
         if not self.use_kernel:
@@ -353,9 +396,11 @@ class AttnPlan:
             if lse is not None:
                 lse.fill_(float("inf"))
             return out, lse, None
+        if self.n_splits > 1 and not traced:
+            return self._forward_split(q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table, store_lse, aligned)
         if traced:
             self.fwd_launch(store_lse).traced(q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd,
-                                              qv, *self.fwd_ints)
+                                              qv, table, *self.fwd_ints)
             return out, lse, None
         if aligned is None:
             if self.extra_ptrs:
@@ -367,9 +412,28 @@ class AttnPlan:
             la = self.fwd_launch(store_lse, True)
         else:
             la = self._fwd.get(store_lse) or self.fwd_launch(store_lse)
-        la(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd, qv,
+        la(self.stream(), aligned, q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd, qv, table,
            *self.fwd_ints)
         return out, lse, None
+
+    def _forward_split(self, q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table, store_lse, aligned):
+        """Split-KV (flash-decoding): one launch of ``n_splits`` programs per query block, each writing its
+        split's fp32 partial output and lse, merged by ``flash_attn_combine``. Fixed shapes, no host sync (CUDA
+        graphs capture it)."""
+        dev, n = self.device, self.n_splits
+        o_part = torch.empty((n, *self.o_shape), dtype=_F32, device=dev)
+        l_part = torch.empty((n, *self.lse_shape), dtype=_F32, device=dev)
+        if aligned is None:
+            aligned = _aligned(q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table)
+        la = self._fwd.get(True) or self.fwd_launch(True)
+        la(self.stream(), aligned, q, k, v, o_part, l_part, alibi, None, None, None, k_start, k_end, qd, kd, vd, qv,
+           table, *self.fwd_ints)
+        out, lse = flash_attn_combine(o_part, l_part.transpose(-1, -2), out_dtype=self.out_dtype)
+        if not store_lse:
+            return out, None, None
+        lse = lse.transpose(1, 2)  # the (B, H, sq) buffer under combine's (B, sq, H) view
+        # culmen's convention for a row that sees no key is +inf (combine, as FA3's, gives -inf)
+        return out, torch.where(lse == float("-inf"), float("inf"), lse), None
 
     def check_cu(self, q, k, cu_q, cu_k) -> None:
         """Value checks of ``cu_seqlens`` (see ``checks.check_cu_values``)."""
