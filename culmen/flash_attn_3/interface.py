@@ -642,8 +642,9 @@ def get_scheduler_metadata(
 
     culmen fixes its split-KV schedule per call signature on the host (``num_splits``, or the automatic choice
     from batch, heads and cache capacity), so this returns an int32 ``(batch_size + 1,)`` tensor on
-    ``cache_seqlens``' device: a zero (FA3's tile semaphore slot) and then 1 per sequence. ``flash_attn_with_kvcache`` checks its type and ignores its
-    values; it stays valid when cache lengths change, so a CUDA-graph decode loop can reuse it.
+    ``cache_seqlens``' device: a zero (FA3's tile semaphore slot) and then 1 per sequence.
+    ``flash_attn_with_kvcache`` checks its type and ignores its values; it stays valid when cache lengths
+    change, so a CUDA-graph decode loop can reuse it.
     ``attention_chunk``, ``headdim_v`` and float8 ``qkv_dtype`` are accepted (nothing to schedule).
     """
     if not isinstance(cache_seqlens, Tensor):
