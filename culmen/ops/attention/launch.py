@@ -46,6 +46,10 @@ MAX_KERNEL_HEADDIM = 512
 SPLIT_MAX_SEQLEN_Q = 16
 """The automatic split-KV choice engages only for KV-cache calls with at most this many query rows (decoding)."""
 MAX_SPLITS = 128
+# num_splits=0 picks a split count on GPUs (choose_num_splits) only when this is True. Off until the split path
+# has run on a GPU (it is tested on CPU under the interpreter and compiles for sm_90): flip after the GPU tests of
+# tests/flash_attn_3/test_fa3_splitkv.py and tests/flash_attn/test_kvcache_splitkv.py pass and decode is measured.
+AUTO_SPLIT = False
 _F32 = torch.float32
 
 # ``CULMEN_FLASH_TRITON=0`` sends GPU calls to the reference (an escape hatch for bisecting numerics).
@@ -129,15 +133,15 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, 
 def kvcache_splits(num_splits: int, device: torch.device, dtype: torch.dtype, batch: int, nheads_kv: int,
                    seqlen_q: int, seqlen_k: int, head_dim: int, head_dim_v: int) -> int:
     """The number of key splits a KV-cache call runs with: ``num_splits > 1`` as given (at most one per key block
-    and ``MAX_SPLITS``), ``1`` as given, ``0`` (or negative) ``choose_num_splits`` on GPUs (1 on CPU, where there
-    are no SMs to fill). Always 1 when the Triton kernels do not run the call."""
+    and ``MAX_SPLITS``), ``1`` as given, ``0`` (or negative) ``choose_num_splits`` on GPUs when ``AUTO_SPLIT`` is on
+    (1 on CPU, where there are no SMs to fill). Always 1 when the Triton kernels do not run the call."""
     if num_splits == 1 or not use_kernels(device, dtype, max(head_dim, head_dim_v)):
         return 1
     width = max(16, next_pow2(head_dim), next_pow2(head_dim_v))
     bm, bn, _, _ = _blocks("fwd", width, device.type == "cuda", dtype)
     if num_splits > 1:
         return max(1, min(num_splits, cdiv(seqlen_k, bn), MAX_SPLITS))
-    if device.type != "cuda":
+    if device.type != "cuda" or not AUTO_SPLIT:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return choose_num_splits(batch, nheads_kv, seqlen_q, seqlen_k, bm, bn, sms)
