@@ -10,10 +10,15 @@ the key-padding path needs. Device work is the chain's: the same GEMMs and kerne
 context into sequence-first rows for the output projection, one stacking of the three head gradients
 into the packed layout of the input projection's gradient.
 
-Key padding without a host sync: every key gets a sort key (its batch row, or ``B`` when padded) and a
-stable sort of the batch-major keys puts the kept keys first, batch by batch, padding last; the
-boundaries of the runs (``searchsorted`` of ``0..B``) are ``cu_seqlens_k``, and the sorted keys equal to
-``B`` flag the packed rows that belong to no sequence (their gradients are set to 0).
+Key padding without a host sync or a sort (``_pack``): one kernel ranks the kept keys of every batch row
+(``cu_seqlens_k`` and each key's packed row, ``-1`` when padded), one copies the projection's rows into a
+packed buffer of the same ``(h, 3, d)`` layout (q rows batch-major, k / v rows the kept keys batch by
+batch) that q, k and v are strided views of, and the backward's one kernel writes the whole projection
+gradient from ``dq``, ``dk``, ``dv`` (0 for padded keys). A padded call thus costs the host two
+allocations and two launches forward, one allocation and one launch backward more than a dense one (plus
+the batch-major copy of the context's gradient). Without the Triton kernels (the reference backend) the
+same layout is built with torch ops: a stable sort of the sequence-major keys by batch row (``B`` and up
+when padded), ``searchsorted`` for ``cu_seqlens_k``, ``index_select`` / ``index_copy_``.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from culmen.contrib.multihead_attn._pack import _key_index_kernel, _pack_rows_kernel, _unpack_grads_kernel
 from culmen.ops.attention.launch import AttnPlan
 from culmen.ops.common.function import raw_apply
+from culmen.ops.common.launch import Launch, cdiv, next_pow2, stream_getter
 from culmen.ops.common.plans import PlanCache
 
 BLOCKS = PlanCache("multihead_attn_block")
@@ -31,13 +38,16 @@ BLOCKS = PlanCache("multihead_attn_block")
 
 class BlockPlan:
     """What a self-attention call derives from its signature: sizes, the views' geometry, the attention
-    plan and (key padding) the cached index tensors. ``padded``: key-padding mask; else dense (``causal``
-    or not)."""
+    plan and (key padding) the index tensors and the launches of ``_pack``'s kernels. ``padded``:
+    key-padding mask (``mask``: an example of it, whose dtype and strides the kernels are bound to);
+    else dense (``causal`` or not)."""
 
-    __slots__ = ("s", "b", "e", "h", "d", "sb", "padded", "attn", "q_size", "qkv_st", "row_st", "kv_size",
-                 "kv_st", "ctx_size", "ctx_st", "q_st", "batch_ids", "rowmap", "bounds", "cu_q")
+    __slots__ = ("s", "b", "e", "h", "d", "sb", "padded", "attn", "q_size", "qkv_st", "pk_size", "pk_st",
+                 "ctx_size", "ctx_st", "q_st", "bounds", "cu_q", "batch_sm", "rows", "kernels", "stream",
+                 "index", "index_args", "pack", "pack_args", "unpack", "unpack_args", "cu_len")
 
-    def __init__(self, x: Tensor, heads: int, padded: bool, causal: bool, dropout_p: float) -> None:
+    def __init__(self, x: Tensor, heads: int, padded: bool, causal: bool, dropout_p: float,
+                 mask: Tensor | None = None) -> None:
         s, b, e = x.shape
         h, d = heads, e // heads
         self.s, self.b, self.e, self.h, self.d, self.sb, self.padded = s, b, e, h, d, s * b, padded
@@ -50,55 +60,116 @@ class BlockPlan:
         self.q_st = (e, b * e, d, 1)  # a seq-major (s * B, E) tensor read as (B, s, h, d)
         scale = d ** -0.5
         qkv = torch.empty(self.sb, 3 * e, dtype=dt, device=dev)
+        self.kernels = False
         if not padded:
             q, k, v = self.views(qkv)
             self.attn = AttnPlan("dense", q, k, v, None, dropout_p=dropout_p, softmax_scale=scale, causal=causal,
                                  return_lse=True)
             return
-        # The (key, value) parts of each packed row, gathered by row: (seq * batch, h, 2, d).
-        self.kv_size, self.kv_st = (self.sb, h, 2, d), (3 * e, 3 * d, d, 1)
-        flat = torch.arange(self.sb, device=dev)
-        self.batch_ids = (flat // s).to(torch.int32)  # batch row of each batch-major key
-        self.rowmap = (flat % s) * b + flat // s  # batch-major key -> its row in the seq-major projection
+        # The packed buffer keeps the projection's (rows, h, 3, d) layout: q rows batch-major, k / v rows
+        # the kept keys batch by batch (``_pack``); q, k, v are (s * B, h, d) views of it.
+        self.pk_size, self.pk_st = (self.sb, h, d), (3 * e, 3 * d, 1)
         self.bounds = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
-        q = qkv.new_empty(self.sb, h, d)
-        kv = qkv.new_empty(self.sb, h, 2, d)
-        self.attn = AttnPlan("varlen", q, kv[:, :, 0], kv[:, :, 1], None, self.cu_q, self.cu_q, s, s,
-                             dropout_p=dropout_p, softmax_scale=scale, causal=False, return_lse=True)
+        self.rows = torch.arange(self.sb, device=dev)
+        self.batch_sm = self.rows.view(s, b).remainder(b).to(torch.int32)  # batch row of each seq-major key
+        q, k, v = self.packed_views(qkv)
+        self.attn = AttnPlan("varlen", q, k, v, None, self.cu_q, self.cu_q, s, s, dropout_p=dropout_p,
+                             softmax_scale=scale, causal=False, return_lse=True)
+        self.kernels = self.attn.use_kernel
+        if self.kernels:
+            self._plan_kernels(mask)
+
+    def _plan_kernels(self, mask: Tensor) -> None:
+        s, b, e, d, sb = self.s, self.b, self.e, self.d, self.sb
+        dev = self.cu_q.device
+        self.stream = stream_getter(dev)
+        # [cu_k (B + 1) | pad to 16 bytes | pos (s * B)]: cu_k first, so it is 16-byte aligned for the
+        # attention kernels' bound launches.
+        self.cu_len = cdiv(b + 1, 4) * 4
+        self.index = Launch(_key_index_kernel, (b,), dict(BLOCK=min(1024, next_pow2(s))), 4, device=dev)
+        self.index_args = (*mask.stride(), s, b, self.cu_len)
+        bc = min(1024, next_pow2(3 * e))
+        grid = (sb, cdiv(3 * e, bc))
+        self.pack = Launch(_pack_rows_kernel, grid, dict(D=d, BLOCK=bc), 4, device=dev)
+        self.pack_args = (s, b, 3 * e, self.cu_len)
+        self.unpack = Launch(_unpack_grads_kernel, grid, dict(D=d, BLOCK=bc), 4, device=dev)
+        self.unpack_args = (s, b, e, 3 * e, self.cu_len)
 
     def views(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v ``(B, s, h, d)`` inside the packed projection ``(s * B, 3E)`` (storage offset 0)."""
         size, st, d = self.q_size, self.qkv_st, self.d
         return (qkv.as_strided(size, st, 0), qkv.as_strided(size, st, d), qkv.as_strided(size, st, 2 * d))
 
-    def key_order(self, pad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(src, sorted_keys, cu_k)`` of a boolean padding mask ``(B, s)`` (True = padded): ``src`` the
-        projection row of each packed key (kept keys first, batch by batch), ``cu_k`` int32 ``(B + 1,)``."""
-        keys = torch.where(pad.reshape(-1), self.b, self.batch_ids)
-        skeys, order = torch.sort(keys, stable=True)
-        return self.rowmap.index_select(0, order), skeys, torch.searchsorted(skeys, self.bounds, out_int32=True)
+    def packed_views(self, pk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``(s * B, h, d)`` rows of the packed buffer ``(s * B, 3E)`` (key padding)."""
+        size, st, d = self.pk_size, self.pk_st, self.d
+        return (pk.as_strided(size, st, 0), pk.as_strided(size, st, d), pk.as_strided(size, st, 2 * d))
+
+    def key_order(self, pad: Tensor) -> tuple[Tensor, Tensor]:
+        """``(idx, cu_k)`` of a padding mask ``(B, s)`` (nonzero = padded); ``cu_k`` int32 ``(B + 1,)``.
+
+        Kernels: ``idx`` int32 ``[cu_k | pos]`` (``_pack``). Otherwise ``idx`` is the projection row of each
+        packed key (int64 ``(s * B,)``, kept keys first, batch by batch, padding last): a stable sort of the
+        sequence-major keys by batch row (``B`` and up when padded), whose run boundaries are ``cu_k``."""
+        if self.kernels:
+            idx = torch.empty(self.cu_len + self.sb, dtype=torch.int32, device=pad.device)
+            self.index(self.stream(), pad.data_ptr() & 15 == 0, pad, idx, *self.index_args)
+            return idx, idx.as_strided((self.b + 1,), (1,), 0)
+        keys = torch.add(self.batch_sm, pad.t(), alpha=self.b)
+        skeys, src = torch.sort(keys.view(-1), stable=True)
+        return src, torch.searchsorted(skeys, self.bounds, out_int32=True)
+
+    def pack_rows(self, qkv: Tensor, idx: Tensor) -> Tensor:
+        """The packed buffer ``(s * B, 3E)`` of the projection ``qkv (s * B, 3E)`` (see ``packed_views``)."""
+        pk = torch.empty_like(qkv)
+        if self.kernels:
+            self.pack(self.stream(), True, qkv, idx, pk, *self.pack_args)
+            return pk
+        s, b, h, d = self.s, self.b, self.h, self.d
+        pk4 = pk.view(self.sb, h, 3, d)
+        pk4.view(b, s, h, 3, d)[:, :, :, 0].copy_(qkv.as_strided(self.q_size, self.qkv_st, 0))
+        pk4[:, :, 1:].copy_(qkv.view(self.sb, h, 3, d).index_select(0, idx)[:, :, 1:])
+        return pk
+
+    def unpack_grads(self, dq: Tensor, dk: Tensor, dv: Tensor, idx: Tensor, cu_k: Tensor) -> Tensor:
+        """The projection's gradient ``(s * B, 3E)`` from the packed rows' ``dq``, ``dk``, ``dv`` ``(s * B, h, d)``;
+        padded keys get 0 (the packed rows past ``cu_k[-1]`` belong to no sequence: left unwritten by the
+        varlen kernels)."""
+        g = torch.empty(self.sb, 3 * self.e, dtype=dq.dtype, device=dq.device)
+        if self.kernels:
+            self.unpack(self.stream(), True, dq, dk, dv, idx, g, *self.unpack_args)
+            return g
+        s, b, h, d = self.s, self.b, self.h, self.d
+        g4 = g.view(self.sb, h, 3, d)
+        g4.view(s, b, h, 3, d)[:, :, :, 0].copy_(dq.view(b, s, h, d).transpose(0, 1))
+        dkv = torch.stack((dk, dv), 2).masked_fill_(self.rows.ge(cu_k[b]).view(-1, 1, 1, 1), 0.0)
+        g4[:, :, 1:].index_copy_(0, idx, dkv)
+        return g
 
 
-def block_plan(x: Tensor, heads: int, padded: bool, causal: bool, dropout_p: float) -> BlockPlan:
-    """The cached ``BlockPlan`` of a call signature (the caller has validated the arguments)."""
+def block_plan(x: Tensor, heads: int, padded: bool, causal: bool, dropout_p: float,
+               mask: Tensor | None = None) -> BlockPlan:
+    """The cached ``BlockPlan`` of a call signature (the caller has validated the arguments); ``mask``:
+    the key-padding mask when ``padded``."""
     key = (x.shape, x.dtype, x.device, heads, padded, causal, dropout_p)
+    if padded:
+        key += (mask.dtype, mask.stride())
     bp = BLOCKS.get(key)
     if bp is None:
-        bp = BLOCKS.put(key, BlockPlan(x, heads, padded, causal, dropout_p))
+        bp = BLOCKS.put(key, BlockPlan(x, heads, padded, causal, dropout_p, mask))
     return bp
 
 
 def block_forward(bp: BlockPlan, rng: Tensor | None, x: Tensor, in_w: Tensor, in_b: Tensor | None, out_w: Tensor,
-                  out_b: Tensor | None, residual: Tensor | None, src: Tensor | None, cu_k: Tensor | None,
+                  out_b: Tensor | None, residual: Tensor | None, idx: Tensor | None, cu_k: Tensor | None,
                   store_lse: bool) -> tuple[Tensor, tuple]:
     """The block's forward without autograd: ``(y (s, B, E), tensors the backward needs)``; the
     attention's log-sum-exp is only written when ``store_lse`` (inference skips it)."""
     x2 = x.reshape(bp.sb, bp.e)
     qkv = F.linear(x2, in_w, in_b)
     if bp.padded:
-        q = qkv.as_strided(bp.q_size, bp.qkv_st, 0).reshape(bp.sb, bp.h, bp.d)  # batch-major rows
-        k, v = qkv.as_strided(bp.kv_size, bp.kv_st, bp.d).index_select(0, src).unbind(2)
+        q, k, v = bp.packed_views(bp.pack_rows(qkv, idx))
         o, lse, _ = bp.attn.forward(q, k, v, None, rng, bp.cu_q, cu_k, store_lse)
     else:
         q, k, v = bp.views(qkv)
@@ -107,18 +178,17 @@ def block_forward(bp: BlockPlan, rng: Tensor | None, x: Tensor, in_w: Tensor, in
     y = F.linear(att, out_w, out_b).view(x.shape)
     if residual is not None:
         y += residual
-    return y, (x2, in_w, out_w, att, o, lse, rng, q, k, v, src, cu_k)
+    return y, (x2, in_w, out_w, att, o, lse, rng, q, k, v, idx, cu_k)
 
 
 class _SelfAttnBlock(torch.autograd.Function):
     """``residual + linear(attention(linear(x, in_w, in_b)), out_w, out_b)`` of ``x (s, B, E)``
-    (``residual`` optional, ``(s, B, E)``). Key padding: ``src``, ``skeys``, ``cu_k`` from
-    ``BlockPlan.key_order``."""
+    (``residual`` optional, ``(s, B, E)``). Key padding: ``idx``, ``cu_k`` from ``BlockPlan.key_order``."""
 
     @staticmethod
-    def forward(ctx, bp, rng, x, in_w, in_b, out_w, out_b, residual, src, skeys, cu_k):
-        y, saved = block_forward(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, cu_k, True)
-        ctx.save_for_backward(*saved, skeys)
+    def forward(ctx, bp, rng, x, in_w, in_b, out_w, out_b, residual, idx, cu_k):
+        y, saved = block_forward(bp, rng, x, in_w, in_b, out_w, out_b, residual, idx, cu_k, True)
+        ctx.save_for_backward(*saved)
         ctx.bp = bp
         return y
 
@@ -131,16 +201,11 @@ class _SelfAttnBlock(torch.autograd.Function):
         d_out_w = dy2.t().mm(att) if need[5] else None
         d_out_b = dy2.sum(0) if need[6] else None
         d_att = dy2.mm(out_w)
-        q, k, v, src, cu_k, skeys = rest
+        q, k, v, idx, cu_k = rest
         if bp.padded:
             dout = d_att.as_strided(bp.q_size, bp.q_st).reshape(bp.sb, bp.h, bp.d)  # batch-major rows
             dq, dk, dv = bp.attn.backward(dout, q, k, v, o, lse, None, rng, bp.cu_q, cu_k)
-            g = torch.empty(bp.sb, 3 * bp.e, dtype=dq.dtype, device=dq.device)
-            g.as_strided(bp.q_size, bp.qkv_st, 0).copy_(dq.view(bp.q_size))
-            # Packed rows past the last kept key belong to no sequence: their gradients are unspecified,
-            # and they are the padded keys, whose gradient is zero.
-            dkv = torch.stack((dk, dv), 2).masked_fill_(skeys.ge(bp.b).view(-1, 1, 1, 1), 0.0)
-            g.as_strided(bp.kv_size, bp.kv_st, bp.d).index_copy_(0, src, dkv)
+            g = bp.unpack_grads(dq, dk, dv, idx, cu_k)
         else:
             dout = d_att.as_strided(bp.q_size, bp.q_st)
             dq, dk, dv = bp.attn.backward(dout, q, k, v, o, lse, None, rng)
@@ -149,8 +214,8 @@ class _SelfAttnBlock(torch.autograd.Function):
         dx = g.mm(in_w).view(ctx.bp.ctx_size) if need[2] else None
         d_in_w = g.t().mm(x2) if need[3] else None
         d_in_b = g.sum(0) if need[4] else None
-        return (None, None, dx, d_in_w, d_in_b, d_out_w, d_out_b, dy if need[7] else None, None, None, None)
+        return (None, None, dx, d_in_w, d_in_b, d_out_w, d_out_b, dy if need[7] else None, None, None)
 
 
 self_attn_block = raw_apply(_SelfAttnBlock)
-"""``self_attn_block(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, skeys, cu_k)`` -> ``(s, B, E)``."""
+"""``self_attn_block(bp, rng, x, in_w, in_b, out_w, out_b, residual, idx, cu_k)`` -> ``(s, B, E)``."""

@@ -365,16 +365,19 @@ def self_attention(inputs: Tensor, heads: int, in_w: Tensor, in_b: Tensor | None
             padded = True
     if USE_BLOCK and (mask is None or causal or padded):
         residual = inputs if norm is not None and out_dropout_p == 0.0 else None
-        bp = block_plan(x, heads, padded, causal, dropout_p)
         rng = rng_state(dropout_p, inputs.device) if dropout_p > 0.0 else None
         if padded:
-            src, skeys, cu_k = bp.key_order(mask if mask.dtype == torch.bool else mask.ne(0))
+            if mask.dtype is not torch.bool and mask.dtype is not torch.uint8:
+                mask = mask.ne(0)  # bool / uint8 masks are read as they are
+            bp = block_plan(x, heads, True, False, dropout_p, mask)
+            idx, cu_k = bp.key_order(mask)
         else:
-            src = skeys = cu_k = None
+            bp = block_plan(x, heads, False, causal, dropout_p)
+            idx = cu_k = None
         if torch.is_grad_enabled():
-            out = self_attn_block(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, skeys, cu_k)
+            out = self_attn_block(bp, rng, x, in_w, in_b, out_w, out_b, residual, idx, cu_k)
         else:  # inference: no autograd node, no log-sum-exp
-            out = block_forward(bp, rng, x, in_w, in_b, out_w, out_b, residual, src, cu_k, False)[0]
+            out = block_forward(bp, rng, x, in_w, in_b, out_w, out_b, residual, idx, cu_k, False)[0]
         if norm is None or residual is not None:
             return out
         return inputs + F.dropout(out, out_dropout_p)
