@@ -1,5 +1,7 @@
 """Sweep: SelfMultiheadAttn's fast path as one autograd node (``block``, the default) against the chain it
-replaced (``chain``: F.linear -> attention node -> F.linear, same kernels) and nn.MultiheadAttention, at
+replaced (``chain``: F.linear -> attention node -> F.linear, same kernels) and nn.MultiheadAttention, and,
+key-padded, the block with its key index / row packing done by torch ops (``blk-ops``: sort, searchsorted,
+index_select, index_copy_) instead of the three ``_pack`` kernels (the default), at
 BERT-large shapes (seq 512, E 1024, 16 heads, fp16), eager forward, forward + backward and key-padded
 forward + backward. Prints wall ms (triton do_bench of the eager call), host us per call (calls enqueued
 behind a GPU sleep: culmen.bench.runner.host_us) and the speedup over torch. Decides nothing: the default
@@ -17,7 +19,7 @@ import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from culmen.bench.runner import host_us  # noqa: E402
-from culmen.contrib.multihead_attn import SelfMultiheadAttn, _core  # noqa: E402
+from culmen.contrib.multihead_attn import SelfMultiheadAttn, _block, _core  # noqa: E402
 
 SHAPES = [(512, 16), (512, 32)]
 E, H = 1024, 16
@@ -66,9 +68,14 @@ def sweep_shape(s: int, b: int, dev: torch.device) -> None:
 
     for mode in ("fwd", "fwd+bwd", "pad fwd+bwd"):
         rows = []
-        for name, module, call, block in (("torch", peer, torch_call, True), ("block", fast, culmen_call, True),
-                                          ("chain", fast, culmen_call, False)):
+        variants = [("torch", peer, torch_call, True, True), ("block", fast, culmen_call, True, True),
+                    ("chain", fast, culmen_call, False, True)]
+        if mode.startswith("pad"):
+            variants.append(("blk-ops", fast, culmen_call, True, False))
+        for name, module, call, block, pack in variants:
             _core.USE_BLOCK = block
+            _block.PACK_KERNELS = pack
+            _block.BLOCKS.clear()
             fn = runner(module, call, x, dy, mode)
             fn()
             torch.cuda.synchronize()
@@ -76,6 +83,8 @@ def sweep_shape(s: int, b: int, dev: torch.device) -> None:
             host = host_us(fn, dev, wall)
             rows.append((name, wall, host))
         _core.USE_BLOCK = True
+        _block.PACK_KERNELS = True
+        _block.BLOCKS.clear()
         ref = rows[0][1]
         for name, wall, host in rows:
             host_s = "sync" if host is None else f"{host:.1f}"

@@ -234,6 +234,46 @@ def test_self_attn_triton_kernels(triton_backend):
         check_module(m, torch.randn(s, b, e), None, fwd, ref)
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_padded_pack_kernels(triton_backend, monkeypatch, pack):
+    """Key padding on the ``_pack`` kernels (interpreter; ``pack=False``: the torch-op packing the sweep
+    compares, with the attention still on its kernels): ``cu_seqlens_k`` and (kernels) the packed rows
+    against a plain count, then outputs and every gradient against the float64 reference for a uint8 mask
+    read through strides (a transposed view), holes, and a batch row with no key left."""
+    from culmen.contrib.multihead_attn import _block
+    from culmen.contrib.multihead_attn._block import block_plan
+
+    monkeypatch.setattr(_block, "PACK_KERNELS", pack)
+    _block.BLOCKS.clear()
+
+    s, b, e, h = 7, 3, 24, 2
+    pad = torch.zeros(s, b, dtype=torch.uint8).t()  # (B, s), not contiguous
+    pad[0, 4:] = 1
+    pad[1, ::2] = 1
+    pad[2, :] = 1
+    x = torch.randn(s, b, e)
+    bp = block_plan(x, h, True, False, 0.0, pad)
+    assert bp.kernels == pack and bp.attn.use_kernel
+    idx, cu_k = bp.key_order(pad)
+    kept = pad == 0
+    assert cu_k.tolist() == [0, *kept.sum(1).cumsum(0).tolist()]
+    if pack:
+        pos = idx[bp.cu_len:].view(s, b).t()  # packed row of key (b, j), -1 when padded
+        want = torch.full((b, s), -1, dtype=torch.int32)
+        want[kept] = torch.arange(int(kept.sum()), dtype=torch.int32)  # batch-major order = packed order
+        assert torch.equal(pos, want)
+    m = SelfMultiheadAttn(e, h, bias=True)
+    _randomize(m)
+    xg = x.clone().requires_grad_(True)
+    y, _ = m(xg, xg, xg, key_padding_mask=pad)
+    torch.testing.assert_close(y[:, 2], m.out_proj_bias.detach().expand(s, e))  # no key: context 0
+    y.sum().backward()
+    assert torch.isfinite(xg.grad).all()
+    pad[2, -1] = 0  # one key left in the last row: the float64 reference is defined everywhere
+    check_module(m, x, None, {"key_padding_mask": pad}, {"key_pad": pad.bool()})
+    _block.BLOCKS.clear()  # no plan of the patched switch outlives the test
+
+
 def test_padded_rows_gradients_are_ignored(monkeypatch):
     """The varlen kernels leave the key-gradient rows of no sequence unwritten: poisoned with NaN here, the
     padded keys' gradients must still come out 0 (finite and equal to the reference)."""

@@ -35,6 +35,11 @@ from culmen.ops.common.plans import PlanCache
 
 BLOCKS = PlanCache("multihead_attn_block")
 
+PACK_KERNELS = True
+"""Key padding through ``_pack``'s kernels wherever the attention runs its Triton kernels. ``False`` (read
+when a plan is built; clear ``BLOCKS`` after changing it) takes the torch-op path instead (sort,
+searchsorted, index_select / index_copy_): kept for ``scripts/sweep_multihead_attn.py`` to compare."""
+
 
 class BlockPlan:
     """What a self-attention call derives from its signature: sizes, the views' geometry, the attention
@@ -76,7 +81,7 @@ class BlockPlan:
         q, k, v = self.packed_views(qkv)
         self.attn = AttnPlan("varlen", q, k, v, None, self.cu_q, self.cu_q, s, s, dropout_p=dropout_p,
                              softmax_scale=scale, causal=False, return_lse=True)
-        self.kernels = self.attn.use_kernel
+        self.kernels = self.attn.use_kernel and PACK_KERNELS
         if self.kernels:
             self._plan_kernels(mask)
 
