@@ -262,8 +262,9 @@ def test_one_compile_per_configuration(fresh_plans):
     import random
 
     from culmen.ops.attention import kernels as K
+    from culmen.ops.attention import kernels_bwd as KB
 
-    fns = (K._attn_fwd_kernel, K._attn_bwd_preprocess_kernel, K._attn_bwd_dkdv_kernel, K._attn_bwd_dq_kernel)
+    fns = (K._attn_fwd_kernel, KB._attn_bwd_preprocess_kernel, KB._attn_bwd_dkdv_kernel, KB._attn_bwd_dq_kernel)
     rnd = random.Random(7)
     kw = dict(causal=True, window_size=(123, -1), softcap=7.0)  # a configuration no other test compiles
     for phase in ("dense", "varlen"):

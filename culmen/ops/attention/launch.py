@@ -22,12 +22,11 @@ from torch import Tensor
 
 from culmen.ops.attention import checks
 from culmen.ops.attention.combine import flash_attn_combine
-from culmen.ops.attention.kernels import (
-    LOG2E_F,
+from culmen.ops.attention.kernels import LOG2E_F, _attn_fwd_kernel
+from culmen.ops.attention.kernels_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
     _attn_bwd_preprocess_kernel,
-    _attn_fwd_kernel,
 )
 from culmen.ops.attention.reference import (
     attention_bwd_ref,
