@@ -1,4 +1,5 @@
-"""FlashAttention: the Triton kernels (``kernels.py``) behind cached call plans (``launch.py``), the
+"""FlashAttention: the Triton kernels (``kernels.py``; the backward in ``kernels_bwd.py``, the split-KV merge in
+``combine.py``) behind cached call plans (``launch.py``), the
 op-level entry points and their autograd / ``torch.compile`` ops (``op.py``), the KV-cache form
 (``kvcache.py``), the reference (``reference.py``, the oracle and the CPU path) and the replayable
 Philox dropout mask (``dropout.py``).
