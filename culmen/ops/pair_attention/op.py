@@ -6,8 +6,15 @@ batch dims beyond two are merged; a bias broadcast over some of the merged dims 
 autograd sums its gradient back), a key of the canonical signature finds the cached ``PairAttnPlan``,
 and with autograd recording the call goes through ``_PairAttnFn`` (a plain ``autograd.Function``).
 CPU tensors (unless the backend is ``triton``), fp64 and head dims above 256 take the PyTorch
-reference. Under ``torch.compile`` the reference formulation is traced (Inductor fuses it, as Apex's
-``AttnBiasJIT`` does); the Triton kernels are not yet registered as a ``torch.library`` op.
+reference.
+
+Under ``torch.compile`` (``torch.compiler.is_compiling()``) the canonicalizing views are traced and the
+kernels are two opaque ``torch.library.custom_op`` s, ``culmen::pair_attention_fwd`` (``o`` and the
+row LSE) and ``culmen::pair_attention_bwd`` (``dq``, ``dk``, ``dv`` and the bias gradient, an empty
+tensor when not wanted), tied by ``register_autograd``; their fake implementations give the real
+outputs' shapes, strides and dtypes. At run time their bodies call the same cached plan as an eager
+call (the Triton kernels, the interpreter on CPU). Calls the kernels do not take (see above) trace the
+reference formulation instead, which Inductor fuses as Apex's ``AttnBiasJIT`` does.
 """
 
 from __future__ import annotations
@@ -15,9 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.backend import register_op
+from culmen.ops.backend import choose_backend, register_op
 from culmen.ops.common.function import raw_apply
-from culmen.ops.pair_attention.launch import PLANS, PairAttnPlan
+from culmen.ops.pair_attention.launch import KERNEL_DTYPES, MAX_HEAD_DIM, PLANS, PairAttnPlan
 from culmen.ops.pair_attention.reference import pair_attention_ref
 
 register_op("pair_attention_fwd", "attention", "attention with an additive pair bias and a logit mask (OpenFold)")
@@ -114,7 +121,7 @@ def pair_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, 
         ``[*, H, M, D]`` in q's dtype (contiguous).
     """
     if torch.compiler.is_compiling():
-        return pair_attention_ref(q, k, v, bias, mask, inf, scale)
+        return _pair_attention_compiled(q, k, v, bias, mask, inf, scale)
     q5, k5, v5, b5, m5 = canonicalize(q, k, v, bias, mask)
     try:
         key = (_sig(q5), _sig(k5), _sig(v5), _sig(b5), _sig(m5), q5.device, inf, scale)
@@ -134,3 +141,83 @@ def pair_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, 
     else:
         o, _ = plan.forward(q5, k5, v5, b5, m5)
     return o.view(out_shape)
+
+
+def _plan(q5: Tensor, k5: Tensor, v5: Tensor, b5: Tensor | None, m5: Tensor | None, inf: float,
+          scale: float | None) -> PairAttnPlan:
+    """The cached plan of canonical arguments (built, and the arguments checked, on first use); the eager
+    entry point inlines the same lookup (one call less per call)."""
+    try:
+        key = (_sig(q5), _sig(k5), _sig(v5), _sig(b5), _sig(m5), q5.device, inf, scale)
+        plan = PLANS.get(key)
+    except TypeError:  # unhashable scalars: the plan says why
+        key, plan = None, None
+    if plan is None:
+        plan = PairAttnPlan(q5, k5, v5, b5, m5, inf, scale)
+        if key is not None:
+            PLANS.put(key, plan)
+    return plan
+
+
+# -------------------------------------------------------------------------- torch.compile
+
+
+@torch.library.custom_op("culmen::pair_attention_fwd", mutates_args=())
+def pair_attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor | None, inf: float,
+                          scale: float | None) -> tuple[Tensor, Tensor]:
+    """``(o, lse)`` of canonical 5-d arguments (see ``canonicalize``; the mask not bool) for ``torch.compile``:
+    ``o`` contiguous ``[Z1, Z2, H, M, D]`` in q's dtype, ``lse`` fp32 ``[Z1 * Z2 * H, M]`` (log2 units)."""
+    return _plan(q, k, v, bias, mask, inf, scale).forward(q, k, v, bias, mask)
+
+
+@pair_attention_fwd_op.register_fake
+def _fwd_fake(q, k, v, bias, mask, inf, scale):
+    z1, z2, h, m, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((z1 * z2 * h, m), dtype=torch.float32)
+
+
+@torch.library.custom_op("culmen::pair_attention_bwd", mutates_args=())
+def pair_attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor | None,
+                          o: Tensor, lse: Tensor, inf: float, scale: float | None,
+                          need_dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dbias)`` of ``pair_attention_fwd`` (contiguous; ``dbias`` in the bias' shape and dtype, or
+    an empty tensor unless ``need_dbias``) for ``torch.compile``."""
+    plan = _plan(q, k, v, bias, mask, inf, scale)
+    dq, dk, dv, db = plan.backward(do, q, k, v, bias, mask, o, lse, need_dbias)
+    return dq, dk, dv, (db if db is not None else q.new_empty((0,)))
+
+
+@pair_attention_bwd_op.register_fake
+def _bwd_fake(do, q, k, v, bias, mask, o, lse, inf, scale, need_dbias):
+    db = bias.new_empty(bias.shape) if need_dbias and bias is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(k.shape), db
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, inf, scale = inputs
+    o, lse = output
+    ctx.inf, ctx.scale = inf, scale
+    ctx.save_for_backward(q, k, v, bias, mask, o, lse)
+
+
+def _compiled_backward(ctx, do, dlse):
+    q, k, v, bias, mask, o, lse = ctx.saved_tensors
+    need_db = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, db = pair_attention_bwd_op(do, q, k, v, bias, mask, o, lse, ctx.inf, ctx.scale, need_db)
+    return dq, dk, dv, (db if need_db else None), None, None, None
+
+
+torch.library.register_autograd("culmen::pair_attention_fwd", _compiled_backward, setup_context=_setup_context)
+
+
+def _pair_attention_compiled(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Tensor | None, inf: float,
+                             scale: float | None) -> Tensor:
+    """``pair_attention`` while ``torch.compile`` traces: the canonicalizing views, then the custom op where an
+    eager call would run the kernels, else the traced reference."""
+    q5, k5, v5, b5, m5 = canonicalize(q, k, v, bias, mask)
+    use_kernel = (choose_backend(q5.device) == "triton" and q5.dtype in KERNEL_DTYPES
+                  and q5.shape[-1] <= MAX_HEAD_DIM and q5.numel() > 0 and k5.numel() > 0)
+    if not use_kernel:
+        return pair_attention_ref(q, k, v, bias, mask, inf, scale)
+    o, _ = pair_attention_fwd_op(q5, k5, v5, b5, m5, float(inf), None if scale is None else float(scale))
+    return o.view(q.shape)
