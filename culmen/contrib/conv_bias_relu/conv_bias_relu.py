@@ -23,7 +23,11 @@ so the fused epilogue only pays where the GPU is the bottleneck:
   ones run the PyTorch formulation (``relu_(conv2d(x, w, b))``, ``relu_(conv2d(x, w, b).mul_(mask))``,
   ``relu_(addcmul(bias, conv2d(x, w), scale))``), whose host cost is PyTorch's own;
 * ``ConvBias`` always runs ``conv2d(x, w, b)``: a bias alone is one pass either way;
-* off the Triton backend (CPU, fp64), under ``torch.compile`` and functorch transforms: the PyTorch formulation.
+* under ``torch.compile``, ``ConvBiasReLU`` / ``ConvBiasMaskReLU`` / ``ConvFrozenScaleBiasReLU`` (and
+  ``fused_conv_epilogue``) trace as ``conv2d`` followed by the custom op ``culmen::conv_epilogue_fwd`` (its fake
+  implementation gives the graph the real output's shape, strides and dtype; its backward is the op
+  ``culmen::conv_epilogue_bwd``): no graph break, and Inductor launches the Triton epilogue on GPUs;
+* off the Triton backend (CPU, fp64) and under functorch transforms, in eager mode: the PyTorch formulation.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import Tensor
 from culmen.ops.common.function import raw_apply
 from culmen.ops.common.launch import PlanTuning
 from culmen.ops.common.plans import PlanCache, clear_plans
-from culmen.ops.conv_epilogue import conv_epilogue_fwd_ref, epilogue_plan
+from culmen.ops.conv_epilogue import conv_epilogue, epilogue_plan
 
 __all__ = ["ConvBias", "ConvBiasMaskReLU", "ConvBiasReLU", "ConvFrozenScaleBiasReLU", "ConvBiasReLU_",
            "ConvBiasMaskReLU_", "ConvBias_", "ConvFrozenScaleBiasReLU_", "ROUTING", "fused_conv_epilogue"]
@@ -266,7 +270,17 @@ def _call(kind: str, x, weight, scale, bias, mask, padding, stride) -> Tensor:
             return _fused(x, weight, scale, bias, mask, p)
     elif p.fused_fwd and not _compiling():
         return _fused_nograd(p, x, weight, scale, bias, mask)
+    if p.relu and _compiling():
+        return _compiled_call(p, x, weight, scale, bias, mask)
     return _torch_form(p, x, weight, scale, bias, mask)
+
+
+def _compiled_call(p: _Plan, x, weight, scale, bias, mask) -> Tensor:
+    """A call while ``torch.compile`` traces: ``conv2d``, then the epilogue as one custom op."""
+    c = F.conv2d(x, weight, None, p.st, p.pad)
+    if p.frozen_shape is not None:  # frozen factors: no gradient, as in the eager paths
+        scale, bias = scale.detach(), bias.detach()
+    return conv_epilogue(c, scale, bias, None, None, None if mask is None else mask.detach(), True)
 
 
 def _half(t):
@@ -454,7 +468,7 @@ def fused_conv_epilogue(x: Tensor, weight: Tensor, scale: Tensor | None, bias: T
 
     ``x`` ``(N, C, H, W)``; ``scale``, ``bias``, ``res_scale``: ``K`` elements or ``None``, constants (no
     gradient: frozen batch-norm factors). Differentiable in ``x``, ``weight``, ``res`` and ``res_weight``. Under
-    ``torch.compile`` the same formula runs as plain PyTorch ops.
+    ``torch.compile`` the convolutions trace as ``conv2d`` and the epilogue as the op ``culmen::conv_epilogue_fwd``.
     """
     pad, st = _check(x, weight, (("scale", scale), ("bias", bias), ("res_scale", res_scale)), None, padding, stride,
                      res, res_weight, None if res_weight is None else _pair(res_stride, "res_stride", 1))
@@ -462,5 +476,6 @@ def fused_conv_epilogue(x: Tensor, weight: Tensor, scale: Tensor | None, bias: T
     if torch.compiler.is_compiling():
         c = F.conv2d(x, weight, None, st, pad)
         r = res if res_weight is None else F.conv2d(res, res_weight, None, rst)
-        return conv_epilogue_fwd_ref(c, scale, bias, r, res_scale, None, relu)
+        scale, bias, res_scale = (None if v is None else v.detach() for v in (scale, bias, res_scale))
+        return conv_epilogue(c, scale, bias, r, res_scale, None, bool(relu))
     return _FusedConvEpilogue.apply(x, weight, scale, bias, res, res_weight, res_scale, pad, st, rst, bool(relu))

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.backend import choose_backend, num_programs_hint
-from culmen.ops.common.launch import Launch, PlanTuning, aligned_16, cdiv, next_pow2, stream_getter
+from culmen.ops.common.launch import Launch, PlanTuning, aligned_16, cdiv, next_pow2, stream_getter, traceable_kernels
 from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.conv_epilogue.kernels import _conv_epilogue_bwd_kernel, _conv_epilogue_fwd_kernel
 from culmen.ops.conv_epilogue.reference import conv_epilogue_bwd_ref, conv_epilogue_fwd_ref
@@ -70,9 +70,11 @@ class EpiloguePlan:
     ``c``: ``(N, C, H, W)`` fp16/bf16/fp32/fp64, best stored channels-last (other layouts are copied per
     call); ``scale``, ``bias``, ``res_scale``: ``C`` elements or ``None``; ``res`` like ``c`` or ``None``
     (``res_scale`` needs ``res``); ``mask`` like ``c`` (int8, bool, or float) or ``None``.
+    ``traced``: built from fake tensors inside the ``torch.compile`` op (``forward_traced`` /
+    ``backward_traced``; the element count may be symbolic).
     """
 
-    def __init__(self, c, scale, bias, res, res_scale, mask, relu: bool) -> None:
+    def __init__(self, c, scale, bias, res, res_scale, mask, relu: bool, traced: bool = False) -> None:
         if not isinstance(c, Tensor):
             raise TypeError(f"conv_epilogue: the convolution output must be a torch.Tensor, got {type(c).__name__}")
         if c.dim() != 4:
@@ -104,6 +106,8 @@ class EpiloguePlan:
         self.fix = tuple(v is not None and not v.is_contiguous() for v in (scale, bias, res_scale))
         self.has = (scale is not None, bias is not None, res is not None, res_scale is not None, mask is not None)
         self.use_kernel = c.dtype != torch.float64 and choose_backend(dev) == "triton"
+        if traced:
+            self.use_kernel = self.use_kernel and traceable_kernels()
         self.stream = stream_getter(dev)
         self._bwd: dict = {}
         if self.use_kernel:
@@ -111,19 +115,24 @@ class EpiloguePlan:
 
     def _plan_kernels(self) -> None:
         C, M, dev = self.C, self.M, self.device
+        # A symbolic element count (torch.compile, dynamic shapes) sizes the tiles as if it were large.
+        Mh = M if isinstance(M, int) else 1 << 30
         nw = TUNING["num_warps"]
         bc = min(TUNING["fwd_block_c"], next_pow2(max(C, 1)))
-        bm = max(1, min(TUNING["fwd_tile"] // bc, next_pow2(max(M, 1))))
+        bm = max(1, min(TUNING["fwd_tile"] // bc, next_pow2(max(Mh, 1))))
         hs, hb, hr, hrs, hm = self.has
         self.fwd = Launch(_conv_epilogue_fwd_kernel, (cdiv(M, bm), cdiv(C, bc)),
                           dict(HAS_SCALE=hs, HAS_BIAS=hb, HAS_RES=hr, HAS_RSCALE=hrs, HAS_MASK=hm, RELU=self.relu,
                                BLOCK_M=bm, BLOCK_C=bc), nw, device=dev)
         bc = min(TUNING["bwd_block_c"], next_pow2(max(C, 1)))
-        bm = max(1, min(TUNING["bwd_tile"] // bc, next_pow2(max(M, 1))))
+        bm = max(1, min(TUNING["bwd_tile"] // bc, next_pow2(max(Mh, 1))))
         col_blocks = cdiv(C, bc)
         want = max(1, TUNING["bwd_programs_per_sm"] * num_programs_hint(dev) // col_blocks)
-        row_blocks = max(1, cdiv(M, bm))
-        per = cdiv(row_blocks, min(want, row_blocks)) * bm
+        if isinstance(M, int):
+            row_blocks = max(1, cdiv(M, bm))
+            per = cdiv(row_blocks, min(want, row_blocks)) * bm
+        else:
+            per = 64 * bm
         self.rows_per = per
         self.splits = max(1, cdiv(M, per))
         self.bwd_grid = (col_blocks, self.splits)
@@ -206,3 +215,50 @@ class EpiloguePlan:
         if need_dr and not store_dr:
             dr = dy
         return dc, dr, (part.sum(0) if need_sum else None)
+
+    # ------------------------------------------------------------------------------ torch.compile
+    # The bodies of the ``culmen::conv_epilogue_*`` ops: launches through ``Launch.traced`` (no pointer
+    # checks, no raw stream), and every output a fresh tensor (custom ops return neither None nor aliases).
+    def forward_traced(self, c, scale, bias, res, res_scale, mask) -> Tensor:
+        """``forward`` inside the ``culmen::conv_epilogue_fwd`` op."""
+        if not self.use_kernel:
+            return conv_epilogue_fwd_ref(c, scale, bias, res, res_scale, mask, self.relu)
+        c = c.contiguous(memory_format=_CL)
+        if res is not None:
+            res = res.contiguous(memory_format=_CL)
+        mask = None if mask is None else mask.contiguous(memory_format=_CL)
+        if self.mask_bool:
+            mask = mask.to(torch.int8)
+        scale, bias, res_scale = (None if v is None else v.reshape(-1).contiguous() for v in (scale, bias, res_scale))
+        y = torch.empty_like(c, memory_format=_CL)
+        if self.M and self.C:
+            self.fwd.traced(c, scale, bias, res, res_scale, mask, y, self.M, self.C)
+        return y
+
+    def backward_traced(self, dy, y, mask, scale, res_scale, need_dc: bool, need_dr: bool,
+                        need_sum: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``backward`` inside the ``culmen::conv_epilogue_bwd`` op: ``(dc, dr, sum_g)``, 0-element tensors
+        where not asked for."""
+        if not self.use_kernel:
+            dc, dr, s = conv_epilogue_bwd_ref(dy, y, mask, scale, res_scale, self.relu, need_dc, need_dr, need_sum)
+        else:
+            dy = dy.contiguous(memory_format=_CL)
+            y = None if y is None else y.contiguous(memory_format=_CL)
+            mask = None if mask is None else mask.contiguous(memory_format=_CL)
+            if self.mask_bool:
+                mask = mask.to(torch.int8)
+            scale, res_scale = (None if v is None else v.reshape(-1).contiguous() for v in (scale, res_scale))
+            dc = torch.empty_like(dy, memory_format=_CL) if need_dc else None
+            dr = torch.empty_like(dy, memory_format=_CL) if need_dr else None
+            part = torch.empty((self.splits, self.C), device=self.device, dtype=torch.float32) if need_sum else None
+            if need_sum and not (self.M and self.C):
+                part.zero_()
+            if (need_dc or need_dr or need_sum) and self.M and self.C:
+                self._bwd_launch(need_dc, need_dr, need_sum).traced(dy, y, mask, scale, res_scale, dc, dr, part,
+                                                                    self.M, self.C, self.rows_per)
+            s = part.sum(0) if need_sum else None
+        empty = dy.new_empty(0)
+        dc = empty if dc is None else (dc.clone() if dc is dy else dc)
+        dr = dy.new_empty(0) if dr is None else (dr.clone() if dr is dy else dr)
+        s = torch.empty(0, device=dy.device, dtype=torch.float32) if s is None else s
+        return dc, dr, s
