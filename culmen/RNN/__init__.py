@@ -13,6 +13,10 @@ time loops as CUDA graphs (one launch per layer instead of two per time step; ou
 never overwritten while referenced). ``set_cuda_graphs(False)`` (or ``CULMEN_RNN_CUDA_GRAPHS=0``) runs the
 eager step loop instead; ``clear_cuda_graphs()`` frees the cached graphs and buffers. Graphs are never used
 on CPU, inside an outer CUDA-graph capture or under ``torch.compile``. See ``culmen.ops.rnn.graphs``.
+
+Under ``torch.compile`` (``fullgraph=True`` works) each LSTM / GRU layer is one opaque custom op forward and
+one backward (``culmen::lstm_sequence_fwd`` / ``_bwd``, ``culmen::gru_sequence_fwd`` / ``_bwd``) that run
+the eager step loop: Dynamo never traces the time loop step by step. See ``culmen.ops.rnn.op``.
 """
 
 from culmen.ops.rnn.graphs import clear_cuda_graphs, cuda_graphs_enabled, set_cuda_graphs  # noqa: F401

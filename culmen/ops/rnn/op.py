@@ -12,6 +12,14 @@ CUDA tensors run the Triton kernels; CPU tensors run the reference (``culmen.ops
 ops run their own backward loop on both, with the reference cells on CPU, so the CPU tests check the loop.
 The loops themselves are in ``loops.py``; on CUDA a layer's forward and backward loops are replayed as CUDA
 graphs from a signature's second call on (``graphs.py``: one graph launch instead of ``2 T`` host launches).
+
+Under ``torch.compile`` (``torch.compiler.is_compiling()``) the time loop is not traced step by step: each
+sequence op is an opaque ``torch.library.custom_op`` pair (``culmen::lstm_sequence_fwd`` / ``_bwd``,
+``culmen::gru_sequence_fwd`` / ``_bwd``) tied by ``register_autograd``, and the cells on the Triton
+backend are ``culmen::lstm_cell_fwd`` / ``_bwd`` and ``culmen::gru_cell_fwd`` / ``_bwd``; fake
+implementations give the real outputs' shapes and dtypes, and absent gradients are empty tensors. At run
+time the bodies run the eager loops (never the CUDA-graph replay, whose outputs alias reused buffers: the
+compiled graph may itself be captured). Cells on the reference backend trace the reference formulas.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from culmen.ops.backend import register_op
+from culmen.ops.backend import choose_backend, register_op
 from culmen.ops.common.launch import aligned_16
 from culmen.ops.rnn.graphs import STATS, graphs_allowed, layer_graphs
 from culmen.ops.rnn.launch import cell_plan
@@ -111,6 +119,8 @@ def lstm_cell(gates: Tensor, cx: Tensor) -> tuple[Tensor, Tensor]:
         raise ValueError(f"lstm_cell expects 2-D gates and cx, got gates {tuple(gates.shape)}, cx {tuple(cx.shape)}")
     _check_2d("gates", gates, cx.shape[0], 4 * cx.shape[1])
     cx = cx.to(gates.dtype)
+    if torch.compiler.is_compiling():
+        return _lstm_cell_compiled(gates, cx)
     if cell_plan("lstm", cx.shape[0], cx.shape[1], gates.dtype, gates.dtype, gates.device).backend != "triton":
         return lstm_cell_ref(gates, cx)
     return _LSTMCellFn.apply(gates.contiguous(), cx.contiguous())
@@ -136,6 +146,8 @@ def gru_cell(xg: Tensor, hg: Tensor, hx: Tensor) -> Tensor:
     if hg.dtype != xg.dtype:
         raise TypeError(f"gru_cell: hg dtype {hg.dtype} differs from xg dtype {xg.dtype}")
     hx = hx.to(xg.dtype)
+    if torch.compiler.is_compiling():
+        return _gru_cell_compiled(xg, hg, hx)
     if cell_plan("gru", B, H, xg.dtype, xg.dtype, xg.device).backend != "triton":
         return gru_cell_ref(xg, hg, hx)
     return _GRUCellFn.apply(xg.contiguous(), hg.contiguous(), hx.contiguous())
@@ -375,6 +387,11 @@ def lstm_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_
     x, (w_ih, b_ih, w_hh, b_hh), (h0, c0), off = _prepare("lstm_sequence", x, (w_ih, b_ih, w_hh, b_hh),
                                                          (("h0", h0), ("c0", c0)), 4)
     bias = b_ih + b_hh if (b_ih is not None and b_hh is not None) else (b_ih if b_ih is not None else b_hh)
+    if torch.compiler.is_compiling():
+        if off:
+            with torch.autocast(x.device.type, enabled=False):
+                return _lstm_seq_op(x, w_ih, bias, w_hh, h0, c0, bool(reverse))[:2]
+        return _lstm_seq_op(x, w_ih, bias, w_hh, h0, c0, bool(reverse))[:2]
     if off:
         with torch.autocast(x.device.type, enabled=False):
             return _LSTMSeqFn.apply(x, w_ih, bias, w_hh, h0, c0, bool(reverse), cuda_graph)
@@ -397,7 +414,268 @@ def gru_sequence(x: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None, b_h
     """
     x, (w_ih, b_ih, w_hh, b_hh), (h0,), off = _prepare("gru_sequence", x, (w_ih, b_ih, w_hh, b_hh),
                                                       (("h0", h0),), 3)
+    if torch.compiler.is_compiling():
+        if off:
+            with torch.autocast(x.device.type, enabled=False):
+                return _gru_seq_op(x, w_ih, b_ih, w_hh, b_hh, h0, bool(reverse))[0]
+        return _gru_seq_op(x, w_ih, b_ih, w_hh, b_hh, h0, bool(reverse))[0]
     if off:
         with torch.autocast(x.device.type, enabled=False):
             return _GRUSeqFn.apply(x, w_ih, b_ih, w_hh, b_hh, h0, bool(reverse), cuda_graph)
     return _GRUSeqFn.apply(x, w_ih, b_ih, w_hh, b_hh, h0, bool(reverse), cuda_graph)
+
+
+# ------------------------------------------------------------------------------------ torch.compile
+# Absent tensors and gradients cross the custom-op boundary as empty tensors (custom ops return no None).
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+def _opt(t: Tensor | None, like: Tensor) -> Tensor:
+    return t if t is not None else _empty(like)
+
+
+@torch.library.custom_op("culmen::lstm_cell_fwd", mutates_args=())
+def lstm_cell_fwd_op(gates: Tensor, cx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(hy, cy, ws)`` of one fused LSTM step (contiguous ``gates (B, 4H)``, ``cx (B, H)``); ``ws`` holds the
+    activated gates for the backward."""
+    B, H = cx.shape
+    plan = cell_plan("lstm", B, H, gates.dtype, gates.dtype, gates.device)
+    ws, hy, cy = torch.empty_like(gates), torch.empty_like(cx), torch.empty_like(cx)
+    plan.lstm_fwd(plan.stream(), aligned_16(gates, ws, cx, hy, cy), gates, ws, cx, hy, cy)
+    return hy, cy, ws
+
+
+@lstm_cell_fwd_op.register_fake
+def _lstm_cell_fwd_fake(gates, cx):
+    return torch.empty_like(cx), torch.empty_like(cx), torch.empty_like(gates)
+
+
+@torch.library.custom_op("culmen::lstm_cell_bwd", mutates_args=())
+def lstm_cell_bwd_op(ws: Tensor, cx: Tensor, cy: Tensor, dhy: Tensor, dcy: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dgates, dcx)`` of ``lstm_cell_fwd`` (contiguous gradients in the storage dtype)."""
+    B, H = cx.shape
+    plan = cell_plan("lstm", B, H, ws.dtype, ws.dtype, ws.device)
+    dg, dcx = torch.empty_like(ws), torch.empty_like(cx)
+    plan.lstm_bwd(plan.stream(), aligned_16(ws, cx, cy, dhy, dcy, dg, dcx), ws, cx, cy, dhy, dcy, None, dg, dcx)
+    return dg, dcx
+
+
+@lstm_cell_bwd_op.register_fake
+def _lstm_cell_bwd_fake(ws, cx, cy, dhy, dcy):
+    return torch.empty_like(ws), torch.empty_like(cx)
+
+
+def _lstm_cell_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[2], inputs[1], output[1])
+
+
+def _lstm_cell_backward(ctx, dhy, dcy, dws):
+    ws, cx, cy = ctx.saved_tensors
+    dhy = torch.zeros_like(cx) if dhy is None else dhy.to(ws.dtype).contiguous()
+    dcy = torch.zeros_like(cx) if dcy is None else dcy.to(ws.dtype).contiguous()
+    return lstm_cell_bwd_op(ws, cx, cy, dhy, dcy)
+
+
+torch.library.register_autograd("culmen::lstm_cell_fwd", _lstm_cell_backward, setup_context=_lstm_cell_setup)
+
+
+def _lstm_cell_compiled(gates: Tensor, cx: Tensor) -> tuple[Tensor, Tensor]:
+    if choose_backend(gates.device) != "triton":
+        return lstm_cell_ref(gates, cx)
+    hy, cy, _ = lstm_cell_fwd_op(gates.contiguous(), cx.contiguous())
+    return hy, cy
+
+
+@torch.library.custom_op("culmen::gru_cell_fwd", mutates_args=())
+def gru_cell_fwd_op(xg: Tensor, hg: Tensor, hx: Tensor) -> tuple[Tensor, Tensor]:
+    """``(hy, ws)`` of one fused GRU step (contiguous ``xg``, ``hg (B, 3H)``, ``hx (B, H)``); ``ws`` holds
+    ``[r | z | n]`` for the backward."""
+    B, H = hx.shape
+    plan = cell_plan("gru", B, H, xg.dtype, xg.dtype, xg.device)
+    ws, hy = torch.empty_like(xg), torch.empty_like(hx)
+    plan.gru_fwd(plan.stream(), aligned_16(xg, hg, hx, ws, hy), xg, hg, hx, ws, hy)
+    return hy, ws
+
+
+@gru_cell_fwd_op.register_fake
+def _gru_cell_fwd_fake(xg, hg, hx):
+    return torch.empty_like(hx), torch.empty_like(xg)
+
+
+@torch.library.custom_op("culmen::gru_cell_bwd", mutates_args=())
+def gru_cell_bwd_op(ws: Tensor, hg: Tensor, hx: Tensor, dhy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dxg, dhg, dhx)`` of ``gru_cell_fwd``."""
+    B, H = hx.shape
+    plan = cell_plan("gru", B, H, ws.dtype, ws.dtype, ws.device)
+    dxg, dhg, dhx = torch.empty_like(ws), torch.empty_like(ws), torch.empty_like(hx)
+    plan.gru_bwd(plan.stream(), aligned_16(ws, hg, hx, dhy, dxg, dhg, dhx), ws, hg, hx, dhy, None, dxg, dhg, dhx)
+    return dxg, dhg, dhx
+
+
+@gru_cell_bwd_op.register_fake
+def _gru_cell_bwd_fake(ws, hg, hx, dhy):
+    return torch.empty_like(ws), torch.empty_like(ws), torch.empty_like(hx)
+
+
+def _gru_cell_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], inputs[1], inputs[2])
+
+
+def _gru_cell_backward(ctx, dhy, dws):
+    ws, hg, hx = ctx.saved_tensors
+    return gru_cell_bwd_op(ws, hg, hx, dhy.to(ws.dtype).contiguous())
+
+
+torch.library.register_autograd("culmen::gru_cell_fwd", _gru_cell_backward, setup_context=_gru_cell_setup)
+
+
+def _gru_cell_compiled(xg: Tensor, hg: Tensor, hx: Tensor) -> Tensor:
+    if choose_backend(xg.device) != "triton":
+        return gru_cell_ref(xg, hg, hx)
+    return gru_cell_fwd_op(xg.contiguous(), hg.contiguous(), hx.contiguous())[0]
+
+
+@torch.library.custom_op("culmen::lstm_sequence_fwd", mutates_args=())
+def _lstm_seq_op(x: Tensor, w_ih: Tensor, bias: Tensor | None, w_hh: Tensor, h0: Tensor, c0: Tensor,
+                 reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, c, gates)`` of one LSTM layer (``lstm_sequence``'s prepared arguments, ``bias = b_ih + b_hh``);
+    ``gates (T, B, 4H)`` are the activated gates the backward reads. The eager time loop."""
+    T, B, _ = x.shape
+    H = w_hh.shape[1]
+    plan = cell_plan("lstm", B, H, x.dtype, _carry(x.dtype), x.device)
+    G = _input_proj(x, w_ih, bias, None)
+    Y, CS = x.new_empty(T, B, H), x.new_empty(T, B, H)
+    lstm_fwd_loop(plan, G, Y, CS, h0.contiguous(), c0.contiguous(), w_hh, reverse)
+    return Y, CS, G
+
+
+@_lstm_seq_op.register_fake
+def _lstm_seq_fake(x, w_ih, bias, w_hh, h0, c0, reverse):
+    T, B, _ = x.shape
+    H = w_hh.shape[1]
+    return x.new_empty(T, B, H), x.new_empty(T, B, H), x.new_empty(T, B, 4 * H)
+
+
+@torch.library.custom_op("culmen::lstm_sequence_bwd", mutates_args=())
+def _lstm_seq_bwd_op(dY: Tensor, dCS: Tensor | None, x: Tensor, w_ih: Tensor, w_hh: Tensor, h0: Tensor, c0: Tensor,
+                     G: Tensor, Y: Tensor, CS: Tensor, reverse: bool,
+                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dw_ih, dbias, dw_hh, dh0, dc0)`` of ``lstm_sequence_fwd`` for ``needs`` (one flag per gradient;
+    an unneeded one is an empty tensor)."""
+    T, B, _ = x.shape
+    H = w_hh.shape[1]
+    plan = cell_plan("lstm", B, H, x.dtype, _carry(x.dtype), x.device)
+    dY = dY.to(x.dtype).contiguous()
+    dCS = dCS.to(x.dtype).contiguous() if dCS is not None else None
+    dG = torch.empty_like(G)
+    dc = torch.empty(B, H, dtype=_carry(x.dtype), device=x.device)
+    dh0 = x.new_empty(B, H) if needs[4] else None
+    lstm_bwd_loop(plan, G, CS, dY, dCS, c0.contiguous(), w_hh, reverse, dG, dc, x.new_empty(B, H), dh0)
+    dx, dw_ih, db = _input_grads_for(needs, dG, x, w_ih)
+    dw_hh = _dw_hh(dG, Y, h0, reverse) if needs[3] else None
+    dc0 = dc.to(c0.dtype) if needs[5] else None
+    return tuple(_opt(t, x) for t in (dx, dw_ih, db, dw_hh, dh0, dc0))
+
+
+@_lstm_seq_bwd_op.register_fake
+def _lstm_seq_bwd_fake(dY, dCS, x, w_ih, w_hh, h0, c0, G, Y, CS, reverse, needs):
+    full = (x, w_ih, w_ih.new_empty(w_ih.shape[0]), w_hh, h0, c0)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if n else _empty(x)
+                 for t, n in zip(full, needs))
+
+
+def _input_grads_for(needs, dG: Tensor, x: Tensor, w_ih: Tensor):
+    T, B, In = x.shape
+    d2 = dG.reshape(T * B, -1)
+    dx = torch.mm(d2, w_ih).view(T, B, In) if needs[0] else None
+    dw = torch.mm(d2.t(), x.reshape(T * B, In)) if needs[1] else None
+    db = d2.sum(0) if needs[2] else None
+    return dx, dw, db
+
+
+def _lstm_seq_setup(ctx, inputs, output):
+    x, w_ih, bias, w_hh, h0, c0, reverse = inputs
+    Y, CS, G = output
+    ctx.reverse = reverse
+    ctx.save_for_backward(x, w_ih, w_hh, h0, c0, G, Y, CS)
+
+
+def _lstm_seq_backward(ctx, dY, dCS, dG):
+    x, w_ih, w_hh, h0, c0, G, Y, CS = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:6])
+    if dY is None:
+        dY = torch.zeros_like(Y)
+    grads = _lstm_seq_bwd_op(dY, dCS, x, w_ih, w_hh, h0, c0, G, Y, CS, ctx.reverse, needs)
+    return (*(g if n else None for g, n in zip(grads, needs)), None)
+
+
+torch.library.register_autograd("culmen::lstm_sequence_fwd", _lstm_seq_backward, setup_context=_lstm_seq_setup)
+
+
+@torch.library.custom_op("culmen::gru_sequence_fwd", mutates_args=())
+def _gru_seq_op(x: Tensor, w_ih: Tensor, b_ih: Tensor | None, w_hh: Tensor, b_hh: Tensor | None, h0: Tensor,
+                reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, ws, hg)`` of one GRU layer (``gru_sequence``'s prepared arguments): ``ws (T, B, 3H)`` holds
+    ``[r | z | n]`` and ``hg (T, B, 3H)`` the hidden gates, for the backward. The eager time loop."""
+    T, B, _ = x.shape
+    H = w_hh.shape[1]
+    plan = cell_plan("gru", B, H, x.dtype, x.dtype, x.device)
+    XG = _input_proj(x, w_ih, b_ih, None)
+    HG, Y = x.new_empty(T, B, 3 * H), x.new_empty(T, B, H)
+    gru_fwd_loop(plan, XG, HG, Y, h0.contiguous(), w_hh, b_hh, reverse)
+    return Y, XG, HG
+
+
+@_gru_seq_op.register_fake
+def _gru_seq_fake(x, w_ih, b_ih, w_hh, b_hh, h0, reverse):
+    T, B, _ = x.shape
+    H = w_hh.shape[1]
+    return x.new_empty(T, B, H), x.new_empty(T, B, 3 * H), x.new_empty(T, B, 3 * H)
+
+
+@torch.library.custom_op("culmen::gru_sequence_bwd", mutates_args=())
+def _gru_seq_bwd_op(dY: Tensor, x: Tensor, w_ih: Tensor, w_hh: Tensor, h0: Tensor, WS: Tensor, HG: Tensor, Y: Tensor,
+                    reverse: bool, needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dw_ih, db_ih, dw_hh, db_hh, dh0)`` of ``gru_sequence_fwd`` for ``needs`` (empty when unneeded)."""
+    T, B, _ = x.shape
+    H = w_hh.shape[1]
+    plan = cell_plan("gru", B, H, x.dtype, x.dtype, x.device)
+    dY = dY.to(x.dtype).contiguous()
+    dXG, dHG = torch.empty_like(WS), torch.empty_like(HG)
+    dh = gru_bwd_loop(plan, WS, HG, Y, dY, h0.contiguous(), w_hh, reverse, dXG, dHG, x.new_empty(B, H),
+                      x.new_empty(B, H))
+    dx, dw_ih, db_ih = _input_grads_for(needs, dXG, x, w_ih)
+    dw_hh = _dw_hh(dHG, Y, h0, reverse) if needs[3] else None
+    db_hh = dHG.reshape(T * B, -1).sum(0) if needs[4] else None
+    dh0 = dh.clone() if needs[5] else None
+    return tuple(_opt(t, x) for t in (dx, dw_ih, db_ih, dw_hh, db_hh, dh0))
+
+
+@_gru_seq_bwd_op.register_fake
+def _gru_seq_bwd_fake(dY, x, w_ih, w_hh, h0, WS, HG, Y, reverse, needs):
+    b = w_ih.new_empty(w_ih.shape[0])
+    full = (x, w_ih, b, w_hh, b, h0)
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if n else _empty(x)
+                 for t, n in zip(full, needs))
+
+
+def _gru_seq_setup(ctx, inputs, output):
+    x, w_ih, b_ih, w_hh, b_hh, h0, reverse = inputs
+    Y, WS, HG = output
+    ctx.reverse = reverse
+    ctx.save_for_backward(x, w_ih, w_hh, h0, WS, HG, Y)
+
+
+def _gru_seq_backward(ctx, dY, dWS, dHG):
+    x, w_ih, w_hh, h0, WS, HG, Y = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:6])
+    if dY is None:
+        dY = torch.zeros_like(Y)
+    grads = _gru_seq_bwd_op(dY, x, w_ih, w_hh, h0, WS, HG, Y, ctx.reverse, needs)
+    return (*(g if n else None for g, n in zip(grads, needs)), None)
+
+
+torch.library.register_autograd("culmen::gru_sequence_fwd", _gru_seq_backward, setup_context=_gru_seq_setup)
