@@ -33,7 +33,8 @@ def _compile(fn, graphs: list):
 def _run(fn, inputs):
     xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
     y = fn(*xs)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=y.dtype)
+    # drawn in float64 so that every dtype's run gets the same output gradient
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(y.dtype)
     grads = torch.autograd.grad(y, [t for t in xs if t.requires_grad], dy)
     return y, grads
 
@@ -83,8 +84,8 @@ def test_frozen_scale_bias_relu_compiled():
     fn = _compile(lambda x, w: ConvFrozenScaleBiasReLU(x, w, scale, bias, 1, 1), graphs)
     y = fn(x, w)
     assert any("conv_epilogue_fwd" in g for g in graphs)
-    dx, dw = torch.autograd.grad(y.sum(), (x, w))
-    assert scale.grad is None and bias.grad is None
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None and scale.grad is None and bias.grad is None
 
     def ref(x, w):
         return F.relu(F.conv2d(x, w, None, 1, 1) * scale.to(x.dtype).detach() + bias.to(x.dtype).detach())
@@ -92,7 +93,7 @@ def test_frozen_scale_bias_relu_compiled():
     exact, lo = _run(ref, [x.double(), w.double()]), _run(ref, [x, w])
     assert_close_tolerance(y, exact[0], lo[0])
     # _run's output gradient is seeded random data; redo the compiled gradient with it
-    y2, (dx, dw) = _run(fn, [x, w])
+    _, (dx, dw) = _run(fn, [x, w])
     assert_close_tolerance(dx, exact[1][0], lo[1][0], name="dx")
     assert_close_tolerance(dw, exact[1][1], lo[1][1], name="dw")
 
@@ -130,3 +131,22 @@ def test_fused_conv_epilogue_compiled():
 
     _check(lambda x, w, res, rw: fused_conv_epilogue(x, w, scale, bias, 1, 2, True, res, rw, rscale, 2), ref,
            [x, w, res, rw])
+
+
+def test_opcheck():
+    """The ops' schemas, fake implementations (shapes, strides, dtypes of the real outputs) and autograd
+    registration hold (``torch.library.opcheck``)."""
+    ops = torch.ops.culmen
+    checks = ("test_schema", "test_faketensor", "test_autograd_registration")
+    c = randn((2, 5, 3, 4), requires_grad=True).contiguous(memory_format=torch.channels_last)
+    bias, res = randn((5,), requires_grad=True), randn((2, 5, 3, 4), requires_grad=True)
+    scale, mask = torch.rand(5) + 0.5, torch.rand(2, 5, 3, 4) > 0.3
+    torch.library.opcheck(ops.conv_epilogue_fwd.default, (c, scale, bias, res, scale, mask, True), test_utils=checks)
+    torch.library.opcheck(ops.conv_epilogue_fwd.default, (c, None, None, None, None, None, False), test_utils=checks)
+    y = torch.relu(c.detach())
+    for need in ((True, True, True), (True, False, False), (False, False, True)):
+        torch.library.opcheck(ops.conv_epilogue_bwd.default, (randn((2, 5, 3, 4)), y, mask, scale, scale, True, *need),
+                              test_utils=checks)
+    # no ReLU, no mask, no scale: dc equals dy but must not alias it
+    torch.library.opcheck(ops.conv_epilogue_bwd.default, (randn((2, 5, 3, 4)), None, None, None, None, False, True,
+                                                          False, False), test_utils=checks)

@@ -17,6 +17,9 @@ doing the right thing:
   the gradient of the logits directly (Apex keeps a full log-softmax copy of the logits). It accepts any
   sign of the incoming gradient (Apex takes its logarithm). ``opt`` and ``fwd_tile_size`` are checked
   and otherwise ignored: one Triton schedule serves all.
+* Both trace under ``torch.compile(fullgraph=True)`` as custom ops (``culmen::transducer_joint_fwd``,
+  ``culmen::rnnt_loss_fwd`` and their backwards), which Inductor launches; the value checks of lengths and
+  labels (a device sync) are skipped in compiled graphs.
 """
 
 from __future__ import annotations

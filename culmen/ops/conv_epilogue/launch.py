@@ -222,7 +222,8 @@ class EpiloguePlan:
     def forward_traced(self, c, scale, bias, res, res_scale, mask) -> Tensor:
         """``forward`` inside the ``culmen::conv_epilogue_fwd`` op."""
         if not self.use_kernel:
-            return conv_epilogue_fwd_ref(c, scale, bias, res, res_scale, mask, self.relu)
+            y = conv_epilogue_fwd_ref(c, scale, bias, res, res_scale, mask, self.relu)
+            return y.clone() if y is c else y  # the identity epilogue: an output may not alias an input
         c = c.contiguous(memory_format=_CL)
         if res is not None:
             res = res.contiguous(memory_format=_CL)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.backend import check_values_on, choose_backend
-from culmen.ops.common.launch import Launch, PlanTuning, aligned_16, cdiv, next_pow2, stream_getter
+from culmen.ops.common.launch import Launch, PlanTuning, aligned_16, cdiv, next_pow2, stream_getter, traceable_kernels
 from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.transducer import reference as ref
 from culmen.ops.transducer.kernels import (
@@ -42,6 +42,7 @@ JOINT_PLANS = PlanCache("transducer_joint")
 LOSS_PLANS = PlanCache("transducer_loss")
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+STATS = ("alpha", "beta", "lse", "lpb", "lpe")  # the loss forward's (B, T, U) statistics, in op output order
 
 
 def _is_int_tensor(t) -> bool:
@@ -85,14 +86,17 @@ def _pow2_le(n: int, cap: int) -> int:
 
 
 class JointPlan:
-    """Everything ``transducer_joint`` derives from one call signature. Holds no tensors."""
+    """Everything ``transducer_joint`` derives from one call signature. Holds no tensors.
+
+    ``traced``: built inside the ``torch.compile`` ops (``forward_traced`` / ``backward_traced``): no value checks.
+    """
 
     __slots__ = ("B", "T", "U", "H", "dtype", "device", "pack", "relu", "dropout_p", "scale", "store_mask",
                  "packed_batch", "check_values", "use_kernel", "stream", "fwd", "bwd_f", "bwd_g", "tail", "tail_mask",
                  "empty")
 
     def __init__(self, f, g, f_len, g_len, batch_offset, packed_batch, pack_output: bool, relu: bool,
-                 dropout_p: float | None, store_mask: bool):
+                 dropout_p: float | None, store_mask: bool, traced: bool = False):
         op = "transducer_joint"
         _check_float("f", op, f, 3)
         _check_float("g", op, g, 3)
@@ -122,8 +126,10 @@ class JointPlan:
         self.store_mask = bool(store_mask) and (self.relu or self.dropout_p is not None)
         self.packed_batch = int(packed_batch) if self.pack else 0
         self.stream = stream_getter(f.device)
-        self.check_values = check_values_on() or (f.device.type == "cpu" and self.stream() is None)
+        self.check_values = not traced and (check_values_on() or (f.device.type == "cpu" and self.stream() is None))
         self.use_kernel = f.dtype != torch.float64 and choose_backend(f.device) == "triton"
+        if traced:
+            self.use_kernel = self.use_kernel and traceable_kernels()
         self.empty = B * T * U * H == 0
         if self.use_kernel:
             self._plan()
@@ -228,17 +234,63 @@ class JointPlan:
         self.bwd_g(stream, aligned, dh, f, g, f_len, g_len, boff_t, rng_t, dg, self.T, self.U, self.H, p, s)
         return df, dg
 
+    # torch.compile: the bodies of the ``culmen::transducer_joint_*`` ops. Launches go through
+    # ``Launch.traced``; outputs are fresh tensors (custom ops return neither None nor aliases).
+    def forward_traced(self, f, g, f_len, g_len, boff, rng) -> tuple[Tensor, Tensor]:
+        """``(h, mask)`` for contiguous inputs and the dropout ``rng`` the caller drew (``None`` without
+        dropout); ``mask`` is a 0-element uint8 tensor unless ``store_mask``."""
+        if not self.use_kernel:
+            h, keep = ref.transducer_joint_fwd_ref(f, g, f_len, g_len, boff, self.packed_batch, self.pack, self.relu,
+                                                   self.dropout_p, self.scale, rng)
+            mask = keep if self.store_mask else None
+        else:
+            B, T, U, H = self.B, self.T, self.U, self.H
+            shape = (self.packed_batch, H) if self.pack else (B, T, U, H)
+            h = torch.empty(shape, device=self.device, dtype=self.dtype)
+            mask = torch.empty(shape, device=self.device, dtype=torch.uint8) if self.store_mask else None
+            rng_t = f_len if rng is None else rng
+            boff_t = f_len if boff is None else boff
+            if not self.empty:
+                self.fwd.traced(f, g, f_len, g_len, boff_t, rng_t, h,
+                                torch.empty(1, device=self.device, dtype=torch.uint8) if mask is None else mask,
+                                T, U, H, self.packed_batch, self.dropout_p or 0.0, self.scale)
+            if self.pack and B:
+                self.tail.traced(h, boff, B, self.packed_batch, H)
+                if mask is not None:
+                    self.tail_mask.traced(mask, boff, B, self.packed_batch, H)
+        return h, (torch.empty(0, device=self.device, dtype=torch.uint8) if mask is None else mask)
+
+    def backward_traced(self, dh, f, g, f_len, g_len, boff, rng) -> tuple[Tensor, Tensor]:
+        """``backward`` inside the ``culmen::transducer_joint_bwd`` op."""
+        if not self.use_kernel:
+            return ref.transducer_joint_bwd_ref(dh, f, g, f_len, g_len, boff, self.pack, self.relu, self.dropout_p,
+                                                self.scale, rng)
+        dh = dh.contiguous()
+        df = torch.zeros_like(f) if self.empty else torch.empty_like(f)
+        dg = torch.zeros_like(g) if self.empty else torch.empty_like(g)
+        if not self.empty:
+            rng_t = f_len if rng is None else rng
+            boff_t = f_len if boff is None else boff
+            p, s = self.dropout_p or 0.0, self.scale
+            self.bwd_f.traced(dh, f, g, f_len, g_len, boff_t, rng_t, df, self.T, self.U, self.H, p, s)
+            self.bwd_g.traced(dh, f, g, f_len, g_len, boff_t, rng_t, dg, self.T, self.U, self.H, p, s)
+        return df, dg
+
 
 # ------------------------------------------------------------------------------------------------ loss
 
 
 class LossPlan:
-    """Everything ``rnnt_loss`` derives from one call signature. Holds no tensors."""
+    """Everything ``rnnt_loss`` derives from one call signature. Holds no tensors.
+
+    ``traced``: built inside the ``torch.compile`` ops (``forward_traced`` / ``backward_traced``): no value checks.
+    """
 
     __slots__ = ("B", "T", "U", "K", "N", "L", "blank", "packed", "dtype", "acc", "device", "check_values",
                  "use_kernel", "stream", "logprobs", "alpha_beta", "bwd", "tail")
 
-    def __init__(self, x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input: bool):
+    def __init__(self, x, label, f_len, y_len, blank_idx, batch_offset, max_f_len, packed_input: bool,
+                 traced: bool = False):
         op = "transducer_loss"
         self.packed = bool(packed_input)
         _check_float("x", op, x, 2 if self.packed else 4)
@@ -277,8 +329,10 @@ class LossPlan:
         self.dtype, self.device = x.dtype, x.device
         self.acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         self.stream = stream_getter(x.device)
-        self.check_values = check_values_on() or (x.device.type == "cpu" and self.stream() is None)
+        self.check_values = not traced and (check_values_on() or (x.device.type == "cpu" and self.stream() is None))
         self.use_kernel = x.dtype != torch.float64 and choose_backend(x.device) == "triton"
+        if traced:
+            self.use_kernel = self.use_kernel and traceable_kernels()
         if self.use_kernel:
             self._plan()
 
@@ -369,4 +423,37 @@ class LossPlan:
                  self.T, self.U, self.K, self.N, self.L, self.blank)
         if self.packed and self.N and self.B:
             self.tail(stream, aligned_16(dx, boff), dx, boff, self.B, self.N, self.K)
+        return dx
+
+    # torch.compile: the bodies of the ``culmen::rnnt_loss_*`` ops (see JointPlan.forward_traced).
+    def forward_traced(self, x, label, f_len, y_len, boff) -> tuple[Tensor, ...]:
+        """``(loss, alpha, beta, lse, lpb, lpe)`` for contiguous inputs (``forward``'s values, flattened)."""
+        if not self.use_kernel:
+            saved = ref.rnnt_loss_fwd_ref(x, label, f_len, y_len, self.blank, boff, self.T, self.packed)
+            return tuple(saved[n] for n in ("loss", *STATS))
+        B, T, U, dev = self.B, self.T, self.U, self.device
+        s = {name: torch.empty((B, T, U), device=dev, dtype=torch.float32) for name in STATS}
+        loss = torch.empty((B,), device=dev, dtype=self.dtype)
+        if B:
+            boff_t = f_len if boff is None else boff
+            self.logprobs.traced(x, label, f_len, y_len, boff_t, s["lse"], s["lpb"], s["lpe"], T, U, self.K, self.N,
+                                 self.L, self.blank)
+            self.alpha_beta.traced(f_len, y_len, s["lpb"], s["lpe"], s["alpha"], s["beta"], loss, T, U)
+        return (loss, *(s[n] for n in STATS))
+
+    def backward_traced(self, loss_grad, x, label, f_len, y_len, boff, saved: dict[str, Tensor]) -> Tensor:
+        """``backward`` inside the ``culmen::rnnt_loss_bwd`` op."""
+        loss_grad = loss_grad.to(self.dtype).expand(self.B).contiguous()
+        if not self.use_kernel:
+            return ref.rnnt_loss_bwd_ref(loss_grad, x, label, f_len, y_len, self.blank, boff, self.T, self.packed,
+                                         saved)
+        if self.B == 0:
+            return torch.zeros_like(x)
+        dx = torch.empty_like(x)
+        boff_t = f_len if boff is None else boff
+        s = saved
+        self.bwd.traced(x, dx, label, f_len, y_len, boff_t, s["lse"], s["lpb"], s["lpe"], s["alpha"], s["beta"],
+                        loss_grad, self.T, self.U, self.K, self.N, self.L, self.blank)
+        if self.packed and self.N:
+            self.tail.traced(dx, boff, self.B, self.N, self.K)
         return dx

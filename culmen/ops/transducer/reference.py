@@ -89,13 +89,21 @@ def transducer_joint_fwd_ref(f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor,
         if keep is not None:
             keep = keep & valid.unsqueeze(-1)
         return h, None if keep is None else keep.to(torch.uint8)
-    out = h.new_zeros((packed_batch, H))
-    out[rows[valid]] = h[valid]
+    out = _scatter_rows(h.new_zeros((packed_batch, H)), rows, valid, h)
     if keep is None:
         return out, None
     kout = torch.zeros((packed_batch, H), dtype=torch.uint8, device=f.device)
-    kout[rows[valid]] = keep[valid].to(torch.uint8)
-    return out, kout
+    return out, _scatter_rows(kout, rows, valid, keep.to(torch.uint8))
+
+
+def _scatter_rows(out: Tensor, rows: Tensor, valid: Tensor, src: Tensor) -> Tensor:
+    """``out[rows[valid]] = src[valid]`` for distinct valid rows, without a data-dependent shape (so that
+    ``torch.compile`` traces it): invalid cells add zero to their clamped row."""
+    if out.shape[0]:
+        W = out.shape[-1]
+        vals = torch.where(valid.unsqueeze(-1), src, src.new_zeros(())).reshape(-1, W)
+        out.index_put_((rows.reshape(-1),), vals, accumulate=True)
+    return out
 
 
 def transducer_joint_bwd_ref(dh: Tensor, f: Tensor, g: Tensor, f_len: Tensor, g_len: Tensor,
@@ -151,7 +159,7 @@ def rnnt_loss_fwd_ref(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, bl
     alpha = lpb.new_full((B, T, U), NEG)
     alpha[:, 0, 0] = 0.0
     for n in range(1, T + U - 1):
-        uu = u[(n - u >= 0) & (n - u < T)]
+        uu = u[max(0, n - T + 1):min(n, U - 1) + 1]  # the cells (t, u) of the anti-diagonal t + u = n
         t = n - uu
         top = torch.where(t > 0, alpha[:, (t - 1).clamp(min=0), uu] + lpb[:, (t - 1).clamp(min=0), uu], NEG)
         left = torch.where(uu > 0, alpha[:, t, (uu - 1).clamp(min=0)] + lpe[:, t, (uu - 1).clamp(min=0)], NEG)
@@ -162,7 +170,7 @@ def rnnt_loss_fwd_ref(x: Tensor, label: Tensor, f_len: Tensor, y_len: Tensor, bl
     vpad = torch.zeros((B, T + 1, U + 1), dtype=torch.bool, device=x.device)
     vpad[:, :T, :U] = valid
     for n in range(T + U - 2, -1, -1):
-        uu = u[(n - u >= 0) & (n - u < T)]
+        uu = u[max(0, n - T + 1):min(n, U - 1) + 1]
         t = n - uu
         val = _logaddexp(beta[:, t + 1, uu] + lpb[:, t, uu], beta[:, t, uu + 1] + lpe[:, t, uu])
         beta[:, t, uu] = torch.where(vpad[:, t, uu], val, beta[:, t, uu])
@@ -205,9 +213,7 @@ def rnnt_loss_bwd_ref(loss_grad: Tensor, x: Tensor, label: Tensor, f_len: Tensor
     g = torch.where(valid.unsqueeze(-1), g, g.new_zeros(()))
     if not packed:
         return g.to(x.dtype).reshape(x.shape)
-    out = torch.zeros_like(xr)
-    out[rows[valid]] = g[valid].to(x.dtype)
-    return out.reshape(x.shape)
+    return _scatter_rows(torch.zeros_like(xr), rows, valid, g.to(x.dtype)).reshape(x.shape)
 
 
 def rnnt_loss_ref(logits: Tensor, labels: Tensor, f_len: Tensor, y_len: Tensor, blank: int) -> Tensor:
