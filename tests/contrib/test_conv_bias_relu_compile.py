@@ -150,3 +150,28 @@ def test_opcheck():
     # no ReLU, no mask, no scale: dc equals dy but must not alias it
     torch.library.opcheck(ops.conv_epilogue_bwd.default, (randn((2, 5, 3, 4)), None, None, None, None, False, True,
                                                           False, False), test_utils=checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_compiled_gpu(dtype):
+    """On a GPU the epilogue op launches the Triton kernel through ``wrap_triton`` and Inductor (the default
+    backend) compiles the graph; forward and gradients equal the eager fused path's."""
+    dev = "cuda"
+    x = randn((8, 32, 28, 28), dtype, dev).contiguous(memory_format=torch.channels_last)
+    w = randn((64, 32, 3, 3), dtype, dev, scale=0.1).contiguous(memory_format=torch.channels_last)
+    b = randn((1, 64, 1, 1), dtype, dev)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    mask = (torch.rand(8, 64, 28, 28, device=dev) > 0.3).to(torch.int8)
+
+    def fn(x, w, b):
+        return ConvBiasMaskReLU(x, w, b, mask, 1, 1) + ConvBiasReLU(x, w, b, 1, 1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    eager = _run(fn, [x, w, b])
+    comp = _run(compiled, [x, w, b])
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(comp[0], eager[0], **tol)
+    for a, e in zip(comp[1], eager[1]):
+        torch.testing.assert_close(a, e, **tol)

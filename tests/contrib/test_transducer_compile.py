@@ -157,3 +157,71 @@ def test_opcheck():
     stats = ops.rnnt_loss_fwd(x.detach(), label, F_LEN, y_len, None, 6, 0, False)[1:]
     torch.library.opcheck(ops.rnnt_loss_bwd.default, (randn((3,)), x.detach(), label, F_LEN, y_len, None, *stats, 6, 0,
                                                       False), test_utils=checks)
+
+
+def test_compiled_dynamic_shapes():
+    """A second batch of other sizes recompiles with symbolic sizes (packed row count, ``max_f_len`` included):
+    a packed joint with ReLU feeding a packed loss still equals eager."""
+    joint = TransducerJoint(pack_output=True, relu=True)
+    loss = TransducerLoss(packed_input=True)
+
+    def fn(f, g, f_len, y_len, boff, rows, label, w, T):
+        h = joint(f, g, f_len, y_len + 1, boff, rows)
+        return loss(h @ w, label, f_len, y_len, 0, boff, T)
+
+    graphs: list = []
+    compiled = _compile(fn, graphs)
+    for seed, (B, T, U, H, K) in ((0, (2, 5, 3, 4, 5)), (1, (3, 4, 4, 4, 5))):
+        gen = torch.Generator().manual_seed(seed)
+        f_len = torch.randint(1, T + 1, (B,), generator=gen)
+        y_len = torch.randint(0, U, (B,), generator=gen)
+        boff = torch.cumsum(f_len * (y_len + 1), 0)
+        label = torch.randint(1, K, (B, U - 1), generator=gen)
+        args = (f_len, y_len, boff, int(boff[-1]), label, randn((H, K)), T)
+        inputs = [randn((B, T, H)), randn((B, U, H))]
+        eager = _run(lambda f, g, a=args: fn(f, g, *a), inputs, seed)
+        comp = _run(lambda f, g, a=args: compiled(f, g, *a), inputs, seed)
+        assert comp[0].shape == (B,)
+        _same(comp, eager)
+    assert len(graphs) == 2 and "transducer_joint_fwd" in graphs[1] and "rnnt_loss_fwd" in graphs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_compiled_gpu(dtype):
+    """On a GPU the ops' bodies launch the Triton kernels through ``wrap_triton`` and Inductor (the default
+    backend) compiles the graph: a packed joint with ReLU feeding a packed loss, at a size where several
+    programs share each dimension, equals the eager kernels; a second batch of other lengths runs through
+    the dynamic-shape recompile."""
+    dev = "cuda"
+
+    def case(B, T, U, H, K, seed):
+        gen = torch.Generator().manual_seed(seed)
+        f_len = torch.randint(T // 2, T + 1, (B,), generator=gen).to(dev)
+        y_len = torch.randint(0, U, (B,), generator=gen).to(dev)
+        boff = torch.cumsum(f_len * (y_len + 1), 0)
+        label = torch.randint(0, K - 1, (B, U - 1), generator=gen).to(dev)
+        f, g = randn((B, T, H), dtype, dev), randn((B, U, H), dtype, dev)
+        w = randn((H, K), dtype, dev, scale=H ** -0.5)
+        return f, g, f_len, y_len, boff, label, w, T
+
+    joint = TransducerJoint(pack_output=True, relu=True)
+    loss = TransducerLoss(packed_input=True)
+
+    def fn(f, g, f_len, y_len, boff, rows, label, w, T):
+        h = joint(f, g, f_len, y_len + 1, boff, rows)
+        return loss(h @ w, label, f_len, y_len, K - 1, boff, T)
+
+    K = 33
+    compiled = torch.compile(fn, fullgraph=True)
+    torch._dynamo.reset()
+    for seed, dims in ((0, (4, 37, 9, 64)), (1, (3, 29, 12, 64))):
+        f, g, f_len, y_len, boff, label, w, T = case(*dims, K, seed)
+        rows = int(boff[-1])
+        args = (f_len, y_len, boff, rows, label, w, T)
+        eager = _run(lambda f, g, a=args: fn(f, g, *a), [f, g])
+        comp = _run(lambda f, g, a=args: compiled(f, g, *a), [f, g])
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(comp[0], eager[0], **tol)
+        for a, b in zip(comp[1], eager[1]):
+            torch.testing.assert_close(a, b, **tol)

@@ -42,6 +42,8 @@ JOINT_PLANS = PlanCache("transducer_joint")
 LOSS_PLANS = PlanCache("transducer_loss")
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Sizes may be symbolic where torch.compile traces the plans (dynamic shapes).
+_INT = (int, torch.SymInt)
 STATS = ("alpha", "beta", "lse", "lpb", "lpe")  # the loss forward's (B, T, U) statistics, in op output order
 
 
@@ -113,7 +115,7 @@ class JointPlan:
         self.pack = bool(pack_output)
         if self.pack:
             _check_lengths("batch_offset", op, batch_offset, B, f.device)
-            if isinstance(packed_batch, bool) or not isinstance(packed_batch, int) or packed_batch < 0:
+            if isinstance(packed_batch, bool) or not isinstance(packed_batch, _INT) or packed_batch < 0:
                 raise ValueError(f"{op}: packed_batch must be a non-negative int when packing, got {packed_batch!r}")
         if dropout_p is not None and not 0.0 <= float(dropout_p) <= 1.0:
             raise ValueError(f"{op}: dropout_prob must be in [0, 1], got {dropout_p}")
@@ -124,7 +126,7 @@ class JointPlan:
         # Apex: kept elements scale by 1 / (1 - p); p = 1 drops everything (scale 0).
         self.scale = 1.0 if self.dropout_p is None else (0.0 if self.dropout_p >= 1.0 else 1.0 / (1.0 - self.dropout_p))
         self.store_mask = bool(store_mask) and (self.relu or self.dropout_p is not None)
-        self.packed_batch = int(packed_batch) if self.pack else 0
+        self.packed_batch = packed_batch if self.pack else 0
         self.stream = stream_getter(f.device)
         self.check_values = not traced and (check_values_on() or (f.device.type == "cpu" and self.stream() is None))
         self.use_kernel = f.dtype != torch.float64 and choose_backend(f.device) == "triton"
@@ -306,7 +308,7 @@ class LossPlan:
         if self.packed:
             if isinstance(max_f_len, Tensor):
                 max_f_len = int(max_f_len)
-            if isinstance(max_f_len, bool) or not isinstance(max_f_len, int) or max_f_len < 1:
+            if isinstance(max_f_len, bool) or not isinstance(max_f_len, _INT) or max_f_len < 1:
                 raise ValueError(f"{op}: max_f_len must be a positive int with packed_input, got {max_f_len!r}")
             T, U = max_f_len, label.shape[1] + 1
             _check_lengths("batch_offset", op, batch_offset, B, x.device)
@@ -319,7 +321,7 @@ class LossPlan:
                                  f"{tuple(x.shape)}, got {tuple(label.shape)}")
         _check_lengths("f_len", op, f_len, B, x.device)
         _check_lengths("y_len", op, y_len, B, x.device)
-        if isinstance(blank_idx, bool) or not isinstance(blank_idx, int) or not 0 <= blank_idx < K:
+        if isinstance(blank_idx, bool) or not isinstance(blank_idx, _INT) or not 0 <= blank_idx < K:
             raise ValueError(f"{op}: blank_idx must be an int in [0, {K}) (x's last dimension), got {blank_idx!r}")
         if K == 0 or U == 0 or T == 0:
             raise ValueError(f"{op}: x must have non-empty time, label and vocabulary dimensions, got "

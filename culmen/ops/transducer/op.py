@@ -219,7 +219,7 @@ def _joint_compiled(f, g, f_len, g_len, batch_offset, packed_batch, pack_output,
     rng = None if p is None else torch.randint(0, 2**62, (2,), device=f.device, dtype=torch.int64)
     boff = batch_offset.contiguous() if pack else None
     h, mask = transducer_joint_fwd_op(f.contiguous(), g.contiguous(), f_len.contiguous(), g_len.contiguous(), boff,
-                                      rng, int(packed_batch) if pack else 0, pack, bool(relu), p,
+                                      rng, packed_batch if pack else 0, pack, bool(relu), p,
                                       bool(return_mask) and masked)
     if not return_mask:
         return h
