@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.backends.registry import lookup_backend
+from compile_checks import compile_keeping_graphs as _compile  # tests/contrib helper
 
 from culmen.contrib.conv_bias_relu import ConvBiasMaskReLU, ConvBiasReLU, ConvFrozenScaleBiasReLU
 from culmen.contrib.conv_bias_relu.conv_bias_relu import fused_conv_epilogue
@@ -15,19 +15,6 @@ from culmen.ops.backend import use_backend
 from culmen.ops.conv_epilogue import conv_epilogue
 from culmen.testing import randn
 from culmen.testing.tolerance import assert_close_tolerance
-
-
-def _compile(fn, graphs: list):
-    """``fn`` compiled with ``fullgraph=True`` through aot_eager (fake impls, functionalization, the registered
-    autograd), keeping the code of every Dynamo graph."""
-    aot = lookup_backend("aot_eager")
-
-    def backend(gm, inputs):
-        graphs.append(gm.code)
-        return aot(gm, inputs)
-
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def _run(fn, inputs):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.backends.registry import lookup_backend
+from compile_checks import compile_keeping_graphs as _compile  # tests/contrib helper
 
 from culmen.contrib.transducer import TransducerJoint, TransducerLoss
 from culmen.ops.backend import use_backend
@@ -19,16 +19,6 @@ F_LEN = torch.tensor([5, 3, 4])
 G_LEN = torch.tensor([4, 1, 3])
 
 
-def _compile(fn, graphs: list):
-    """``fn`` compiled with ``fullgraph=True`` through aot_eager, keeping the code of every Dynamo graph."""
-    aot = lookup_backend("aot_eager")
-
-    def backend(gm, inputs):
-        graphs.append(gm.code)
-        return aot(gm, inputs)
-
-    torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def _run(fn, inputs, seed=3):

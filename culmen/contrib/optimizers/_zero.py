@@ -165,7 +165,7 @@ class ZeroBase(torch.optim.Optimizer):
         self._grad_norm: Tensor | None = None
         self._unscaled_by_user = False
         self._inflight: list[Bucket] = []
-        self._params_pending = False
+        self._stale_buckets = 0  # buckets gathered by the last step but not yet copied into the params
         self._hooks: list = []
         self._inplace_gather = dist.get_backend(self.distributed_process_group) == "nccl"
         self._build_layout()
@@ -320,7 +320,7 @@ class ZeroBase(torch.optim.Optimizer):
         return torch.full((), unit, dtype=torch.float32, device=self.device)
 
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._params_pending:
+        if not self._stale_buckets:  # every module's forward runs this: free once the params are in place
             return
         # Wait only for the gathers of this module's params: the later buckets keep arriving while the
         # first layers compute.
@@ -329,7 +329,7 @@ class ZeroBase(torch.optim.Optimizer):
             if pi is not None:
                 for f in self._fragments[pi]:
                     b = self.buckets[f.bucket_id]
-                    if b.param_work is not None or b.params_stale:
+                    if b.params_stale:
                         self._sync_bucket(b)
 
     # ------------------------------------------------------------------------------- grad sync
@@ -473,7 +473,7 @@ class ZeroBase(torch.optim.Optimizer):
             src = local if self._inplace_gather else local.clone()
             b.param_work = all_gather_single(b.param_out, src, group=self.distributed_process_group, async_op=True)
             b.params_stale = True
-        self._params_pending = True
+        self._stale_buckets = len(self.buckets)
 
     def _sync_bucket(self, b: Bucket) -> None:
         """Wait for bucket ``b``'s all-gather and copy it into the params that are not views of it."""
@@ -483,6 +483,7 @@ class ZeroBase(torch.optim.Optimizer):
         if not b.params_stale:
             return
         b.params_stale = False
+        self._stale_buckets -= 1
         with torch.no_grad():
             for f in b.fragments:
                 p = self._params[f.param_id]
@@ -495,9 +496,8 @@ class ZeroBase(torch.optim.Optimizer):
 
     def param_sync(self) -> None:
         """Finish the parameter all-gathers (launched by ``step()``) and copy the buckets into the params."""
-        if not self._params_pending:
+        if not self._stale_buckets:
             return
-        self._params_pending = False
         for b in reversed(self.buckets):
             self._sync_bucket(b)
 

@@ -123,15 +123,7 @@ def pair_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, 
     if torch.compiler.is_compiling():
         return _pair_attention_compiled(q, k, v, bias, mask, inf, scale)
     q5, k5, v5, b5, m5 = canonicalize(q, k, v, bias, mask)
-    try:
-        key = (_sig(q5), _sig(k5), _sig(v5), _sig(b5), _sig(m5), q5.device, inf, scale)
-        plan = PLANS.get(key)
-    except TypeError:  # unhashable scalars: the plan says why
-        key, plan = None, None
-    if plan is None:
-        plan = PairAttnPlan(q5, k5, v5, b5, m5, inf, scale)
-        if key is not None:
-            PLANS.put(key, plan)
+    plan = _plan(q5, k5, v5, b5, m5, inf, scale)
     out_shape = tuple(q.shape)
     if not plan.use_kernel:
         return pair_attention_ref(q5, k5, v5, b5, m5, inf, plan.scale).reshape(out_shape)
@@ -145,8 +137,7 @@ def pair_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None, 
 
 def _plan(q5: Tensor, k5: Tensor, v5: Tensor, b5: Tensor | None, m5: Tensor | None, inf: float,
           scale: float | None) -> PairAttnPlan:
-    """The cached plan of canonical arguments (built, and the arguments checked, on first use); the eager
-    entry point inlines the same lookup (one call less per call)."""
+    """The cached plan of canonical arguments (built, and the arguments checked, on first use)."""
     try:
         key = (_sig(q5), _sig(k5), _sig(v5), _sig(b5), _sig(m5), q5.device, inf, scale)
         plan = PLANS.get(key)
