@@ -63,3 +63,20 @@ def reference_backend():
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_GPU else "cpu")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A GPU test that leaves a sticky CUDA error (illegal instruction, device-side assert) poisons the process's
+    context, so every later test on this worker would fail at set-up. Surface it on the test that caused it and
+    end the worker; pytest-xdist reports the crash against this test and starts a fresh worker."""
+    yield
+    if HAS_GPU and "gpu" in item.keywords:
+        try:
+            torch.cuda.synchronize()
+        except Exception as exc:  # torch.AcceleratorError on sticky errors
+            import sys
+
+            sys.stderr.write(f"\n{item.nodeid} left the CUDA context broken: {exc}\n")
+            sys.stderr.flush()
+            os._exit(3)

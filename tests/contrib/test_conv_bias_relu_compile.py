@@ -21,7 +21,7 @@ def _run(fn, inputs):
     xs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
     y = fn(*xs)
     # drawn in float64 so that every dtype's run gets the same output gradient
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(y.dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(y.device, y.dtype)
     grads = torch.autograd.grad(y, [t for t in xs if t.requires_grad], dy)
     return y, grads
 

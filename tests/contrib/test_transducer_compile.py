@@ -25,7 +25,7 @@ def _run(fn, inputs, seed=3):
     xs = [t.detach().clone().requires_grad_() for t in inputs]
     y = fn(*xs)
     # drawn in float64 so that every dtype's run gets the same output gradient
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(y.dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(y.device, y.dtype)
     return y, torch.autograd.grad(y, xs, dy)
 
 

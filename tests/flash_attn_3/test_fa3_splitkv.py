@@ -172,7 +172,6 @@ def test_gpu_decode_under_cuda_graph_equals_eager():
     def step():
         return fa3.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, page_table=table, num_splits=8)
 
-    kc0, vc0 = kc.clone(), vc.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -181,6 +180,7 @@ def test_gpu_decode_under_cuda_graph_equals_eager():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         static_out = step()
+    kc0, vc0 = kc.clone(), vc.clone()  # after the warm-up's append (the capture itself writes nothing)
     for lens in ([101, 6, 1501, 2001], [7, 900, 3, 2040]):
         seqlens.copy_(torch.tensor(lens, device=dev, dtype=torch.int32))
         q.normal_()

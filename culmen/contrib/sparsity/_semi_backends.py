@@ -143,7 +143,7 @@ class _Cusparselt(_Compressed):
     def __init__(self, weight: Tensor, opts: dict[str, Any]) -> None:
         self.op = torch._cslt_sparse_mm
         self.compress_op = torch._cslt_compress
-        self.search = opts.get("search_alg", True)
+        self.search = opts.get("search_alg", False)  # see enable_semi_structured
         self.algs: dict[int, int] = {}
         self.compressed: Tensor | None = None
         super().__init__(weight, opts)

@@ -218,7 +218,7 @@ def _forward(self: nn.Linear, input: Tensor) -> Tensor:
     return F.linear(input, self.weight, self.bias)
 
 
-def enable_semi_structured(module: nn.Linear, backend: str = "auto", *, search_alg: bool = True,
+def enable_semi_structured(module: nn.Linear, backend: str = "auto", *, search_alg: bool = False,
                            max_graphs: int = 4) -> bool:
     """Make a 2:4-pruned ``nn.Linear`` run its forward on a semi-structured sparse weight.
 
@@ -226,7 +226,10 @@ def enable_semi_structured(module: nn.Linear, backend: str = "auto", *, search_a
         module: the ``nn.Linear`` (fp16 / bf16 weight on an SM80+ GPU, 2:4-sparse along its input dim).
         backend: ``"auto"`` or one of ``BACKENDS`` (tried first; the rest of ``backend_order`` follows).
         search_alg: cuSPARSELt backends search the fastest algorithm id once per token count
-            (``torch._cslt_sparse_mm_search``); False keeps algorithm 0.
+            (``torch._cslt_sparse_mm_search``); False (the default) keeps algorithm 0, PyTorch's own
+            choice. Off by default: on an H200 with torch 2.11 / cuSPARSELt 0.8.0 the search fails with
+            "internal error" and leaves cuSPARSELt broken for the process (every later plan fails, then an
+            illegal instruction poisons the CUDA context); ``scripts/probe_cusparselt.py`` shows it.
         max_graphs: ``cusparselt-graph`` captures at most this many token counts per layer (each holds
             a static input and output); other token counts run ``torch._cslt_sparse_mm`` directly.
     Returns:

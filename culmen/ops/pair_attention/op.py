@@ -94,7 +94,8 @@ def canonicalize(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: Ten
             raise TypeError(f"pair_attention: mask must be a tensor or None, got {type(mask).__name__}")
         m5 = _canon(mask.detach(), batch, "mask")
         if m5.dtype == torch.bool:
-            m5 = m5.view(torch.uint8)
+            # a free reinterpretation in eager; Inductor cannot lower a bool bitcast, so a traced call converts
+            m5 = m5.to(torch.uint8) if torch.compiler.is_compiling() else m5.view(torch.uint8)
     return q5, k5, v5, b5, m5
 
 

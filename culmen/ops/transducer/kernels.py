@@ -90,7 +90,7 @@ def _joint_fwd_kernel(F, G, FLEN, GLEN, BOFF, RNG, OUT, MASK, T, U, H, packed_ro
     out = fv + gv
     if RELU or DROPOUT:
         keep = _joint_keep(F, G, RNG, b, t, u, h, T, U, H, f_off, g_off, valid, p_drop, RELU, DROPOUT)
-        out = tl.where(keep, out * scale, 0.0)
+        out = tl.where(keep, (out * scale).to(tl.float32), 0.0)
     if PACK:
         row = _pack_base(BOFF, b) + t * gl + u
         smask = valid & (row < packed_rows)
@@ -131,7 +131,7 @@ def _joint_bwd_f_kernel(DH, F, G, FLEN, GLEN, BOFF, RNG, DF, T, U, H, p_drop, sc
         if RELU or DROPOUT:
             g_off = (b.to(tl.int64) * U + u) * H + h
             keep = _joint_keep(F, G, RNG, b, t, u, h, T, U, H, f_off, g_off, m, p_drop, RELU, DROPOUT)
-            d = tl.where(keep, d * scale, 0.0)
+            d = tl.where(keep, (d * scale).to(tl.float32), 0.0)  # fp64 when Inductor passes scale
         acc += d
     tl.store(DF + f_off, tl.sum(acc, axis=0)[None, :].to(DF.dtype.element_ty), mask=hm)
 
@@ -166,7 +166,7 @@ def _joint_bwd_g_kernel(DH, F, G, FLEN, GLEN, BOFF, RNG, DG, T, U, H, p_drop, sc
         if RELU or DROPOUT:
             f_off = (b.to(tl.int64) * T + t) * H + h
             keep = _joint_keep(F, G, RNG, b, t, u, h, T, U, H, f_off, g_off, m, p_drop, RELU, DROPOUT)
-            d = tl.where(keep, d * scale, 0.0)
+            d = tl.where(keep, (d * scale).to(tl.float32), 0.0)  # fp64 when Inductor passes scale
         acc += d
     tl.store(DG + g_off, tl.sum(acc, axis=0)[None, :].to(DG.dtype.element_ty), mask=hm)
 
