@@ -321,3 +321,127 @@ def _rnnt_bwd_kernel(X, DX, LABEL, FLEN, YLEN, BOFF, LSE, LPB, LPE, ALPHA, BETA,
         g -= tl.where(kk == lab[:, None], w_label[:, None], 0.0)
         g = tl.where(vm, g * lg, 0.0)
         tl.store(DX + off + k0, g.to(DX.dtype.element_ty), mask=smask & km)
+
+
+# ------------------------------------------------------------------------ projection + loss (culmen's own)
+#
+# ``rnnt_projection_loss`` (a culmen addition, not in Apex) never holds the whole logits tensor: it projects
+# a chunk of joint rows at a time (cuBLAS through torch) and these kernels work on that chunk. Chunk row
+# ``i`` is row ``r0 + i`` of the joint output (dense ``(B*T*U, H)`` or packed); its lattice node ``(b, t, u)``
+# is found from the row number (packed rows: a binary search over the inclusive batch offsets), so the
+# ``(B, T, U)`` statistics and recursions of the loss above serve unchanged.
+
+
+@triton.jit
+def _proj_rows(FLEN, YLEN, BOFF, r, B, T, U, nsteps, PACK: tl.constexpr):
+    """``(b, t, u, fl, yl, valid, idx)`` of the joint rows ``r`` (int64 vector): the lattice node, the
+    clamped lengths of its batch, whether the node is inside them and its flat ``(B, T, U)`` index."""
+    if PACK:
+        # first batch whose inclusive offset exceeds r (B when r is past every batch)
+        lo = tl.zeros(r.shape, dtype=tl.int32)
+        hi = lo + B
+        for _ in range(0, nsteps):
+            act = lo < hi
+            mid = (lo + hi) // 2
+            v = tl.load(BOFF + mid, mask=act, other=0).to(tl.int64)
+            go = v <= r
+            lo = tl.where(act & go, mid + 1, lo)
+            hi = tl.where(act & (v > r), mid, hi)
+        b = tl.minimum(lo, B - 1)
+        prev = tl.load(BOFF + b - 1, mask=b > 0, other=0).to(tl.int64)
+        fl = tl.maximum(tl.minimum(tl.load(FLEN + b).to(tl.int32), T), 1)
+        yl = tl.maximum(tl.minimum(tl.load(YLEN + b).to(tl.int32), U - 1), 0)
+        local = r - tl.where(b > 0, prev, 0)
+        w = (yl + 1).to(tl.int64)
+        t = local // w
+        u = local - t * w
+        valid = (lo < B) & (t < fl)
+    else:
+        tu = T * U
+        b = tl.minimum(r // tu, B - 1)  # rows past the chunk's end stay inside the length tensors
+        rem = r - b * tu
+        t = rem // U
+        u = rem - t * U
+        fl = tl.maximum(tl.minimum(tl.load(FLEN + b).to(tl.int32), T), 1)
+        yl = tl.maximum(tl.minimum(tl.load(YLEN + b).to(tl.int32), U - 1), 0)
+        valid = (t < fl) & (u <= yl)
+    b = b.to(tl.int64)
+    t = t.to(tl.int32)
+    u = u.to(tl.int32)
+    idx = (b * T + t) * U + u
+    return b, t, u, fl, yl, valid, idx
+
+
+@triton.jit(do_not_specialize=["r0", "C", "B", "T", "U", "K", "L", "blank", "nsteps"])
+def _proj_logprobs_kernel(X, LABEL, FLEN, YLEN, BOFF, LSE, LPB, LPE, r0, C, B, T, U, K, L, blank, nsteps,
+                          PACK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``i block`` of a chunk of ``C`` logits rows ``X (C, K)`` (joint rows ``r0 + i``): the
+    ``lse`` / ``lpb`` / ``lpe`` of ``_rnnt_logprobs_kernel``, stored at each valid row's lattice node."""
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r = i.to(tl.int64) + r0
+    b, t, u, fl, yl, valid, idx = _proj_rows(FLEN, YLEN, BOFF, r, B, T, U, nsteps, PACK)
+    valid = valid & (i < C)
+    k = tl.arange(0, BLOCK_K)[None, :]
+    row = i.to(tl.int64)[:, None] * K
+    vm = valid[:, None]
+    m = tl.full([BLOCK_R], NEG, tl.float32)
+    s = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + row + k0 + k, mask=vm & (k0 + k < K), other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+    lse = m + tl.log(tl.where(s > 0, s, 1.0))
+    emit = valid & (u < yl)
+    lab = tl.load(LABEL + b * L + u, mask=emit, other=0).to(tl.int32)
+    lab = tl.minimum(tl.maximum(lab, 0), K - 1)
+    rk = i.to(tl.int64) * K
+    xb = tl.load(X + rk + blank, mask=valid, other=0.0).to(tl.float32)
+    xe = tl.load(X + rk + lab, mask=emit, other=0.0).to(tl.float32)
+    tl.store(LSE + idx, lse, mask=valid)
+    tl.store(LPB + idx, xb - lse, mask=valid)
+    tl.store(LPE + idx, tl.where(emit, xe - lse, NEG), mask=valid)
+
+
+@triton.jit(do_not_specialize=["r0", "C", "B", "T", "U", "K", "L", "blank", "nsteps"])
+def _proj_grad_kernel(X, LABEL, FLEN, YLEN, BOFF, LSE, LPB, LPE, ALPHA, BETA, LG, r0, C, B, T, U, K, L, blank,
+                      nsteps, PACK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``i block`` of a chunk: overwrite the logits rows ``X (C, K)`` with their gradient (the
+    softmax-fused formula of ``_rnnt_bwd_kernel``); rows outside the lengths become zeros. In place: each
+    element is read before the same program writes it."""
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    inside = i < C
+    r = i.to(tl.int64) + r0
+    b, t, u, fl, yl, valid, idx = _proj_rows(FLEN, YLEN, BOFF, r, B, T, U, nsteps, PACK)
+    valid = valid & inside
+    base = b * T * U
+    a = tl.load(ALPHA + idx, mask=valid, other=0.0)
+    be = tl.load(BETA + idx, mask=valid, other=0.0)
+    b0 = tl.load(BETA + base, mask=valid, other=0.0)
+    lse = tl.load(LSE + idx, mask=valid, other=0.0)
+    lpb = tl.load(LPB + idx, mask=valid, other=0.0)
+    lpe = tl.load(LPE + idx, mask=valid, other=NEG)
+    emit = valid & (u < yl)
+    last_t = t == fl - 1
+    b_next_t = tl.load(BETA + idx + U, mask=valid & (t < fl - 1), other=NEG)
+    b_next_t = tl.where(last_t & (u == yl), 0.0, b_next_t)
+    b_next_u = tl.load(BETA + idx + 1, mask=emit, other=NEG)
+    lg = tl.load(LG + b, mask=valid, other=0.0).to(tl.float32)
+    shift = a + be - b0 - lse
+    w_blank = tl.exp(a + lpb + b_next_t - b0)
+    w_label = tl.where(emit, tl.exp(a + lpe + b_next_u - b0), 0.0)
+    lab = tl.load(LABEL + b * L + u, mask=emit, other=-1).to(tl.int32)
+    lab = tl.where(emit, tl.minimum(tl.maximum(lab, 0), K - 1), -1)
+    k = tl.arange(0, BLOCK_K)[None, :]
+    off = i.to(tl.int64)[:, None] * K + k
+    vm = valid[:, None]
+    im = inside[:, None]
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        km = kk < K
+        x = tl.load(X + off + k0, mask=vm & km, other=0.0).to(tl.float32)
+        g = tl.exp(x + shift[:, None])
+        g -= tl.where(kk == blank, w_blank[:, None], 0.0)
+        g -= tl.where(kk == lab[:, None], w_label[:, None], 0.0)
+        g = tl.where(vm, g * lg[:, None], 0.0)
+        tl.store(X + off + k0, g.to(X.dtype.element_ty), mask=im & km)
