@@ -11,6 +11,10 @@ Providers, on the same tensors:
 * ``culmen``: ``TransducerJoint`` + ``F.linear`` + ``TransducerLoss``. Case ``dense``: padded
   ``(B, T, U, .)`` tensors; case ``packed``: Apex's packed layout (only the valid ``(t, u)`` rows are
   formed, projected and scored), the way Apex's users run it.
+* ``culmen-fused``: ``TransducerJoint`` then ``TransducerProjectionLoss`` (culmen's own fused projection +
+  loss, not in Apex): the logits are formed a chunk of rows at a time and never exist whole, in the
+  same layout (dense or packed) as the case's ``culmen`` provider. Shown for its memory and speed; not
+  counted as a peer of ``culmen`` (``Case.informational``).
 * ``torch``: the broadcast-add joint and ``F.linear`` in PyTorch, then ``torchaudio.functional.rnnt_loss``
   when torchaudio imports (bf16 logits are cast to fp32 for it: it takes fp16/fp32 only), else a plain
   PyTorch RNN-T loss: fp32 ``log_softmax``, the blank / label log-probabilities, and the alpha
@@ -36,6 +40,7 @@ from culmen.testing import randn
 
 _DT_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 BLANK = 0
+FUSED = "culmen-fused"  # culmen's fused projection + loss (TransducerProjectionLoss), shown beside the peers
 _NEG = -1.0e30
 
 
@@ -90,7 +95,7 @@ def _peak_memory(fn: Callable[[], object], device: torch.device) -> float | None
 @register_benchmark("transducer", "loss")
 def transducer_bench(cfg: BenchConfig) -> Iterator[Case]:
     """RNN-T joint + projection + loss fwd+bwd (B=16, T=500, U=100, H=512, K=1024), dense and packed."""
-    from culmen.contrib.transducer import TransducerJoint, TransducerLoss
+    from culmen.contrib.transducer import TransducerJoint, TransducerLoss, TransducerProjectionLoss
 
     dev = cfg.device
     B, T, U, H, K = (2, 12, 5, 16, 32) if cfg.quick else (16, 500, 100, 512, 1024)
@@ -116,6 +121,12 @@ def transducer_bench(cfg: BenchConfig) -> Iterator[Case]:
                 def ours(f=f, g=g, w=w, joint=joint, crit=crit):
                     h = joint(f, g, f_len, g_len, boff, rows)
                     return crit(F.linear(h, w), labels, f_len, y_len, BLANK, boff, T).float().mean()
+
+                fcrit = TransducerProjectionLoss(packed_input=True)
+
+                def fused(f=f, g=g, w=w, joint=joint, crit=fcrit):
+                    h = joint(f, g, f_len, g_len, boff, rows)
+                    return crit(h, w, None, labels, f_len, y_len, BLANK, boff, T).float().mean()
             else:
                 joint, crit = TransducerJoint(), TransducerLoss()
 
@@ -123,19 +134,27 @@ def transducer_bench(cfg: BenchConfig) -> Iterator[Case]:
                     h = joint(f, g, f_len, g_len)
                     return crit(F.linear(h, w), labels, f_len, y_len, BLANK).float().mean()
 
+                fcrit = TransducerProjectionLoss()
+
+                def fused(f=f, g=g, w=w, joint=joint, crit=fcrit):
+                    h = joint(f, g, f_len, g_len)
+                    return crit(h, w, None, labels, f_len, y_len, BLANK).float().mean()
+
             def eager(f=f, g=g, w=w, peer_loss=peer_loss):
                 logits = F.linear(f.unsqueeze(2) + g.unsqueeze(1), w)
                 return peer_loss(logits, labels, f_len, y_len, BLANK).float().mean()
 
             leaves = {"f": f, "g": g, "w": w}
             dy = torch.ones((), device=dev)
-            providers = {name: grad_provider(fn, "fwd+bwd", leaves, dy) for name, fn in ((CULMEN, ours),
-                                                                                        ("torch", eager))}
+            providers = {name: grad_provider(fn, "fwd+bwd", leaves, dy)
+                         for name, fn in ((CULMEN, ours), (FUSED, fused), ("torch", eager))}
             peaks = {name: _peak_memory(p, dev) for name, p in providers.items()}
             if peaks[CULMEN] is not None:
-                ratio = peaks["torch"] / peaks[CULMEN] if peaks[CULMEN] else float("inf")
-                notes.append(f"peak memory per fwd+bwd call: culmen {peaks[CULMEN]:.2f} GiB, torch ({peer_name}) "
-                             f"{peaks['torch']:.2f} GiB, torch/culmen {ratio:.2f}x")
+                ours_gib = ", ".join(f"{n} {peaks[n]:.2f} GiB (torch/{n} {peaks['torch'] / max(peaks[n], 1e-9):.2f}x)"
+                                     for n in (CULMEN, FUSED))
+                notes.append(f"peak memory per fwd+bwd call ({layout} {_DT_NAME[dtype]}): torch ({peer_name}) "
+                             f"{peaks['torch']:.2f} GiB, {ours_gib}")
             mm_rows = rows if layout == "packed" else B * T * U
+            # culmen-fused recomputes the projection in the backward: 8 B*T*U*H*K flops, counted as 6 like the rest
             yield Case(f"B{B} T{T} U{U} H{H} K{K} {_DT_NAME[dtype]} {layout} fwd+bwd", providers,
-                       flops=6 * mm_rows * H * K, notes=notes)
+                       flops=6 * mm_rows * H * K, notes=notes, informational=(FUSED,))
