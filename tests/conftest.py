@@ -74,6 +74,8 @@ def pytest_runtest_teardown(item, nextitem):
     if HAS_GPU and "gpu" in item.keywords:
         try:
             torch.cuda.synchronize()
+            # a capture that failed half-way can leave the CUDA generator in capture mode
+            torch.empty(1, device="cuda").normal_()
         except Exception as exc:  # torch.AcceleratorError on sticky errors
             import sys
 

@@ -30,6 +30,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "culmen.bench.activations",
     "culmen.bench.mlp",
     "culmen.bench.attention",
+    "culmen.bench.decode",
     "culmen.bench.group_norm",
     "culmen.bench.train_step",
     "culmen.bench.hf_models",

@@ -114,8 +114,10 @@ def test_split_with_qv_and_new_tokens_paged(triton_backend):
 def test_automatic_choice_does_not_split_on_cpu_or_for_prefill(triton_backend):
     q, kc, vc = torch.randn(1, 1, 2, 16), torch.randn(1, 64, 1, 16), torch.randn(1, 64, 1, 16)
     fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=50)
-    plan = [p for p in kvcache.PLANS.values() if p.attn.q_shape == q.shape and p.attn.k_shape == kc.shape][-1]
-    assert plan.n_splits == 1 and plan.attn.fwd_grid == (plan.attn.num_m * 2,)
+    plan = [p for p in kvcache.PLANS.values() if p.out_shape[:3] == tuple(q.shape[:3])
+            and p.attn.k_shape == kc.shape][-1]
+    # pack-GQA: the 2 query heads of the one KV head are 2 rows of one program
+    assert plan.pack and plan.n_splits == 1 and plan.attn.fwd_grid == (plan.attn.num_m * 1,)
 
 
 # ----------------------------------------------------------------------------------------------------- GPU

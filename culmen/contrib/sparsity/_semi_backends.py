@@ -203,6 +203,8 @@ class _CusparseltGraph(_Cusparselt):
     def mm(self, x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if (weight.data_ptr(), weight._version) != self.key:
             self.refresh(weight)
+        if _capturing():  # inside someone's capture: graphs neither nest nor replay there, run the op itself
+            return super().mm(x2, weight, bias)
         n = x2.shape[0]
         entry = self.graphs.get(n)
         bias_ptr = 0 if bias is None else bias.data_ptr()
@@ -210,8 +212,8 @@ class _CusparseltGraph(_Cusparselt):
             if bias_ptr != self.bias_ptr:
                 self.graphs.clear()
                 self.bias_ptr = bias_ptr
-            if len(self.graphs) >= self.max_graphs or _capturing():
-                return super().mm(x2, weight, bias)  # new shapes past the cap, or inside a capture
+            if len(self.graphs) >= self.max_graphs:
+                return super().mm(x2, weight, bias)  # new shapes past the cap
             entry = self.graphs[n] = self._build(x2, bias)
         replay, x_static, y_static = entry
         if x_static.shape[0] == n:

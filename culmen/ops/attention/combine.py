@@ -19,7 +19,7 @@ from torch import Tensor
 
 from culmen.ops.backend import choose_backend
 
-__all__ = ["flash_attn_combine", "combine_ref"]
+__all__ = ["flash_attn_combine", "combine_ref", "combine_blocks"]
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _MAX_SPLITS = 256  # FA3's limit; the kernel holds every split's lse of a row block in registers
@@ -31,7 +31,8 @@ def _combine_kernel(O_part, LSE_part, Out, LSE_out, n_rows, S, H, D, num_splits,
                     sl_split, sl_b, sl_s, sl_h,
                     out_b, out_s, out_h, out_d,
                     lo_b, lo_s, lo_h,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+                    EMPTY_LSE: tl.constexpr = float("-inf")):
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -53,7 +54,7 @@ def _combine_kernel(O_part, LSE_part, Out, LSE_out, n_rows, S, H, D, num_splits,
     safe_total = tl.where(seen, total, 1.0)  # no 1/0 or log(0) evaluated for rows with no key
     inv = tl.where(seen, 1.0 / safe_total, 0.0)
     if pid_d == 0:
-        lse_final = tl.where(seen, tl.log(safe_total) + m, float("-inf"))
+        lse_final = tl.where(seen, tl.log(safe_total) + m, EMPTY_LSE)
         tl.store(LSE_out + b * lo_b + s * lo_s + h * lo_h, lse_final, mask=rmask)
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -69,6 +70,13 @@ def _combine_kernel(O_part, LSE_part, Out, LSE_out, n_rows, S, H, D, num_splits,
         acc += w[:, None] * o
     tl.store(Out + (b * out_b + s * out_s + h * out_h)[:, None] + cols[None, :].to(tl.int64) * out_d,
              acc.to(Out.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def combine_blocks(n_splits: int, D: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_D, BLOCK_SPLIT)`` of the combine kernel for ``n_splits`` splits of head dim ``D``."""
+    block_split = triton.next_power_of_2(n_splits)
+    # the lse tile (BLOCK_M x BLOCK_SPLIT) stays in registers
+    return (16 if block_split <= 64 else 4), min(128, triton.next_power_of_2(D)), block_split
 
 
 def combine_ref(out_partial: Tensor, lse_partial: Tensor) -> tuple[Tensor, Tensor]:
@@ -143,9 +151,7 @@ def flash_attn_combine(out_partial: Tensor, lse_partial: Tensor, out: Tensor | N
             lse_out.copy_(out_lse)
         return out, lse_out
     if choose_backend(out_partial.device) == "triton":
-        block_d = min(128, triton.next_power_of_2(D))
-        block_split = triton.next_power_of_2(n_splits)
-        block_m = 16 if block_split <= 64 else 4  # the lse tile (BLOCK_M x BLOCK_SPLIT) stays in registers
+        block_m, block_d, block_split = combine_blocks(n_splits, D)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(D, block_d))
         _combine_kernel[grid](out_partial, lse_partial, out, lse_buf, n_rows, S, H, D, n_splits,
                               *out_partial.stride(), *lse_partial.stride(), *out.stride(),

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from culmen.ops.attention import checks
 from culmen.ops.attention.kernels import _kv_append_kernel
-from culmen.ops.attention.launch import AttnPlan, TensorSpec, kvcache_splits
+from culmen.ops.attention.launch import AttnPlan, TensorSpec, kvcache_splits, use_kernels
 from culmen.ops.backend import check_values_on
 from culmen.ops.common.launch import Launch, cdiv, next_pow2, stream_getter
 from culmen.ops.common.launch import aligned_16 as _aligned
@@ -181,9 +181,18 @@ class KVCachePlan:
         self.n_cache_rows = k_cache.shape[0]
         self.return_lse = bool(return_lse)
         self.check_values = q.device.type == "cpu" or check_values_on()
+        # Pack-GQA (FA3's pack_gqa) for one-token decoding: the G = h / hk query heads that share a KV head
+        # become G query rows of that head, so each KV row is read once per KV head instead of G times and
+        # the kernel's query tile holds G rows, not 1. Exact when the G rows need no per-row position: one
+        # query (causal is then no mask: it sees every key), no window, chunk, ALiBi (slopes per query head)
+        # or qv. ``q (B, 1, h, d)`` is read as ``(B, G, hk, d)`` through its own strides (no copy).
+        self.group = h // hk
+        self.pack = (sq == 1 and self.group > 1 and alibi_slopes is None and tuple(window_size) == (-1, -1)
+                     and attention_chunk == 0 and qv is None and use_kernels(q.device, q.dtype, max(d, dv)))
+        sq_eff, h_eff = (self.group, hk) if self.pack else (sq, h)
         # Split-KV (flash-decoding): num_splits > 1 as given, 0 automatic (GPU decoding that would not fill the
         # SMs), fixed per plan. A paged cache is then read through its page table (no gather).
-        self.n_splits = kvcache_splits(num_splits, q.device, q.dtype, B, hk, sq, capacity, d, dv)
+        self.n_splits = kvcache_splits(num_splits, q.device, q.dtype, B, hk, sq_eff, capacity, d, dv)
         self.paged_direct = self.paged and self.n_splits > 1
         paged_strides = None
         # What the attention reads: the cache itself, or a dense (B, seqlen_k, hk, d) gather of it.
@@ -203,6 +212,12 @@ class KVCachePlan:
         if self.rotary:
             bq, sq, hq, dq = q.shape
             qa = TensorSpec(tuple(q.shape), (sq * hq * dq, hq * dq, dq, 1), q.dtype, q.device)
+        if self.pack:
+            s0, _, s2, s3 = qa.stride()
+            self.pack_strides = (s0, s2, self.group * s2, s3)
+            qa = TensorSpec((B, self.group, hk, d), self.pack_strides, q.dtype, q.device)
+            causal = False  # one query row per sequence: the causal mask hides nothing
+        self.out_shape = (B, sq, h, dv)
         self.attn = AttnPlan("kvcache", qa, kd, vd, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
                              window_size=tuple(window_size), softcap=softcap, return_lse=return_lse,
                              k_range=2 if cache_leftpad is not None else 1, k_add=s_new,
@@ -290,9 +305,15 @@ class KVCachePlan:
             kd, vd = k_cache[rows], v_cache[rows]
         else:
             kd, vd = k_cache, v_cache
+        if self.pack:  # (B, 1, h, d) read as (B, G, hk, d): query head kh * G + g is row g of KV head kh
+            q = q.as_strided((B, self.group, self.attn.HK, q.shape[-1]), self.pack_strides)
         out, lse, _ = self.attn.forward(q, kd, vd, alibi_slopes, None, store_lse=self.return_lse,
                                         k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned,
                                         descales=descales, qv=qv, table=table)
+        if self.pack:  # (B, G, hk, dv) -> (B, 1, h, dv); lse (B, hk, G) is already (B, h) in memory
+            out = out.transpose(1, 2).reshape(self.out_shape)
+            if lse is not None:
+                lse = lse.view(B, -1, 1)
         return out, lse
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.attention import checks
-from culmen.ops.attention.combine import flash_attn_combine
+from culmen.ops.attention.combine import _combine_kernel, combine_blocks, flash_attn_combine
 from culmen.ops.attention.kernels import LOG2E_F, _attn_fwd_kernel
 from culmen.ops.attention.kernels_bwd import (
     _attn_bwd_dkdv_kernel,
@@ -64,6 +64,9 @@ TUNING = PlanTuning({
     "dq": [(64, 128, 32, 4, 3), (128, 128, 64, 8, 3), (256, 128, 32, 8, 2), (512, 32, 32, 8, 1)],
     "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
+    # KV-cache calls with at most SPLIT_MAX_SEQLEN_Q query rows (decoding; with pack-GQA the rows are the query
+    # heads of one KV head): a 16-row query tile, the loop streaming wide key blocks. Same columns as "fwd".
+    "decode": [(64, 16, 128, 4, 3), (128, 16, 128, 4, 3), (256, 16, 64, 4, 2), (512, 16, 32, 4, 1)],
     # Forward K/V loads through per-program TMA tensor descriptors (Hopper+, 16-byte aligned inputs).
     # Off: +2% at d128 and nothing at d64 on the H100 (Triton 3.6), and ptxas crashed on the
     # num_stages=2 variants; Triton's warp specialization on top of it gained nothing either.
@@ -137,7 +140,8 @@ def kvcache_splits(num_splits: int, device: torch.device, dtype: torch.dtype, ba
     if num_splits == 1 or not use_kernels(device, dtype, max(head_dim, head_dim_v)):
         return 1
     width = max(16, next_pow2(head_dim), next_pow2(head_dim_v))
-    bm, bn, _, _ = _blocks("fwd", width, device.type == "cuda", dtype)
+    bm, bn, _, _ = _blocks("decode" if seqlen_q <= SPLIT_MAX_SEQLEN_Q else "fwd", width, device.type == "cuda",
+                           dtype)
     if num_splits > 1:
         return max(1, min(num_splits, cdiv(seqlen_k, bn), MAX_SPLITS))
     if device.type != "cuda" or not AUTO_SPLIT:
@@ -323,7 +327,8 @@ class AttnPlan:
             DV=self.DV if self.split_v else 0, BLOCK_DV=self.block_dv, EVEN_DV=self.DV == self.block_dv,
             CHUNK=self.chunk, QV=self.qv,
         )
-        bm, bn, warps, stages = _blocks("fwd", self.block_w, on_gpu, q.dtype)
+        decode = self.kind == "kvcache" and self.sq <= SPLIT_MAX_SEQLEN_Q
+        bm, bn, warps, stages = _blocks("decode" if decode else "fwd", self.block_w, on_gpu, q.dtype)
         su = _stride_unit(self.qs + self.ks + self.vs + self.os)
         self.num_m = cdiv(self.sq, bm)
         self.fwd_grid = ((self.num_m * self.B * self.H, self.n_splits) if self.n_splits > 1
@@ -429,14 +434,35 @@ class AttnPlan:
         if aligned is None:
             aligned = _aligned(q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table)
         la = self._fwd.get(True) or self.fwd_launch(True)
-        la(self.stream(), aligned, q, k, v, o_part, l_part, alibi, None, None, None, k_start, k_end, qd, kd, vd, qv,
+        stream = self.stream()
+        la(stream, aligned, q, k, v, o_part, l_part, alibi, None, None, None, k_start, k_end, qd, kd, vd, qv,
            table, *self.fwd_ints)
-        out, lse = flash_attn_combine(o_part, l_part.transpose(-1, -2), out_dtype=self.out_dtype)
-        if not store_lse:
-            return out, None, None
-        lse = lse.transpose(1, 2)  # the (B, H, sq) buffer under combine's (B, sq, H) view
-        # culmen's convention for a row that sees no key is +inf (combine, as FA3's, gives -inf)
-        return out, torch.where(lse == float("-inf"), float("inf"), lse), None
+        out = torch.empty(self.o_shape, dtype=self.out_dtype, device=dev)
+        lse = torch.empty(self.lse_shape, dtype=_F32, device=dev)  # the merge writes it either way
+        if self.on_gpu:  # the merge's planned launch (flash_attn_combine re-checks and re-binds every call)
+            comb = self._fwd.get("combine") or self._combine_launch()
+            comb(stream, True, o_part, l_part, out, lse, *self.combine_ints)
+        else:
+            o, lse_c = flash_attn_combine(o_part, l_part.transpose(-1, -2), out_dtype=self.out_dtype)
+            out.copy_(o)
+            # culmen's convention for a row that sees no key is +inf (combine, as FA3's, gives -inf)
+            lse.copy_(torch.where(lse_c == float("-inf"), float("inf"), lse_c).transpose(1, 2))
+        return out, (lse if store_lse else None), None
+
+    def _combine_launch(self) -> Launch:
+        """The split merge's ``Launch`` over this plan's fixed partial buffers: ``o_part (n, B, sq, H, DV)`` and
+        ``l_part (n, B, H, sq)`` contiguous, ``out (B, sq, H, DV)``, ``lse (B, H, sq)``; rows with no key get
+        lse ``+inf`` (culmen's convention)."""
+        n, (B, S, H, DV) = self.n_splits, self.o_shape
+        bm, bd, bs = combine_blocks(n, DV)
+        rows = B * S * H
+        o_st = (B * S * H * DV, S * H * DV, H * DV, DV, 1)
+        l_st = (B * H * S, H * S, 1, S)  # l_part read as (n, B, sq, H)
+        self.combine_ints = (rows, S, H, DV, n, *o_st, *l_st, S * H * DV, H * DV, DV, 1, H * S, 1, S)
+        la = self._fwd["combine"] = Launch(_combine_kernel, (cdiv(rows, bm), cdiv(DV, bd)),
+                                           dict(BLOCK_M=bm, BLOCK_D=bd, BLOCK_SPLIT=bs, EMPTY_LSE=float("inf")),
+                                           4, 3, device=self.device)
+        return la
 
     def check_cu(self, q, k, cu_q, cu_k) -> None:
         """Value checks of ``cu_seqlens`` (see ``checks.check_cu_values``)."""
