@@ -22,9 +22,28 @@ with grad averaging (else 1). The parameter norm is read only where the trust ra
 
 Unlike Apex, whose non-``_mp`` LAMB kernels ignore the noop flag, every kernel here does nothing while
 it (or ``found_inf`` for ``_mp``) is set.
+
+Rounding: the element-wise math rounds exactly as the PyTorch LAMB that Apex tests against does on
+CUDA (torch ops are IEEE, and torch fuses ``a + s * b`` inside one kernel into an fma), so fp32 results
+agree bit for bit but for the trust ratio's norms. Per element, with ``fma(a, b, c) = a * b + c``
+rounded once::
+
+    g = g * cr                       cr = (1 / G) * max_norm if G > max_norm else 1  (G*: fp32 rounded)
+    m = fma(beta3, g, m * beta1)     v = fma(1 - beta2, g * g, v * beta2)
+    u = (m * (1 / bc1)) / (sqrt(v * (1 / bc2)) + eps)       u = fma(wd, p, u) (mode 1)
+    p = fma(-lr * (||p|| / ||u||), u, p)
+
+``beta3 = 1 - beta1``, ``1 - beta2`` and ``bc = 1 - beta^step`` are computed in double (on the host,
+or in fp64 from the double betas for a device step) and rounded to fp32, as torch rounds Python
+scalars; divisions and square roots are the correctly rounded ``div_rn`` / ``sqrt_rn``. The norms are
+fp64 sums of squares, rounded once to fp32, so they are within an ulp of any accurate fp32 norm
+(PyTorch's fp32 ``sum`` has its own, unreproducible, order). Apex's CUDA kernels divide by ``G`` and
+``bc`` and take ``1 - beta2`` in fp32 instead: the same values to within an ulp or two.
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 
@@ -34,7 +53,6 @@ from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
     ListPlan,
-    bias_corrections,
     cached_plan,
     check_chunk,
     finish,
@@ -57,41 +75,57 @@ LAMB_MODE_L2, LAMB_MODE_DECOUPLED = 0, 1
 if triton is not None:
 
     @triton.jit
-    def _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, eps, bc1, bc2, wd, clip, inv, accp, accu,
+    def _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, omb2, eps, rc1, rc2, wd, cr, inv, accp, accu,
                   MODE: tl.constexpr, HAS_WD: tl.constexpr, NEED_P: tl.constexpr, NORMS: tl.constexpr,
                   INV: tl.constexpr, MASKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # Rounding follows torch's CUDA ops in the order PyTorch LAMB references write them (module
+        # docstring, "Rounding"): every fp32 op rounds once; each ``a + s * b`` that torch computes in one
+        # kernel (``add_(b, alpha=s)``, ``addcmul_``) is an explicit fma, nothing else may be contracted.
         for i in range(0, CHUNK, BLOCK):
             offs = block_offsets(start, i, BLOCK)
             g = load_f32(gp, offs, n, MASKED)
             if INV:
                 g = g * inv
-            g = tl.div_rn(g, clip)
+            g = g * cr
             if NEED_P:
                 p = load_f32(pp, offs, n, MASKED)
             m = load_f32(mp, offs, n, MASKED)
             v = load_f32(vp, offs, n, MASKED)
             if MODE == 0:
                 if HAS_WD:
-                    g = g + wd * p
-            m = m * b1 + b3 * g
-            v = v * b2 + (1.0 - b2) * g * g
-            u = tl.div_rn(tl.div_rn(m, bc1), tl.sqrt_rn(tl.div_rn(v, bc2)) + eps)
+                    g = tl.fma(wd, p, g)
+            m = tl.fma(b3, g, m * b1)
+            v = tl.fma(omb2, g * g, v * b2)
+            u = tl.div_rn(m * rc1, tl.sqrt_rn(v * rc2) + eps)
             if MODE == 1:
                 if HAS_WD:
-                    u = u + wd * p
+                    u = tl.fma(wd, p, u)
             store(mp, offs, n, m, MASKED)
             store(vp, offs, n, v, MASKED)
             store(up, offs, n, u, MASKED)
             if NORMS:
-                us = u.to(up.dtype.element_ty).to(tl.float32)  # the norm of the update as stored
+                # fp64 sums of squares: the trust ratio then differs from an exact one by its last rounding only
+                us = u.to(up.dtype.element_ty).to(tl.float64)  # the norm of the update as stored
                 accu += us * us
                 if NEED_P:
-                    accp += p * p
+                    p64 = p.to(tl.float64)
+                    accp += p64 * p64
         return accp, accu
+
+    @triton.jit
+    def _pow_int(b, e):
+        # b ** e for an fp64 b and an int32 e >= 0 by binary powering: fp64 multiplies only (no libdevice),
+        # a relative error of a few fp64 ulps, far below the fp32 rounding of 1 - b ** e.
+        r = tl.full((), 1.0, tl.float64)
+        for _ in range(31):
+            r = tl.where((e & 1) != 0, r * b, r)
+            b = b * b
+            e = e >> 1
+        return r
 
     @triton.jit(do_not_specialize=["T", "C", "poff"])
     def _lamb_stage1_kernel(ptrs, geo, noop, found, partial, gnorm, maxn_ptr, step_ptr, inv_ptr, decay_ptr, idx, T, C,
-                            poff, b1, b2, b3, eps, bc1, bc2, wd, maxn, inv,
+                            poff, b1, b2, b3, omb2, eps, bc1, bc2, wd, maxn, inv, b1lo, b2lo,
                             G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                             U_DT: tl.constexpr, L: tl.constexpr, U_IDX: tl.constexpr, MODE: tl.constexpr,
                             HAS_WD: tl.constexpr, WD_T: tl.constexpr, NEED_P: tl.constexpr, NORMS: tl.constexpr,
@@ -99,8 +133,8 @@ if triton is not None:
                             UNSCALE_SKIPPED: tl.constexpr, IDX: tl.constexpr, SHIFT: tl.constexpr,
                             CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         c = tl.program_id(0)
-        accp = tl.zeros([BLOCK], dtype=tl.float32)
-        accu = tl.zeros([BLOCK], dtype=tl.float32)
+        accp = tl.zeros([BLOCK], dtype=tl.float64)
+        accu = tl.zeros([BLOCK], dtype=tl.float64)
         go = tl.load(noop) == 0
         if FOUND:
             go = go & (tl.load(found).to(tl.float32) == 0.0)
@@ -119,20 +153,26 @@ if triton is not None:
             if MAXN_T:
                 maxn = tl.load(maxn_ptr).to(tl.float32)
             if STEP_T:
-                s = tl.load(step_ptr).to(tl.float32)
-                bc1 = 1.0 - tl.exp2(s * tl.log2(b1))
-                bc2 = 1.0 - tl.exp2(s * tl.log2(b2))
+                # 1 - beta^step in fp64 from the host's double beta (hi + lo fp32 parts), rounded once to fp32:
+                # the value the host computes for a host step (``1.0 - beta ** step`` passed as fp32).
+                s = tl.load(step_ptr).to(tl.int32)
+                bc1 = (1.0 - _pow_int(tl.cast(b1, tl.float64) + tl.cast(b1lo, tl.float64), s)).to(tl.float32)
+                bc2 = (1.0 - _pow_int(tl.cast(b2, tl.float64) + tl.cast(b2lo, tl.float64), s)).to(tl.float32)
+            # torch divides by a host scalar as a multiply by its fp32 reciprocal
+            rc1 = tl.div_rn(1.0, bc1)
+            rc2 = tl.div_rn(1.0, bc2)
             if INV:
                 inv = tl.load(inv_ptr).to(tl.float32)
             gg = tl.load(gnorm).to(tl.float32)
-            clip = tl.where(gg > maxn, tl.div_rn(gg, maxn), 1.0)
+            # clip ratio max_norm / G as torch writes it (``max_norm / G`` = ``G.reciprocal() * max_norm``)
+            cr = tl.where(gg > maxn, tl.div_rn(1.0, gg) * maxn, 1.0)
             start = j * CHUNK
             if start + CHUNK <= n:
-                accp, accu = _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, eps, bc1, bc2, wd, clip, inv, accp,
-                                       accu, MODE, HAS_WD, NEED_P, NORMS, INV, False, CHUNK, BLOCK)
+                accp, accu = _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, omb2, eps, rc1, rc2, wd, cr, inv,
+                                       accp, accu, MODE, HAS_WD, NEED_P, NORMS, INV, False, CHUNK, BLOCK)
             else:
-                accp, accu = _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, eps, bc1, bc2, wd, clip, inv, accp,
-                                       accu, MODE, HAS_WD, NEED_P, NORMS, INV, True, CHUNK, BLOCK)
+                accp, accu = _s1_range(gp, pp, mp, vp, up, start, n, b1, b2, b3, omb2, eps, rc1, rc2, wd, cr, inv,
+                                       accp, accu, MODE, HAS_WD, NEED_P, NORMS, INV, True, CHUNK, BLOCK)
         elif UNSCALE_SKIPPED:
             # A skipped step leaves the gradients unscaled (not overwritten by updates), as torch's
             # GradScaler.unscale_ would have left them (the fused LAMB optimizers' GradScaler contract).
@@ -155,15 +195,16 @@ if triton is not None:
         partial = norms + poff
         lo = tl.load(first + t)
         hi = tl.load(first + t + 1)
-        accp = tl.zeros([BLOCK], dtype=tl.float32)
-        accu = tl.zeros([BLOCK], dtype=tl.float32)
+        accp = tl.zeros([BLOCK], dtype=tl.float64)
+        accu = tl.zeros([BLOCK], dtype=tl.float64)
         for i in range(lo, hi, BLOCK):
             offs = i + tl.arange(0, BLOCK)
             mask = offs < hi
             accp += tl.load(partial + offs, mask=mask, other=0.0)
             accu += tl.load(partial + C + offs, mask=mask, other=0.0)
-        tl.store(norms + t, tl.sqrt_rn(tl.sum(accp, axis=0)))
-        tl.store(norms + T + t, tl.sqrt_rn(tl.sum(accu, axis=0)))
+        # fp64 sqrt (IEEE for fp64) rounded to fp32: the correctly rounded norm of the fp64 sum; stage 2 reads fp32
+        tl.store(norms + t, tl.sqrt(tl.sum(accp, axis=0)).to(tl.float32).to(tl.float64))
+        tl.store(norms + T + t, tl.sqrt(tl.sum(accu, axis=0)).to(tl.float32).to(tl.float64))
 
     @triton.jit
     def _s2_range(up, pp, op, start, n, ratio, HAS_OUT: tl.constexpr, MASKED: tl.constexpr, CHUNK: tl.constexpr,
@@ -172,7 +213,7 @@ if triton is not None:
             offs = block_offsets(start, i, BLOCK)
             u = load_f32(up, offs, n, MASKED)
             p = load_f32(pp, offs, n, MASKED)
-            p = p - ratio * u
+            p = tl.fma(-ratio, u, p)  # torch's p.add_(u, alpha=-ratio), one kernel: one fma
             store(pp, offs, n, p, MASKED)
             if HAS_OUT:
                 store(op, offs, n, p, MASKED)
@@ -200,8 +241,8 @@ if triton is not None:
                 pos = t
                 if IDX:
                     pos = tl.load(idx + t)
-                pn = tl.load(pn_ptr + pos)
-                un = tl.load(un_ptr + uoff + pos)
+                pn = tl.load(pn_ptr + pos).to(tl.float32)
+                un = tl.load(un_ptr + uoff + pos).to(tl.float32)
                 ratio = tl.where((pn != 0.0) & (un != 0.0), lr * tl.div_rn(pn, un), lr)
             start = j * CHUNK
             if start + CHUNK <= n:
@@ -214,10 +255,26 @@ if triton is not None:
 # references
 
 
-def _clip(global_grad_norm, max_grad_norm, device) -> torch.Tensor:
+def _clip_ratio(global_grad_norm, max_grad_norm, device) -> torch.Tensor:
+    """0-dim fp32 factor of the gradients: ``(1 / G) * max_norm`` (torch's ``max_norm / G``) when ``G > max_norm``."""
     gg = scalar_f32(global_grad_norm, device)
     mx = scalar_f32(max_grad_norm, device)
-    return torch.where(gg > mx, gg / mx, torch.ones_like(gg))
+    return torch.where(gg > mx, torch.reciprocal(gg) * mx, torch.ones_like(gg))
+
+
+def _lamb_bias_corrections(beta1: float, beta2: float, step, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``1 - beta^step`` in double (host step: on the host; device step: on the device), rounded to fp32."""
+    if isinstance(step, torch.Tensor):
+        s = step.reshape(-1)[0].to(device=device, dtype=torch.float64)
+        b = torch.tensor([beta1, beta2], dtype=torch.float64, device=device)
+        bc = (1.0 - torch.pow(b, s)).float()
+        return bc[0], bc[1]
+    return scalar_f32(1.0 - beta1 ** step, device), scalar_f32(1.0 - beta2 ** step, device)
+
+
+def _norm_f32(x: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of ``x`` summed in fp64 and rounded to fp32 (as the kernels compute the trust-ratio norms)."""
+    return torch.linalg.vector_norm(x.double()).float()
 
 
 def _put(dst: torch.Tensor, val: torch.Tensor, skip: torch.Tensor) -> None:
@@ -235,26 +292,27 @@ def lamb_ref(tensor_lists, *, lr, beta1, beta2, eps, step, bias_correction, weig
         dev = p.device
         skip = ref_skip(noop_flag, dev, found_inf)
         if bias_correction:
-            bc1, bc2 = bias_corrections(beta1, beta2, step, dev)
+            bc1, bc2 = _lamb_bias_corrections(beta1, beta2, step, dev)
         else:
             bc1 = bc2 = scalar_f32(1.0, dev)
         gf = g.float()
         if inv_scale is not None:
             gf = gf * scalar_f32(inv_scale, dev)
-        gf = gf / _clip(global_grad_norm, max_grad_norm, dev)
+        gf = gf * _clip_ratio(global_grad_norm, max_grad_norm, dev)
         pf, mf, vf = p.float(), m.float(), v.float()
+        # the kernels' op order (module docstring, "Rounding")
         if mode == LAMB_MODE_L2 and weight_decay != 0:
-            gf = gf + weight_decay * pf
-        mf = mf * beta1 + beta3 * gf
-        vf = vf * beta2 + (1.0 - beta2) * gf * gf
-        u = (mf / bc1) / (torch.sqrt(vf / bc2) + eps)
+            gf = torch.add(gf, pf, alpha=weight_decay)
+        mf = torch.add(mf * beta1, gf, alpha=beta3)
+        vf = torch.addcmul(vf * beta2, gf, gf, value=1.0 - beta2)
+        u = (mf * torch.reciprocal(bc1)) / (torch.sqrt(vf * torch.reciprocal(bc2)) + eps)
         if mode == LAMB_MODE_DECOUPLED and weight_decay != 0:
-            u = u + weight_decay * pf
+            u = torch.add(u, pf, alpha=weight_decay)
         u = u.to(g.dtype).float()  # stored over the gradient, then read back
         lr_t = scalar_f32(lr, dev)
         ratio = lr_t
         if trust:
-            pn, un = torch.linalg.vector_norm(pf), torch.linalg.vector_norm(u)
+            pn, un = _norm_f32(pf), _norm_f32(u)
             ratio = torch.where((pn != 0) & (un != 0), lr_t * (pn / un), lr_t)
         pf = pf - ratio * u
         if unscale_skipped and inv_scale is not None:  # a skipped step leaves the unscaled gradient
@@ -272,11 +330,12 @@ def multi_tensor_lamb_stage1_ref(chunk_size, noop_flag, tensor_lists, per_tensor
         dev = p.device
         skip = ref_skip(noop_flag, dev)
         bc1, bc2 = scalar_f32(1.0 - beta1 ** (step + 1), dev), scalar_f32(1.0 - beta2 ** (step + 1), dev)
-        gf = g.float() / _clip(global_grad_norm, max_global_grad_norm, dev)
+        gf = g.float() * _clip_ratio(global_grad_norm, max_global_grad_norm, dev)
         pf, mf, vf = p.float(), m.float(), v.float()
-        mf = mf * beta1 + (1.0 - beta1) * gf
-        vf = vf * beta2 + (1.0 - beta2) * gf * gf
-        uf = (mf / bc1) / (torch.sqrt(vf / bc2) + epsilon) + per_tensor_decay[i].to(dev).float() * pf
+        mf = torch.add(mf * beta1, gf, alpha=1.0 - beta1)
+        vf = torch.addcmul(vf * beta2, gf, gf, value=1.0 - beta2)
+        uf = (mf * torch.reciprocal(bc1)) / (torch.sqrt(vf * torch.reciprocal(bc2)) + epsilon)
+        uf = uf + per_tensor_decay[i].to(dev).float() * pf
         for dst, val in ((m, mf), (v, vf), (u, uf)):
             _put(dst, val, skip)
 
@@ -298,6 +357,11 @@ def multi_tensor_lamb_stage2_ref(chunk_size, noop_flag, tensor_lists, per_tensor
 
 # --------------------------------------------------------------------------------------------------
 # launchers
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 value (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _flag_on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -362,7 +426,10 @@ class LambPlan(ListPlan):
             if t is not None:
                 bits |= t.data_ptr()
         aligned = bits & 15 == 0
-        s1 = (b1, b2, b3, eps, bc1, bc2, wd, 0.0 if self.maxn_t else float(maxn), 1.0)
+        b1lo = b2lo = 0.0
+        if self.step_t:  # the kernel rebuilds the double betas from these (fp32 hi + lo parts)
+            b1lo, b2lo = b1 - _f32(b1), b2 - _f32(b2)
+        s1 = (b1, b2, b3, 1.0 - b2, eps, bc1, bc2, wd, 0.0 if self.maxn_t else float(maxn), 1.0, b1lo, b2lo)
         lr_f = 0.0 if self.lr_t else float(lr)
         groups = self.tables.groups
         for i in range(len(groups)) if only is None else (only,):
@@ -373,9 +440,9 @@ class LambPlan(ListPlan):
             T, C = g.T, g.C
             stream = g.stream()
             buf = None
-            if self.trust:  # [||p|| T | ||u|| T | partial sums 2C]
+            if self.trust:  # [||p|| T | ||u|| T | partial sums 2C], fp64 (the norms hold fp32 values)
                 with device_guard(g.device):
-                    buf = torch.empty(2 * T + 2 * C, dtype=torch.float32, device=g.device)
+                    buf = torch.empty(2 * T + 2 * C, dtype=torch.float64, device=g.device)
             self.launch(i, _lamb_stage1_kernel, shift)(stream, aligned, ptab, g.geo, noop, found_p, buf, gnorm, maxn_p,
                                                        step_p, inv_p, None, None, T, C, 2 * T, *s1)
             if self.trust:
@@ -574,8 +641,8 @@ def multi_tensor_lamb_stage1_cuda(chunk_size: int, noop_flag: torch.Tensor, tens
             aligned = (flag.data_ptr() | gnorm.data_ptr() | decay.data_ptr()) & 15 == 0
             plan.launch(i, _lamb_stage1_kernel, shift)(
                 g.stream(), aligned, ptab, g.geo, flag, None, None, gnorm, None, None, None, decay, g.pos, g.T, g.C, 0,
-                float(beta1), float(beta2), 1.0 - float(beta1), float(epsilon), float(bc1), float(bc2), 0.0,
-                float(max_global_grad_norm), 1.0)
+                float(beta1), float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), float(epsilon), float(bc1),
+                float(bc2), 0.0, float(max_global_grad_norm), 1.0, 0.0, 0.0)
     finish(copy_back)
 
 
