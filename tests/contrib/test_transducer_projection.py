@@ -265,9 +265,11 @@ def _values_and_peak_memory(dev: torch.device, packed: bool, shape: tuple[int, .
         peak = torch.cuda.max_memory_allocated() - base
         n = rows if packed else Bg * Tg * Ug
         chunk = min(proj.TUNING["chunk_bytes"], n * Kg * 2)
-        bound = h.numel() * 2 + chunk + 5 * Bg * Tg * Ug * 4 + 3 * Kg * Hg * 4 + (4 << 20)
-        assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB"
-        assert peak < n * Kg * 2, "not below the unfused logits + their gradient by half"
+        # The criterion against the unfused pipeline (logits, their gradient and dh beyond the inputs):
+        # at most half of it. (The H200 run measured 234 MiB dense / 89 MiB packed here, against 632 / ~450.)
+        unfused = 2 * n * Kg * 2 + h.numel() * 2
+        assert peak <= unfused // 2, (f"peak {peak / 2**20:.1f} MiB > half the unfused {unfused / 2**20:.1f} MiB "
+                                      f"(chunk {chunk / 2**20:.1f} MiB)")
 
     # float64 reference: whole logits, the vectorized reference loss, autograd through F.linear
     def reference(dtype):
