@@ -117,7 +117,7 @@ def test_backend_order(monkeypatch):
 @pytest.mark.parametrize("bias", [True, False])
 def test_graph_backend_values_grads_and_one_capture_per_token_count(fakes, bias):
     lin = _pruned_linear(32, 24, bias=bias)
-    assert ss.enable_semi_structured(lin, "cusparselt-graph")
+    assert ss.enable_semi_structured(lin, "cusparselt-graph", search_alg=True)  # the search is opt-in
     assert ss.semi_structured_status(lin) == "active (cusparselt-graph)"
     assert fakes.captures == 0 and fakes.search_calls == [64]  # the enable-time probe runs the op directly
     x = torch.randn(3, 5, 32, requires_grad=True)  # 15 tokens: padded to 16 for the kernel
@@ -179,7 +179,7 @@ def test_graph_cap_and_no_capture_inside_a_capture(fakes, monkeypatch):
 def test_a_searched_alg_that_disagrees_with_alg0_is_not_used(fakes):
     fakes.bad_alg = True
     lin = _pruned_linear(32, 16)
-    assert ss.enable_semi_structured(lin, "cusparselt")
+    assert ss.enable_semi_structured(lin, "cusparselt", search_alg=True)
     x = torch.randn(24, 32)
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert lin._culmen_semi_structured.impl.algs == {64: 0, 24: 0}
