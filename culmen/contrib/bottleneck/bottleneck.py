@@ -35,8 +35,9 @@ from torch import Tensor, nn
 from culmen.contrib.bottleneck.halo_exchangers import halo_pad
 from culmen.contrib.conv_bias_relu.conv_bias_relu import fused_conv_epilogue
 
-__all__ = ["Bottleneck", "FrozenBatchNorm2d", "SpatialBottleneck", "bottleneck_function", "conv1x1", "conv3x3",
-           "kaiming_uniform_", "spatial_bottleneck_function"]
+__all__ = ["Bottleneck", "BottleneckFunction", "FrozenBatchNorm2d", "SpatialBottleneck", "SpatialBottleneckFunction",
+           "bottleneck_function", "conv1x1", "conv3x3", "drelu_dscale1", "drelu_dscale2", "kaiming_uniform_",
+           "spatial_bottleneck_function"]
 
 
 def kaiming_uniform_(tensor: Tensor, a: float = 0, mode: str = "fan_in", nonlinearity: str = "leaky_relu") -> Tensor:
@@ -275,3 +276,30 @@ class SpatialBottleneck(Bottleneck):
             scales, biases = self._scale_bias()
             return _fused_block(x, self._convs(), scales, biases, self.stride, self.explicit_nhwc, self._exchanger)
         return self._native(x, self._exchanger)
+
+
+def drelu_dscale1(grad_o: Tensor, output: Tensor, scale1: Tensor) -> tuple[Tensor, Tensor]:
+    """Backward of ``relu`` then of a per-channel scale: ``(g * scale1, g)`` with ``g = grad_o * (output > 0)``.
+    ``scale1`` broadcasts against ``grad_o`` (e.g. ``(1, C, 1, 1)``); results in the promoted dtype."""
+    dx_relu = grad_o * (output > 0)
+    return dx_relu * scale1, dx_relu
+
+
+def drelu_dscale2(grad_o: Tensor, output: Tensor, scale1: Tensor, scale2: Tensor) -> tuple[Tensor, Tensor]:
+    """``drelu_dscale1`` for a ReLU feeding two scaled branches (main and downsample): ``(g * scale1,
+    g * scale2)``."""
+    dx_relu = grad_o * (output > 0)
+    return dx_relu * scale1, dx_relu * scale2
+
+
+class BottleneckFunction:
+    """Apex's autograd function of the fused block; ``apply`` is ``bottleneck_function`` (culmen's fused path
+    records its own autograd graph: convolutions through PyTorch, epilogues through culmen's op)."""
+
+    apply = staticmethod(bottleneck_function)
+
+
+class SpatialBottleneckFunction:
+    """Apex's autograd function of the spatially parallel block; ``apply`` is ``spatial_bottleneck_function``."""
+
+    apply = staticmethod(spatial_bottleneck_function)

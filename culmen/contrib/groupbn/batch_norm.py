@@ -21,7 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from culmen.ops.batch_norm import sync_batch_norm
 
-__all__ = ["BatchNorm2d_NHWC"]
+__all__ = ["BatchNorm2d_NHWC", "bn_NHWC_impl", "bn_addrelu_NHWC_impl"]
 
 _GROUPS: dict[tuple[int, ...], object] = {}
 
@@ -116,3 +116,41 @@ class BatchNorm2d_NHWC(_BatchNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fuse_relu={self.fuse_relu}, bn_group={self.bn_group}"
+
+
+class bn_NHWC_impl:  # noqa: N801 (Apex's name)
+    """Apex's autograd function behind ``BatchNorm2d_NHWC.forward(x)``, with its positional arguments.
+
+    ``apply(x, s, b, rm, riv, mini_m, mini_riv, ret_cta, mom, epsilon, fuse_relu, is_train, bn_group, my_data,
+    pair_data, magic, pair_data2, pair_data3, fwd_occup, fwd_grid_x, bwd_occup, bwd_grid_x, multi_stream)``:
+    ``x`` ``(N, H, W, C)``; ``s`` / ``b`` the ``(C,)`` scale and bias; ``rm`` / ``riv`` the running mean and
+    variance (updated in place when ``is_train``, momentum ``mom``). Normalizes over the batch of this rank's
+    ``bn_group`` contiguous ranks (culmen's ``sync_batch_norm``; differentiable in ``x``, ``s``, ``b``).
+    Apex's CUDA-extension plumbing (``mini_m`` / ``mini_riv`` scratch, ``ret_cta``, the IPC peer pointers
+    ``my_data`` / ``pair_data*`` / ``magic``, occupancies, grid sizes, ``multi_stream``) is accepted and unused:
+    the group's reduction goes through ``torch.distributed``. Prefer the module, ``BatchNorm2d_NHWC``.
+    """
+
+    @staticmethod
+    def apply(x, s, b, rm, riv, mini_m, mini_riv, ret_cta, mom, epsilon, fuse_relu, is_train, bn_group, my_data,
+              pair_data, magic, pair_data2, pair_data3, fwd_occup, fwd_grid_x, bwd_occup, bwd_grid_x, multi_stream):
+        return sync_batch_norm(x, s, b, rm, riv, bool(is_train), mom, epsilon,
+                               process_group=rank_group(bn_group, "bn_group"), channel_last=True,
+                               fuse_relu=bool(fuse_relu))
+
+
+class bn_addrelu_NHWC_impl:  # noqa: N801 (Apex's name)
+    """Apex's autograd function behind ``BatchNorm2d_NHWC.forward(x, z)``: ``relu(bn(x) + z)``.
+
+    ``apply(x, z, s, b, rm, riv, mini_m, mini_riv, grid_dim_y, ret_cta, mom, epsilon, is_train, bn_group, my_data,
+    pair_data, magic, pair_data2, pair_data3, fwd_occup, fwd_grid_x, bwd_occup, bwd_grid_x, multi_stream)``:
+    as ``bn_NHWC_impl.apply`` with the residual ``z`` (like ``x``, ``(N, H, W, C)``; differentiable) added
+    before the ReLU; ``grid_dim_y`` and the other CUDA-extension arguments are accepted and unused.
+    """
+
+    @staticmethod
+    def apply(x, z, s, b, rm, riv, mini_m, mini_riv, grid_dim_y, ret_cta, mom, epsilon, is_train, bn_group, my_data,
+              pair_data, magic, pair_data2, pair_data3, fwd_occup, fwd_grid_x, bwd_occup, bwd_grid_x, multi_stream):
+        return sync_batch_norm(x, s, b, rm, riv, bool(is_train), mom, epsilon,
+                               process_group=rank_group(bn_group, "bn_group"), channel_last=True, fuse_relu=True,
+                               z=z)

@@ -11,6 +11,7 @@ from culmen.contrib.multihead_attn.encdec_multihead_attn_func import encdec_attn
 from culmen.contrib.multihead_attn.self_multihead_attn import (
     add_norm_params,
     default_norm_input,
+    jit_dropout_add,
     pick_mask,
     reset_norm_params,
     residual_dropout_add,
@@ -79,4 +80,4 @@ class EncdecMultiheadAttn(nn.Module):
         return out, None
 
 
-__all__ = ["EncdecMultiheadAttn"]
+__all__ = ["EncdecMultiheadAttn", "jit_dropout_add"]

@@ -189,4 +189,11 @@ class SelfMultiheadAttn(nn.Module):
         return out, None
 
 
-__all__ = ["SelfMultiheadAttn"]
+__all__ = ["SelfMultiheadAttn", "jit_dropout_add"]
+
+
+def jit_dropout_add(x: Tensor, residual: Tensor, prob: float, is_training: bool) -> Tensor:
+    """``residual + dropout(x, prob)`` (the residual add of the ``impl="default"`` norm-add path). As in Apex,
+    dropout is applied whatever ``is_training`` says (callers only use it when training). ``x`` and ``residual``:
+    same shape, any float dtype; returns that shape and dtype."""
+    return residual + F.dropout(x, p=prob, training=True)

@@ -175,3 +175,9 @@ class nccl_mem:  # noqa: N801 (Apex's name)
                     pass
         finally:
             self.mem_context.__exit__(exc_type, exc, tb)
+
+
+def get_func_args(func: Any) -> list[str]:
+    """Names of ``func``'s parameters, in order (Apex uses it to find ``torch.cuda.MemPool``'s keyword for
+    symmetric memory, which differs between PyTorch builds)."""
+    return list(inspect.signature(func).parameters)

@@ -98,3 +98,27 @@ def AttnBiasJIT(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, bias: T
 def AttnNoBiasJIT(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, inf: float) -> Tensor:
     """``AttnBiasJIT`` without a bias."""
     return pair_attention(query, key, value, None, mask, inf)
+
+
+def schedule_triton_mha(in_shape: Sequence[int], fwd: bool = True) -> tuple[int, int, int, int]:
+    """The GPU tiles culmen's pair-attention kernels use for ``in_shape`` (``[..., H, N, D]``, as Apex's tuning
+    table takes): ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the forward kernel (``fwd=True``) or of the
+    dK/dV backward kernel. Apex looks these up per OpenFold workload; culmen derives them from the head dim
+    ``D`` (read from ``culmen.ops.pair_attention.launch.TUNING``), so any shape has an answer. Informational:
+    ``AttnTri`` picks its tiles itself.
+    """
+    from culmen.ops.pair_attention.launch import TUNING as T
+
+    try:
+        d = int(in_shape[-1])
+    except (TypeError, IndexError, ValueError) as exc:
+        raise TypeError(f"schedule_triton_mha: in_shape must be a sequence of ints, got {in_shape!r}") from exc
+    if d <= 0:
+        raise ValueError(f"schedule_triton_mha: head dim in_shape[-1] must be positive, got {d}")
+    bd = max(16, 1 << (d - 1).bit_length())
+    if fwd:
+        return (T["fwd_block_m"] if bd <= 64 else T["fwd_block_m_wide"], T["fwd_block_n"] if bd <= 128 else 32,
+                T["fwd_warps"] if bd <= 64 else 8, T["fwd_stages"])
+    if bd <= T["kv_small_d"]:
+        return T["kv_block_m"], T["kv_block_n"], T["kv_warps"], T["kv_stages"]
+    return 64, (64 if bd <= 128 else 32), (4 if bd <= 64 else 8), T["kv_stages"]

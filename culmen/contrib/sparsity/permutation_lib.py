@@ -440,3 +440,15 @@ def _analyse(traced: torch.fx.GraphModule, model: nn.Module) -> dict[str, Any]:
     graph["blocked"] = sorted(blocked)
     return graph
 
+
+def convert_fx_node_name(fx_node_name: str) -> str:
+    """An FX node's name in module-name punctuation (FX writes ``layer1_0_conv1`` for ``layer1.0.conv1``):
+    every ``_`` becomes ``.``."""
+    return fx_node_name.replace("_", ".")
+
+
+def get_node_parent_children(fx_node: torch.fx.Node) -> tuple[list[str], list[str]]:
+    """Names (through ``convert_fx_node_name``) of the direct inputs and of the users of ``fx_node``."""
+    parents = [convert_fx_node_name(n.name) for n in fx_node.all_input_nodes]
+    children = [convert_fx_node_name(n.name) for n in fx_node.users]
+    return parents, children
