@@ -130,3 +130,22 @@ def test_kvcache_decode(fake):
     # by the kernel (no cache_seqlens + seqlen_new on the host).
     n = assert_host_budget(call, python=23, c=20)
     assert _allocs(n) == 1
+
+
+@pytest.mark.parametrize("splits,python,c,allocs", [(1, 24, 22, 1), (4, 26, 26, 4)])
+def test_kvcache_decode_pack_gqa(fake, splits, python, c, allocs):
+    """One-token GQA decoding (4 query heads per KV head, pack-GQA): q is read through a strided view and the
+    output written straight into the (B, 1, h, d) result (no copy back); split-KV adds the partials, the lse
+    buffer and one planned merge launch (no flash_attn_combine checks per call)."""
+    from culmen.flash_attn import flash_attn_with_kvcache
+
+    kc, vc = torch.randn(1, 512, 2, 64, dtype=BF16), torch.randn(1, 512, 2, 64, dtype=BF16)
+    q, kn = torch.randn(1, 1, 8, 64, dtype=BF16), torch.randn(1, 1, 2, 64, dtype=BF16)
+    seqlens = torch.tensor([300], dtype=torch.int32)
+
+    def call():
+        flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=seqlens, causal=True, num_splits=splits)
+
+    n = assert_host_budget(call, python=python, c=c)
+    assert _allocs(n) + n.c_names["_VariableFunctionsClass.empty_strided"] == allocs
+    assert n.c_names["Tensor.reshape"] == 0 and n.c_names["Tensor.contiguous"] == 0

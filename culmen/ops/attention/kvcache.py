@@ -223,7 +223,8 @@ class KVCachePlan:
                              k_range=2 if cache_leftpad is not None else 1, k_add=s_new,
                              attention_chunk=attention_chunk, descale=descale, fa3=True, qv=qv is not None,
                              n_splits=self.n_splits, page=page if self.paged_direct else 0,
-                             paged_strides=paged_strides)
+                             paged_strides=paged_strides,
+                             out_strides=(h * dv, dv, self.group * dv, 1) if self.pack else None)
         self.append = None
         # The append kernel writes k and v rows of one head dim; a V head dim of its own appends in PyTorch.
         if s_new and self.attn.use_kernel and dv == d:
@@ -310,8 +311,8 @@ class KVCachePlan:
         out, lse, _ = self.attn.forward(q, kd, vd, alibi_slopes, None, store_lse=self.return_lse,
                                         k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned,
                                         descales=descales, qv=qv, table=table)
-        if self.pack:  # (B, G, hk, dv) -> (B, 1, h, dv); lse (B, hk, G) is already (B, h) in memory
-            out = out.transpose(1, 2).reshape(self.out_shape)
+        if self.pack:  # out (B, G, hk, dv) was written into (B, 1, h, dv) memory; lse (B, hk, G) is (B, h, 1)
+            out = out.transpose(1, 2).view(self.out_shape)
             if lse is not None:
                 lse = lse.view(B, -1, 1)
         return out, lse

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.attention import checks
-from culmen.ops.attention.combine import _combine_kernel, combine_blocks, flash_attn_combine
+from culmen.ops.attention.combine import _combine_kernel, combine_blocks
 from culmen.ops.attention.kernels import LOG2E_F, _attn_fwd_kernel
 from culmen.ops.attention.kernels_bwd import (
     _attn_bwd_dkdv_kernel,
@@ -121,8 +121,9 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, 
                       num_sms: int) -> int:
     """The automatic split-KV factor of a KV-cache call (``num_splits=0``): 1 unless the call decodes
     (``seqlen_q <= SPLIT_MAX_SEQLEN_Q``) and its ``batch * nheads_kv * ceil(seqlen_q / block_m)`` work units fill
-    at most half of the ``num_sms`` SMs; then as many splits as fit one wave, at most one per two key blocks of the cache
-    (``seqlen_k``, its capacity: a host number, so the choice is fixed per plan, no sync) and ``MAX_SPLITS``."""
+    at most half of the ``num_sms`` SMs; then as many splits as fit one wave, at most one per two key blocks of
+    the cache (``seqlen_k``, its capacity: a host number, so the choice is fixed per plan, no sync) and
+    ``MAX_SPLITS``."""
     if seqlen_q > SPLIT_MAX_SEQLEN_Q or seqlen_q <= 0 or seqlen_k <= 0:
         return 1
     units = batch * nheads_kv * cdiv(seqlen_q, block_m)
@@ -203,7 +204,8 @@ class AttnPlan:
                  dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  deterministic=False, return_lse=True, return_probs=False, k_range: int = 0, k_add: int = 0,
                  traced: bool = False, attention_chunk: int = 0, descale: bool = False, fa3: bool = False,
-                 qv: bool = False, n_splits: int = 1, page: int = 0, paged_strides=None) -> None:
+                 qv: bool = False, n_splits: int = 1, page: int = 0, paged_strides=None,
+                 out_strides: tuple | None = None) -> None:
         self.kind = kind
         self.varlen = varlen = kind == "varlen"
         if kind == "dense":
@@ -229,6 +231,9 @@ class AttnPlan:
         # Split-KV decoding (kvcache only, see kvcache_splits) and a paged cache read through its page table
         # (page size ``page``; ``paged_strides`` the caches' (page, row, head) strides), used with splits only.
         self.n_splits, self.page, self.paged_strides = int(n_splits), int(page), paged_strides
+        # The output's strides when the caller wants it laid out otherwise than contiguous (pack-GQA decoding
+        # writes (B, G, hk, dv) straight into the (B, 1, h, dv) memory the caller returns).
+        self.out_strides = None if out_strides is None else tuple(int(x) for x in out_strides)
         if self.qv and self.fp8:
             raise ValueError("qv cannot be combined with float8 q/k/v (FA3 has no FP8 qv either)")
         self.out_dtype = torch.bfloat16 if self.fp8 else q.dtype
@@ -305,7 +310,9 @@ class AttnPlan:
         self.qs, self.ks, self.vs = self._bsh(q), self._bsh(k), self._bsh(v)
         if self.paged_strides is not None:
             self.ks, self.vs = self.paged_strides
-        self.os = self._out_bsh(self.o_shape)
+        # (split-KV: the kernel writes contiguous partials, and only the merge writes out_strides' layout)
+        self.os = (self._out_bsh(self.o_shape) if self.out_strides is None or self.n_splits > 1
+                   else tuple(0 if self.o_shape[i] == 1 else self.out_strides[i] for i in range(3)))
         self.dks, self.dvs = self._out_bsh(k.shape), self._out_bsh(v.shape)
         lse_st = _contiguous_strides(self.lse_shape)
         self.slb, self.slh = (0, lse_st[0]) if self.varlen else (lse_st[0], lse_st[1])
@@ -397,16 +404,17 @@ class AttnPlan:
         if qv is not None:
             qv = qv.contiguous()  # read with out's strides
         qd, kd, vd = _NO_DESCALE if descales is None else descales
+        if self.n_splits > 1 and not traced and not self.fwd_empty:  # allocates its own outputs
+            return self._forward_split(q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table, store_lse, aligned)
         out = (torch.empty_like(q) if self.o_like
-               else torch.empty(self.o_shape, dtype=self.out_dtype, device=self.device))
+               else torch.empty(self.o_shape, dtype=self.out_dtype, device=self.device) if self.out_strides is None
+               else self._new_out())
         lse = torch.empty(self.lse_shape, dtype=_F32, device=self.device) if store_lse else None
         if self.fwd_empty:  # no query block to run (a varlen batch of empty sequences)
             out.zero_()
             if lse is not None:
                 lse.fill_(float("inf"))
             return out, lse, None
-        if self.n_splits > 1 and not traced:
-            return self._forward_split(q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table, store_lse, aligned)
         if traced:
             self.fwd_launch(store_lse).traced(q, k, v, out, lse, alibi, rng, cu_q, cu_k, k_start, k_end, qd, kd, vd,
                                               qv, table, *self.fwd_ints)
@@ -438,17 +446,17 @@ class AttnPlan:
         stream = self.stream()
         la(stream, aligned, q, k, v, o_part, l_part, alibi, None, None, None, k_start, k_end, qd, kd, vd, qv,
            table, *self.fwd_ints)
-        out = torch.empty(self.o_shape, dtype=self.out_dtype, device=dev)
+        out = self._new_out()
         lse = torch.empty(self.lse_shape, dtype=_F32, device=dev)  # the merge writes it either way
-        if self.on_gpu:  # the merge's planned launch (flash_attn_combine re-checks and re-binds every call)
-            comb = self._fwd.get("combine") or self._combine_launch()
-            comb(stream, True, o_part, l_part, out, lse, *self.combine_ints)
-        else:
-            o, lse_c = flash_attn_combine(o_part, l_part.transpose(-1, -2), out_dtype=self.out_dtype)
-            out.copy_(o)
-            # culmen's convention for a row that sees no key is +inf (combine, as FA3's, gives -inf)
-            lse.copy_(torch.where(lse_c == float("-inf"), float("inf"), lse_c).transpose(1, 2))
+        # the merge's planned launch (flash_attn_combine re-checks and re-binds every call: ~65 us of host time)
+        comb = self._fwd.get("combine") or self._combine_launch()
+        comb(stream, True, o_part, l_part, out, lse, *self.combine_ints)
         return out, (lse if store_lse else None), None
+
+    def _new_out(self) -> Tensor:
+        if self.out_strides is None:
+            return torch.empty(self.o_shape, dtype=self.out_dtype, device=self.device)
+        return torch.empty_strided(self.o_shape, self.out_strides, dtype=self.out_dtype, device=self.device)
 
     def _combine_launch(self) -> Launch:
         """The split merge's ``Launch`` over this plan's fixed partial buffers: ``o_part (n, B, sq, H, DV)`` and
@@ -459,7 +467,8 @@ class AttnPlan:
         rows = B * S * H
         o_st = (B * S * H * DV, S * H * DV, H * DV, DV, 1)
         l_st = (B * H * S, H * S, 1, S)  # l_part read as (n, B, sq, H)
-        self.combine_ints = (rows, S, H, DV, n, *o_st, *l_st, S * H * DV, H * DV, DV, 1, H * S, 1, S)
+        out_st = self.out_strides or (S * H * DV, H * DV, DV, 1)
+        self.combine_ints = (rows, S, H, DV, n, *o_st, *l_st, *out_st, H * S, 1, S)
         la = self._fwd["combine"] = Launch(_combine_kernel, (cdiv(rows, bm), cdiv(DV, bd)),
                                            dict(BLOCK_M=bm, BLOCK_D=bd, BLOCK_SPLIT=bs, EMPTY_LSE=float("inf")),
                                            4, 3, device=self.device)
