@@ -132,13 +132,29 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list[Any], settings: dict[
 class DecompositionsWrapper:
     """The torchsched backend object: ``(graph_module, example_inputs) -> compiled callable``.
 
-    Args:
+    Args (Apex's order):
+        mode: ``torch.compile``'s mode string (Apex passes ``"default"``); kept as ``self.mode``. The backend
+            does not use Inductor, so modes do not change what it does.
+        options: Inductor options (Apex: ``{"allow_buffer_reuse": False, "inplace_buffers": False}``); kept
+            as ``self.options``, unused for the same reason (culmen's runtime allocates like eager PyTorch, so
+            streams never share a buffer).
+        dynamic: kept as ``self.dynamic`` (dynamo decides dynamic shapes before the backend is called).
         decompositions: extra ATen decompositions applied while AOTAutograd traces (on top of none: the
             ops stay as coarse as eager PyTorch's, so each one is one kernel to place on a stream).
+
+    ``DecompositionsWrapper(decompositions_dict)`` (one positional dict, culmen's earlier form) still works.
     """
 
-    def __init__(self, decompositions: dict) -> None:
-        self.decompositions = dict(decompositions)
+    def __init__(self, mode: str | dict = "default", options: dict | None = None, dynamic: bool = False,
+                 decompositions: dict | None = None) -> None:
+        if isinstance(mode, dict) and decompositions is None:
+            mode, decompositions = "default", mode
+        if not isinstance(mode, str):
+            raise TypeError(f"mode must be a str, got {mode!r}")
+        self.mode = mode
+        self.options = dict(options or {})
+        self.dynamic = bool(dynamic)
+        self.decompositions = dict(decompositions or {})
 
     def __eq__(self, rhs: object) -> bool:
         return isinstance(rhs, DecompositionsWrapper) and rhs.decompositions == self.decompositions
@@ -175,4 +191,20 @@ def get_backend(backend: str = "torch", scheme: str = "dwb") -> Callable | Decom
 
         return lookup_backend("inductor")
     decomp = convolution_backward_decomp_dwb if scheme == "dwb" else convolution_backward_decomp_wbd
-    return DecompositionsWrapper({aten.convolution_backward.default: decomp})
+    return DecompositionsWrapper(mode="default", options={"allow_buffer_reuse": False, "inplace_buffers": False},
+                                 dynamic=False, decompositions={aten.convolution_backward.default: decomp})
+
+
+def enable_multi_stream_scheduling(compile_fn: Callable) -> Callable:
+    """Apex: wrap an Inductor inner-compile function so its code generator issues kernels on several streams.
+
+    culmen schedules streams on the AOTAutograd graph instead of inside Inductor (see the module docstring),
+    so there is no Inductor code generator to patch: this raises ``NotImplementedError`` naming what to use,
+    ``torch.compile(model, backend="torchsched")`` or ``get_backend("torchsched")``.
+    """
+    if not callable(compile_fn):
+        raise TypeError(f"compile_fn must be callable, got {compile_fn!r}")
+    raise NotImplementedError(
+        "culmen's torchsched does not patch Inductor's code generator (it plans streams on the AOTAutograd "
+        "graph); use torch.compile(model, backend='torchsched') or "
+        "culmen.contrib.torchsched.backend.get_backend('torchsched') instead of enable_multi_stream_scheduling")

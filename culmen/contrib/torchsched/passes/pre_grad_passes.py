@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from culmen.contrib.torchsched import config
 
-__all__ = ["pre_grad_custom_pass", "register_pass"]
+__all__ = ["pre_grad_custom_pass", "register_pass", "register_pattern", "run_pre_grad_pass"]
 
 log = logging.getLogger("culmen.contrib.torchsched")
 
@@ -86,3 +87,58 @@ def pre_grad_custom_pass(graph: fx.Graph) -> None:
     graph.lint()
     if graph.owning_module is not None:
         graph.owning_module.recompile()
+
+
+def _layer_norm_any(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                    eps: float) -> torch.Tensor:
+    shape = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else (int(normalized_shape),)
+    if len(shape) == 1 and weight is not None:
+        return culmen_layer_norm(x, weight, bias, float(eps))
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+# A leaf of FX tracing, so replace_pattern can trace replace_layer_norm with normalized_shape still symbolic.
+fx.wrap("_layer_norm_any")
+
+
+def replace_layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor, bias: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """The replacement side of the ``"cudnn_layer_norm"`` pattern: LayerNorm of ``x`` (``(..., *normalized_shape)``)
+    with ``weight`` / ``bias`` (``normalized_shape``). One normalized dim: culmen's fused op; more: ``F.layer_norm``
+    (culmen's kernel normalizes the last dim only). Returns ``x``'s shape and dtype. Traceable by FX (one
+    call node), so it can serve as a ``replace_pattern`` replacement."""
+    return _layer_norm_any(x, normalized_shape, weight, bias, eps)
+
+
+def run_pre_grad_pass(name: str, graph: fx.Graph, pattern: Callable, replacement: Callable) -> int:
+    """Rewrite every match of ``pattern`` in ``graph`` (which must belong to a ``GraphModule``) by
+    ``replacement`` with ``torch.fx.replace_pattern``; returns the number of rewrites. ``pattern`` and
+    ``replacement`` are traced with ``torch.fx.symbolic_trace`` and take the same arguments; a ``pattern`` that
+    is itself a single call (such as ``F.layer_norm``) matches the call with all its arguments passed
+    positionally (dynamo's graphs pass them so)."""
+    if graph.owning_module is None:
+        raise ValueError(f"pre-grad pass {name!r}: graph has no owning GraphModule")
+    pattern_graph = fx.symbolic_trace(pattern).graph
+    for node in pattern_graph.nodes:
+        if node.op == "call_function" and node.kwargs:
+            # symbolic_trace of a wrapper such as F.layer_norm passes its optional arguments by keyword;
+            # dynamo passes them positionally, so match that form.
+            node.args = tuple(node.args) + tuple(node.kwargs.values())
+            node.kwargs = {}
+    matches = fx.replace_pattern(graph.owning_module, pattern_graph, replacement)
+    graph.owning_module.recompile()
+    graph.lint()
+    log.debug("pre-grad pass %s replaced %d sub-graphs", name, len(matches))
+    return len(matches)
+
+
+def register_pattern(name: str, pattern: Callable, replacement: Callable) -> None:
+    """Register a pre-grad pass ``name`` that rewrites ``pattern`` into ``replacement`` (see
+    ``run_pre_grad_pass``); enable it by adding ``name`` to ``config.pre_grad_pass_options``."""
+    if not callable(pattern) or not callable(replacement):
+        raise TypeError(f"pattern and replacement must be callable, got {pattern!r}, {replacement!r}")
+    register_pass(name, functools.partial(_run_named, name, pattern, replacement))
+
+
+def _run_named(name: str, pattern: Callable, replacement: Callable, graph: fx.Graph) -> int:
+    return run_pre_grad_pass(name, graph, pattern, replacement)
