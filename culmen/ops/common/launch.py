@@ -65,15 +65,19 @@ class Launch:
     own dispatch runs it, under the interpreter on CPU). ``aligned`` says every pointer argument is
     16-byte aligned; only then may the bound kernel run (Triton compiled it for aligned pointers).
     ``traced(*args)`` is the same launch inside a ``torch.library.triton_op`` (``torch.compile``).
+    ``options``: Triton compile options besides warps and stages (e.g. ``enable_fp_fusion=False`` for
+    kernels that must round every multiply and add separately); not constexprs.
     """
 
-    __slots__ = ("fn", "grid", "meta", "num_warps", "num_stages", "device", "consts", "_run", "_mid", "error")
+    __slots__ = ("fn", "grid", "meta", "num_warps", "num_stages", "device", "consts", "_run", "_mid", "error",
+                 "options")
 
     def __init__(self, fn, grid: tuple, meta: dict, num_warps: int, num_stages: int = 3,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, options: dict | None = None) -> None:
         self.fn = fn
         self.grid = (*grid, 1, 1)[:3]
         self.meta = meta
+        self.options = options or {}
         self.num_warps = num_warps
         self.num_stages = num_stages
         self.device = device
@@ -97,9 +101,11 @@ class Launch:
             return
         if stream is None or not _FAST:
             with _guard(self.device):
-                self.fn[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages)
+                self.fn[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages,
+                                   **self.options)
             return
-        compiled = self.fn[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages)
+        compiled = self.fn[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages,
+                                      **self.options)
         if aligned and compiled is not None and _no_hooks_installed():
             self._bind(compiled, len(args))
 
@@ -125,7 +131,8 @@ class Launch:
         """Launch inside a ``torch.library.triton_op`` body: Inductor sees (and launches) the kernel."""
         from torch.library import wrap_triton
 
-        wrap_triton(self.fn)[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages)
+        wrap_triton(self.fn)[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages,
+                                        **self.options)
 
 
 def traceable_kernels() -> bool:

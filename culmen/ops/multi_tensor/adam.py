@@ -9,9 +9,30 @@ params. Every update skips its work when the noop flag (int32 overflow flag, or 
 ``FusedAdam`` keeps an ``AdamPlan`` per param group (``culmen.optimizers.fused_adam``); its device step
 counter is advanced by the kernel itself (``STEP=2``: the last program to finish adds 1 unless the step
 was skipped), so a step costs no PyTorch op besides the launch.
+
+Rounding: the element-wise math rounds as ``torch.optim.Adam`` / ``AdamW`` (``foreach=False``) does for
+fp32 params on CUDA, where every op rounds once and torch's one-kernel ``a + s * b`` (``add(alpha=)``,
+``addcmul_``, ``addcdiv_``, ``lerp_``) is an fma; with ``fma(a, b, c) = a * b + c`` rounded once::
+
+    g = fma(wd, p, g)                            (Adam, L2)          p = p * decay    (AdamW)
+    m = fma(w, g - m, m)   if w < 0.5, else  m = fma(w - 1, g - m, g)    (exp_avg.lerp_(g, w))
+    v = fma(1 - beta2, g * g, v * beta2)
+    p = fma(-step_size, m / (sqrt(v) * rc2 + eps), p)
+
+with ``w = 1 - beta1``, ``decay = 1 - lr * wd``, ``step_size = lr / (1 - beta1^step)`` and
+``rc2 = 1 / sqrt(1 - beta2^step)`` (torch divides by a host scalar as a multiply by its fp32 reciprocal)
+computed in double and rounded to fp32, as torch rounds Python scalars: on the host for a host lr and
+step, in fp64 inside the kernel from exact fp32 triples of the doubles for a device lr or step
+(capturable, GradScaler-driven steps), so both give the same values. Divisions and square roots are the
+correctly rounded ``div_rn`` / ``sqrt_rn``; the launches disable fp fusion, so nothing else is
+contracted. ``torch.optim.Adam``'s default foreach path divides by ``sqrt(bc2)`` instead of multiplying by
+its reciprocal: its denominators differ from these by at most an ulp, on a few elements.
 """
 
 from __future__ import annotations
+
+import functools
+import struct
 
 import torch
 
@@ -20,7 +41,6 @@ from culmen.ops.common.plans import clear_plans
 from culmen.ops.multi_tensor.common import (
     TL_DTYPE,
     ListPlan,
-    bias_corrections,
     cached_plan,
     check_chunk,
     finish,
@@ -35,6 +55,7 @@ if triton is not None:
     import triton.language as tl
 
     from culmen.ops.multi_tensor.common import block_offsets, chunk_coords, load_f32, store, tensor_ptr
+    from culmen.ops.multi_tensor.lamb import _pow_int
 
 TUNING = PlanTuning({"chunk": 8192, "block": 2048, "num_warps": 8}, clear_plans)
 
@@ -46,9 +67,12 @@ STEP_AS_IS, STEP_NEXT, STEP_ADVANCE = 0, 1, 2
 if triton is not None:
 
     @triton.jit
-    def _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv,
+    def _adam_range(gp, pp, mp, vp, qp, start, n, nss, rc2, decay, w1, small, omb2, b2, eps, wd, inv,
                     MODE: tl.constexpr, MASTER: tl.constexpr, REM: tl.constexpr, HAS_INV: tl.constexpr,
                     MASKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # torch.optim.Adam(W)'s CUDA ops in its order (module docstring, "Rounding"): each op rounds once,
+        # an explicit fma where one torch kernel computes ``a + s * b``; the launches disable fp fusion so
+        # that nothing else is contracted.
         for i in range(0, CHUNK, BLOCK):
             offs = block_offsets(start, i, BLOCK)
             g = load_f32(gp, offs, n, MASKED)
@@ -64,14 +88,14 @@ if triton is not None:
             m = load_f32(mp, offs, n, MASKED)
             v = load_f32(vp, offs, n, MASKED)
             if MODE == 0:
-                g = g + wd * p
-            m = b1 * m + (1.0 - b1) * g
-            v = b2 * v + (1.0 - b2) * g * g
-            denom = tl.sqrt_rn(tl.div_rn(v, bc2)) + eps
-            upd = tl.div_rn(tl.div_rn(m, bc1), denom)
-            if MODE == 1:
-                upd = upd + wd * p
-            p = p - lr * upd
+                g = tl.fma(wd, p, g)  # grad.add(param, alpha=wd)
+            else:
+                p = p * decay  # param.mul_(1 - lr * wd)
+            # exp_avg.lerp_(grad, w): m + w (g - m) for w < 0.5, else g - (1 - w) (g - m) = g + (w - 1) (g - m)
+            m = tl.fma(w1, g - m, tl.where(small != 0.0, m, g))
+            v = tl.fma(omb2, g * g, v * b2)  # exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+            den = tl.sqrt_rn(v) * rc2 + eps  # (exp_avg_sq.sqrt() / sqrt(bc2)).add_(eps): a reciprocal multiply
+            p = tl.fma(nss, tl.div_rn(m, den), p)  # param.addcdiv_(exp_avg, denom, value=-lr / bc1)
             store(mp, offs, n, m, MASKED)
             store(vp, offs, n, v, MASKED)
             if REM:
@@ -103,21 +127,29 @@ if triton is not None:
             offs = block_offsets(start, i, BLOCK)
             store(gp, offs, n, load_f32(gp, offs, n, MASKED) * inv, MASKED)
 
+    @triton.jit
+    def _f64(x0, x1, x2):
+        # a host double passed as three fp32 parts (``split_f64``): their fp64 sum is exact
+        return (tl.cast(x0, tl.float64) + tl.cast(x1, tl.float64)) + tl.cast(x2, tl.float64)
+
     @triton.jit(do_not_specialize=["T", "C"])
-    def _adam_kernel(ptrs, geo, noop, lr_ptr, step_ptr, inv_ptr, ticket, T, C, lr, b1, b2, eps, bc1, bc2, wd, inv,
+    def _adam_kernel(ptrs, geo, noop, lr_ptr, step_ptr, inv_ptr, ticket, T, C, nss, rc2, decay, w1, small, omb2, b2,
+                     eps, wd, inv, lr0, lr1, lr2, wd0, wd1, wd2, b10, b11, b12, b20, b21, b22, bc10, bc11, bc12,
                      G_DT: tl.constexpr, P_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                      Q_DT: tl.constexpr, L: tl.constexpr, MODE: tl.constexpr, LR_T: tl.constexpr,
                      STEP_T: tl.constexpr, STEP: tl.constexpr, INV: tl.constexpr, BIAS_CORR: tl.constexpr,
                      REM: tl.constexpr, UNSCALE_SKIPPED: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr,
                      BLOCK: tl.constexpr):
-        # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
-        b1 = tl.cast(b1, tl.float32)
+        # Inductor passes Python floats as fp64: keep the element-wise math in fp32 (a no-op in eager launches).
+        nss = tl.cast(nss, tl.float32)
+        rc2 = tl.cast(rc2, tl.float32)
+        decay = tl.cast(decay, tl.float32)
+        w1 = tl.cast(w1, tl.float32)
+        small = tl.cast(small, tl.float32)
+        omb2 = tl.cast(omb2, tl.float32)
         b2 = tl.cast(b2, tl.float32)
-        bc1 = tl.cast(bc1, tl.float32)
-        bc2 = tl.cast(bc2, tl.float32)
         eps = tl.cast(eps, tl.float32)
         inv = tl.cast(inv, tl.float32)
-        lr = tl.cast(lr, tl.float32)
         wd = tl.cast(wd, tl.float32)
         go = tl.load(noop) == 0
         if STEP_T:
@@ -133,24 +165,36 @@ if triton is not None:
             qp = pp
             if L == 5:
                 qp = tensor_ptr(ptrs, T, t, 4, Q_DT, SHIFT)
-            if LR_T:
-                lr = tl.load(lr_ptr).to(tl.float32)
-            if STEP_T:
-                if BIAS_CORR:
-                    sf = s.to(tl.float32)
-                    bc1 = 1.0 - tl.exp2(sf * tl.log2(b1))
-                    bc2 = 1.0 - tl.exp2(sf * tl.log2(b2))
+            if LR_T or STEP_T:
+                # The step's scalars as the host computes them for a host lr and step (``adam_scalars``): in
+                # double from the double lr, weight decay, betas (or the device lr's value), rounded once.
+                if LR_T:
+                    lr64 = tl.load(lr_ptr).to(tl.float64)
+                else:
+                    lr64 = _f64(lr0, lr1, lr2)
+                if STEP_T:
+                    if BIAS_CORR:
+                        sv = s.to(tl.int32)
+                        bc1 = 1.0 - _pow_int(_f64(b10, b11, b12), sv)
+                        bc2 = 1.0 - _pow_int(_f64(b20, b21, b22), sv)
+                        rc2 = tl.div_rn(1.0, tl.sqrt(bc2).to(tl.float32))
+                    else:
+                        bc1 = tl.full((), 1.0, tl.float64)
+                else:
+                    bc1 = _f64(bc10, bc11, bc12)
+                nss = (-(lr64 / bc1)).to(tl.float32)
+                decay = (1.0 - lr64 * _f64(wd0, wd1, wd2)).to(tl.float32)
             if INV == 2:
                 inv = tl.load(inv_ptr).to(tl.float32)
             if INV == 3:
                 inv = tl.div_rn(1.0, tl.load(inv_ptr).to(tl.float32))
             start = j * CHUNK
             if start + CHUNK <= n:
-                _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv, MODE, L == 5,
-                            REM, INV != 0, False, CHUNK, BLOCK)
+                _adam_range(gp, pp, mp, vp, qp, start, n, nss, rc2, decay, w1, small, omb2, b2, eps, wd, inv, MODE,
+                            L == 5, REM, INV != 0, False, CHUNK, BLOCK)
             else:
-                _adam_range(gp, pp, mp, vp, qp, start, n, lr, b1, b2, eps, bc1, bc2, wd, inv, MODE, L == 5,
-                            REM, INV != 0, True, CHUNK, BLOCK)
+                _adam_range(gp, pp, mp, vp, qp, start, n, nss, rc2, decay, w1, small, omb2, b2, eps, wd, inv, MODE,
+                            L == 5, REM, INV != 0, True, CHUNK, BLOCK)
         elif UNSCALE_SKIPPED:
             # A skipped step (inf/NaN found) still unscales the gradients, as torch's GradScaler.unscale_ does
             # before any optimizer reads them (FusedAdam's contract; amp_C's capturable ops leave them as Apex).
@@ -175,49 +219,6 @@ if triton is not None:
                     tl.store(step_ptr, s)
 
 
-def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, mode: int, bias_correction: bool,
-             weight_decay: float, noop_flag: torch.Tensor, inv_scale=None, scale_divides: bool = False,
-             unscale_skipped: bool = False) -> None:
-    """Reference of :func:`adam_update` (fp32 math, one tensor at a time, no host sync on device flags)."""
-    masters = tensor_lists[4] if len(tensor_lists) == 5 else [None] * len(tensor_lists[0])
-    for g, p, m, v, q in zip(*tensor_lists[:4], masters):
-        dev = p.device
-        skip = ref_skip(noop_flag, dev)
-        lr_t = scalar_f32(lr, dev)
-        if bias_correction:
-            bc1, bc2 = bias_corrections(beta1, beta2, step, dev)
-        else:
-            bc1 = bc2 = torch.ones((), dtype=torch.float32, device=dev)
-        gf = g.float()
-        if inv_scale is not None:
-            inv = scalar_f32(inv_scale, dev)
-            gf = gf * (torch.reciprocal(inv) if scale_divides else inv)
-            # The unscaled gradient is stored back (also on a skipped step with ``unscale_skipped``).
-            g.copy_(gf.to(g.dtype) if unscale_skipped else torch.where(skip, g, gf.to(g.dtype)))
-        rem = q is not None and q.dtype == torch.int16
-        if rem:
-            pf = rem_master(p, q)
-        else:
-            pf = (q if q is not None else p).float()
-        mf, vf = m.float(), v.float()
-        if mode == ADAM_MODE_L2:
-            gf = gf + weight_decay * pf
-        mf = beta1 * mf + (1.0 - beta1) * gf
-        vf = beta2 * vf + (1.0 - beta2) * gf * gf
-        upd = (mf / bc1) / (torch.sqrt(vf / bc2) + eps)
-        if mode == ADAM_MODE_ADAMW:
-            upd = upd + weight_decay * pf
-        pf = pf - lr_t * upd
-        if rem:
-            hi, low = rem_split(pf)
-            pairs = ((m, mf), (v, vf), (p, hi), (q, low))
-        else:
-            pairs = ((m, mf), (v, vf), (p, pf), (q, pf))
-        for dst, val in pairs:
-            if dst is not None:
-                dst.copy_(torch.where(skip, dst, val.to(dst.dtype)))
-
-
 def rem_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """fp32 master from a bf16 ``param`` (its top 16 bits) and an int16 ``remainder`` (the signed rest)."""
     bits = (param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
@@ -231,6 +232,141 @@ def rem_split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi.to(torch.int16).view(torch.bfloat16), (bits - (hi << 16)).to(torch.int16)
 
 
+_pack_f32, _unpack_f32 = struct.Struct("f").pack, struct.Struct("f").unpack
+_Z3 = (0.0, 0.0, 0.0)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 value (as a Python float)."""
+    return _unpack_f32(_pack_f32(x))[0]
+
+
+@functools.lru_cache(maxsize=256)
+def split_f64(x: float) -> tuple[float, float, float]:
+    """A double as three fp32 values whose exact sum is ``x`` (the kernels rebuild it in fp64)."""
+    hi = _f32(x)
+    mid = _f32(x - hi)
+    return hi, mid, _f32(x - hi - mid)
+
+
+@functools.lru_cache(maxsize=64)
+def _lerp_coefficient(beta1: float) -> tuple[float, float]:
+    """``(c, small)`` of ``exp_avg.lerp_(grad, w)``, ``w = 1 - beta1`` rounded to fp32 as torch passes it:
+    ``m + w (g - m)`` (``small`` = 1) when ``w < 0.5``, else ``g + (w - 1) (g - m)`` (``w - 1`` exact)."""
+    w = _f32(1.0 - beta1)
+    return (w, 1.0) if abs(w) < 0.5 else (w - 1.0, 0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(beta1: float, beta2: float, eps: float, wd: float, lr, lr_t: bool, step_t: bool) -> tuple:
+    """The kernel's step-independent scalars: ``(c, small, 1 - beta2, beta2, eps, wd)`` and the fp32 triples
+    of the doubles a device lr or step needs (``lr``: the host lr, only needed with ``step_t``)."""
+    c1, small = _lerp_coefficient(beta1)
+    tail = _Z3 * 4
+    if lr_t or step_t:
+        lr3 = split_f64(float(lr)) if step_t and not lr_t else _Z3
+        b13, b23 = (split_f64(beta1), split_f64(beta2)) if step_t else (_Z3, _Z3)
+        tail = (*lr3, *split_f64(wd), *b13, *b23)
+    return (c1, small, 1.0 - beta2, beta2, eps, wd), tail
+
+
+def adam_scalars(lr, step, beta1: float, beta2: float, eps: float, wd: float, bias_correction: bool, lr_t: bool,
+                 step_t: bool, inv: float = 1.0) -> tuple:
+    """The scalar arguments of ``_adam_kernel`` after ``T, C`` (module docstring, "Rounding").
+
+    A host ``lr`` and ``step`` give the step's scalars computed here in double (the launch rounds them to
+    fp32, as torch rounds Python scalars); a device ``lr`` or ``step`` (``lr_t`` / ``step_t``) passes the
+    doubles the kernel needs as exact fp32 triples instead, and the kernel computes the same values in fp64.
+    (``AdamPlan.run`` inlines this: the cached host path makes no Python call for it.)
+    """
+    head, tail = _constants(float(beta1), float(beta2), float(eps), float(wd),
+                            lr if step_t and not lr_t else None, lr_t, step_t)
+    nss, rc2, decay, bc13 = 0.0, 1.0, 1.0, _Z3
+    bc1 = 1.0
+    if not step_t and bias_correction:
+        bc1 = 1.0 - beta1 ** step
+        rc2 = 1.0 / _f32((1.0 - beta2 ** step) ** 0.5)  # torch: a multiply by the fp32 scalar's fp32 reciprocal
+    if lr_t or step_t:
+        if not step_t:
+            bc13 = split_f64(bc1)
+    else:
+        nss, decay = -(lr / bc1), 1.0 - lr * wd
+    return (nss, rc2, decay, *head, inv, *tail, *bc13)
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a * b + c`` rounded once (to within the rare double-rounding tie of the fp64 sum)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _device_scalars(lr, step, beta1: float, beta2: float, wd: float, bias_correction: bool, dev):
+    """0-dim fp32 ``(-lr / bc1, 1 / sqrt(bc2), 1 - lr wd)`` computed in fp64 from a device ``lr`` or ``step``
+    (the kernels' device-scalar path), without a host sync."""
+    f64 = torch.float64
+    lr64 = lr.reshape(-1)[0].to(device=dev, dtype=f64) if isinstance(lr, torch.Tensor) else \
+        torch.tensor(float(lr), dtype=f64, device=dev)
+    one = torch.ones((), dtype=f64, device=dev)
+    if not bias_correction:
+        bc1 = bc2 = one
+    elif isinstance(step, torch.Tensor):
+        s = step.reshape(-1)[0].to(device=dev, dtype=f64)
+        bc1 = 1.0 - torch.pow(torch.tensor(float(beta1), dtype=f64, device=dev), s)
+        bc2 = 1.0 - torch.pow(torch.tensor(float(beta2), dtype=f64, device=dev), s)
+    else:
+        bc1 = torch.tensor(1.0 - beta1 ** step, dtype=f64, device=dev)
+        bc2 = torch.tensor(1.0 - beta2 ** step, dtype=f64, device=dev)
+    rc2 = torch.reciprocal(torch.sqrt(bc2).float())
+    return (-(lr64 / bc1)).float(), rc2, (1.0 - lr64 * wd).float()
+
+
+def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, mode: int, bias_correction: bool,
+             weight_decay: float, noop_flag: torch.Tensor, inv_scale=None, scale_divides: bool = False,
+             unscale_skipped: bool = False) -> None:
+    """Reference of :func:`adam_update`: the kernels' fp32 rounding (module docstring, "Rounding"), one
+    tensor at a time, no host sync on device flags."""
+    masters = tensor_lists[4] if len(tensor_lists) == 5 else [None] * len(tensor_lists[0])
+    lr_t, step_t = isinstance(lr, torch.Tensor), isinstance(step, torch.Tensor)
+    host = None if lr_t or step_t else adam_scalars(lr, step, beta1, beta2, eps, weight_decay, bias_correction,
+                                                    False, False)
+    c1, small = _lerp_coefficient(float(beta1))
+    for g, p, m, v, q in zip(*tensor_lists[:4], masters):
+        dev = p.device
+        skip = ref_skip(noop_flag, dev)
+        if host is None:
+            nss, rc2, decay = _device_scalars(lr, step, beta1, beta2, weight_decay, bias_correction, dev)
+        else:
+            nss, rc2, decay = (scalar_f32(x, dev) for x in host[:3])
+        wd, w1, omb2, b2, e = (scalar_f32(x, dev) for x in (weight_decay, c1, 1.0 - beta2, beta2, eps))
+        gf = g.float()
+        if inv_scale is not None:
+            inv = scalar_f32(inv_scale, dev)
+            gf = gf * (torch.reciprocal(inv) if scale_divides else inv)
+            # The unscaled gradient is stored back (also on a skipped step with ``unscale_skipped``).
+            g.copy_(gf.to(g.dtype) if unscale_skipped else torch.where(skip, g, gf.to(g.dtype)))
+        rem = q is not None and q.dtype == torch.int16
+        if rem:
+            pf = rem_master(p, q)
+        else:
+            pf = (q if q is not None else p).float()
+        mf, vf = m.float(), v.float()
+        if mode == ADAM_MODE_L2:
+            gf = _fma(wd, pf, gf)
+        else:
+            pf = pf * decay
+        mf = _fma(w1, gf - mf, mf if small else gf)
+        vf = _fma(omb2, gf * gf, vf * b2)
+        den = torch.sqrt(vf) * rc2 + e
+        pf = _fma(nss, mf / den, pf)
+        if rem:
+            hi, low = rem_split(pf)
+            pairs = ((m, mf), (v, vf), (p, hi), (q, low))
+        else:
+            pairs = ((m, mf), (v, vf), (p, pf), (q, pf))
+        for dst, val in pairs:
+            if dst is not None:
+                dst.copy_(torch.where(skip, dst, val.to(dst.dtype)))
+
+
 class AdamPlan(ListPlan):
     """``adam_update``'s plan for one signature and variant: ``[g, p, m, v(, p_master)]``.
 
@@ -239,6 +375,8 @@ class AdamPlan(ListPlan):
     ``static``: lists whose addresses stay fixed (an optimizer's params and states). ``unscale_skipped``:
     a skipped step still unscales the gradients (FusedAdam under a GradScaler).
     """
+
+    options = {"enable_fp_fusion": False}  # every multiply and add rounds on its own, as torch's separate ops
 
     def __init__(self, op: str, tensor_lists, noop_flag, *, mode: int, lr_t: bool, step_t: bool, inv: int,
                  bias_correction: bool, step_mode: int = STEP_AS_IS, static: tuple[int, ...] = (),
@@ -270,12 +408,20 @@ class AdamPlan(ListPlan):
         lr_p = lr if self.lr_t else None
         step_p = step if self.step_t else None
         inv_p = inv if self.inv >= INV_DEVICE else None
-        if self.step_t or not self.bias_correction:
-            bc1 = bc2 = 1.0
+        # adam_scalars inlined (host cost: no Python call on the cached path)
+        head, tail = _constants(b1, b2, eps, wd, lr if self.step_t and not self.lr_t else None, self.lr_t,
+                                self.step_t)
+        nss, rc2, decay, bc13 = 0.0, 1.0, 1.0, _Z3
+        bc1 = 1.0
+        if not self.step_t and self.bias_correction:
+            bc1 = 1.0 - b1 ** step
+            rc2 = 1.0 / _unpack_f32(_pack_f32((1.0 - b2 ** step) ** 0.5))[0]
+        if self.lr_t or self.step_t:
+            if not self.step_t:
+                bc13 = split_f64(bc1)
         else:
-            bc1, bc2 = 1.0 - b1 ** step, 1.0 - b2 ** step
-        scalars = (0.0 if self.lr_t else float(lr), b1, b2, eps, bc1, bc2, wd,
-                   float(inv) if self.inv == INV_HOST else 1.0)
+            nss, decay = -(lr / bc1), 1.0 - lr * wd
+        scalars = (nss, rc2, decay, *head, float(inv) if self.inv == INV_HOST else 1.0, *tail, *bc13)
         bits = noop.data_ptr()
         for t in (lr_p, step_p, inv_p):
             if t is not None:
@@ -309,8 +455,8 @@ def adam_update(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, ste
     (``store_param_remainders``), rebuilt and split again inside the kernel.
     With ``inv_scale`` the unscaled gradients are written back (as Apex's capturable kernels do); with
     ``unscale_skipped`` too when the step is skipped (torch's GradScaler contract: ``.grad`` is unscaled).
-    Math in fp32: ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g^2``;
-    ``p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + [AdamW] wd p)``.
+    Math in fp32, rounded as torch.optim.Adam(W) rounds it (module docstring): ``m = b1 m + (1-b1) g``;
+    ``v = b2 v + (1-b2) g^2``; ``p = [AdamW] (1 - lr wd) p - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)``.
     """
     if torch.compiler.is_compiling():
         from culmen.ops.multi_tensor.library import adam_via_op

@@ -300,6 +300,7 @@ class ListPlan:
 
     chunk = 8192
     num_warps = 8
+    options: dict = {}  # Triton compile options of every launch (``Launch.options``)
 
     def __init__(self, op: str, tensor_lists, num_lists, written: tuple[int, ...], static: tuple[int, ...] = ()):
         self.op = op
@@ -335,7 +336,7 @@ class ListPlan:
             if shift is not None:
                 meta["SHIFT"] = shift
             la = self._la[key] = Launch(kernel, grid or (grp.C,), meta, num_warps or self.num_warps,
-                                        device=grp.device)
+                                        device=grp.device, options=self.options)
         return la
 
     def meta(self, group: Group, kernel, variant) -> dict:  # pragma: no cover - every subclass defines it
@@ -411,17 +412,6 @@ def ref_skip(noop_flag: torch.Tensor, device: torch.device, found_inf: torch.Ten
     if found_inf is not None:
         s = s | (found_inf.reshape(-1)[0].to(device).float() != 0)
     return s
-
-
-def bias_corrections(beta1: float, beta2: float, step, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(1 - beta1^step, 1 - beta2^step)``: in fp32 on the device for a tensor ``step`` (as the kernels
-    compute them), in double on the host for a number (as the launchers pass them)."""
-    if isinstance(step, torch.Tensor):
-        s = step.reshape(-1)[0].to(device=device, dtype=torch.float32)
-        b1 = torch.tensor(beta1, dtype=torch.float32, device=device)
-        b2 = torch.tensor(beta2, dtype=torch.float32, device=device)
-        return 1.0 - torch.pow(b1, s), 1.0 - torch.pow(b2, s)
-    return scalar_f32(1.0 - beta1 ** step, device), scalar_f32(1.0 - beta2 ** step, device)
 
 
 def clear_cache() -> None:
