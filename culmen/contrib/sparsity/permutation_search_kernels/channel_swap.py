@@ -23,9 +23,12 @@ from culmen.contrib.sparsity.permutation_search_kernels.permutation_utilities im
     as_search_tensor,
     stripe_scores,
     top2_of_4,
+    try_swap,
 )
 
-__all__ = ["Channel_Swap", "progressive_channel_swap", "swap_gains"]
+__all__ = ["Channel_Swap", "build_stripe_pairs", "build_swap_map", "columns_to_stripes_and_swap_idx",
+           "compute_swap_map", "progressive_channel_swap", "stripes_and_swap_idx_to_columns", "swap_gains", "try_swap",
+           "use_swap_map"]
 
 _ELEMENT_BUDGET = 1 << 24
 
@@ -185,3 +188,116 @@ def progressive_channel_swap(matrix, time_limit: float = 60.0, improvement_thres
         else:
             fruitless += pairs.shape[0]
     return _finish(matrix, best_local, base, start)
+
+
+# ---- Apex's step-level helpers of the greedy channel swap (``Channel_Swap`` above runs the batched search;
+# these expose its steps on numpy matrices, one swap map at a time).
+
+def stripes_and_swap_idx_to_columns(stripe0: int, stripe1: int, idx: int) -> tuple[int, int] | None:
+    """Swap ``idx`` (0..15: column ``idx // 4`` of ``stripe0`` with column ``idx % 4`` of ``stripe1``) as the
+    two matrix columns; ``None`` for an ``idx`` outside 0..15."""
+    if not 0 <= idx < GROUP_WIDTH * GROUP_WIDTH:
+        return None
+    return stripe0 * GROUP_WIDTH + idx // GROUP_WIDTH, stripe1 * GROUP_WIDTH + idx % GROUP_WIDTH
+
+
+def columns_to_stripes_and_swap_idx(col0: int, col1: int) -> tuple[int, int, int]:
+    """Inverse of ``stripes_and_swap_idx_to_columns``: ``(stripe0, stripe1, idx)`` of swapping ``col0`` and
+    ``col1``."""
+    return col0 // GROUP_WIDTH, col1 // GROUP_WIDTH, (col0 % GROUP_WIDTH) * GROUP_WIDTH + col1 % GROUP_WIDTH
+
+
+def build_stripe_pairs(matrix, used_stripes) -> np.ndarray:
+    """``[stripe0, stripe1]`` rows (``stripe0 <= stripe1``, ``stripe0`` below the last stripe) of the pairs that
+    involve a stripe of ``used_stripes``: those whose swap gains must be recomputed. int64 ``(pairs, 2)``."""
+    n = matrix.shape[1] // GROUP_WIDTH
+    used = {int(s) for s in used_stripes}
+    pairs = [[s0, s1] for s0 in range(n - 1) for s1 in range(s0, n) if s0 in used or s1 in used]
+    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+
+
+def compute_swap_map(matrix, used_stripes) -> dict[tuple[int, int], float]:
+    """Gain of each of the 16 swaps of every pair from ``build_stripe_pairs``: ``{(col0, col1): gain}`` (the
+    change of the two stripes' kept 2:4 magnitude; 0 inside one stripe). Batched on the search device."""
+    pairs = build_stripe_pairs(matrix, used_stripes)
+    out: dict[tuple[int, int], float] = {}
+    if not len(pairs):
+        return out
+    absmat = as_search_tensor(matrix)
+    rows = absmat.shape[0]
+    stripes = absmat.reshape(rows, -1, GROUP_WIDTH)
+    for s0, s1 in pairs.tolist():
+        a, b = stripes[:, s0], stripes[:, s1]
+        base = top2_of_4(a).sum() + top2_of_4(b).sum()
+        for idx in range(GROUP_WIDTH * GROUP_WIDTH):
+            c0, c1 = stripes_and_swap_idx_to_columns(s0, s1, idx)
+            if s0 == s1:
+                out[(c0, c1)] = 0.0
+                continue
+            i, j = idx // GROUP_WIDTH, idx % GROUP_WIDTH
+            a2, b2 = a.clone(), b.clone()
+            a2[:, i], b2[:, j] = b[:, j], a[:, i]
+            out[(c0, c1)] = float(top2_of_4(a2).sum() + top2_of_4(b2).sum() - base)
+    return out
+
+
+def build_swap_map(matrix, swap_map: list, swap_ids: list, used_stripes, verbosity: int) -> tuple[list, list]:
+    """Fill or refresh the list of all cross-stripe swaps ``(src, dst)`` (``src < dst``, Apex's order) and their
+    gains: new entries are appended, entries touching ``used_stripes`` recomputed. Returns
+    ``(swap_map, swap_ids)`` (the same lists, updated)."""
+    fresh = len(swap_map) == 0
+    gains = compute_swap_map(matrix, range(matrix.shape[1] // GROUP_WIDTH) if fresh else used_stripes)
+    used = {int(s) for s in used_stripes}
+    idx = updates = 0
+    for src in range(matrix.shape[1] - 1):
+        for dst in range(src + 1, matrix.shape[1]):
+            s, d = src // GROUP_WIDTH, dst // GROUP_WIDTH
+            if s == d:
+                continue
+            if idx >= len(swap_map) or s in used or d in used:
+                gain = gains[(src, dst)]
+                if idx >= len(swap_map):
+                    swap_map.append(gain)
+                    swap_ids.append((src, dst))
+                else:
+                    swap_map[idx], swap_ids[idx] = gain, (src, dst)
+                updates += 1
+            idx += 1
+    if verbosity > 15:
+        print(f"\tupdated {updates} map entries")
+    return swap_map, swap_ids
+
+
+def use_swap_map(matrix, swap_map: list, swap_ids: list, threshold: float, used_escape_attempts: int,
+                 escape_attempts: int, permutation: list, verbosity: int):
+    """Apply the best swaps of the map, largest gain first, each stripe at most once, down to
+    ``threshold`` times the best gain (clamped to [1e-4, 1]); when nothing gains and escape attempts remain,
+    one random swap is applied instead. ``matrix`` (numpy) and ``permutation`` are updated in place.
+
+    Returns ``(matrix, swaps, swap_map, swap_ids, used_stripes, improvement, used_escape_attempts,
+    permutation)``."""
+    used_stripes: list[int] = []
+    swaps, improvement = 0, 0.0
+    if not swap_map:
+        return matrix, 0, swap_map, swap_ids, used_stripes, 0.0, used_escape_attempts, permutation
+    order = np.argsort(swap_map, kind="stable")[::-1]
+    cut = min(max(swap_map[order[0]] * threshold, 1e-4), 1.0)
+    for k in order:
+        gain = swap_map[k]
+        if gain < cut:
+            if used_stripes or used_escape_attempts >= escape_attempts:
+                break
+            k = order[np.random.randint(len(order))]
+            gain = swap_map[k]
+            used_escape_attempts += 1
+        src, dst = swap_ids[k]
+        if src // GROUP_WIDTH in used_stripes or dst // GROUP_WIDTH in used_stripes:
+            continue
+        used_stripes += [src // GROUP_WIDTH, dst // GROUP_WIDTH]
+        if verbosity > 20:
+            print(f"\t{src},{dst}  {gain:.4f}")
+        matrix[..., [src, dst]] = matrix[..., [dst, src]]
+        permutation[src], permutation[dst] = permutation[dst], permutation[src]
+        improvement += gain
+        swaps += 1
+    return matrix, swaps, swap_map, swap_ids, used_stripes, improvement, used_escape_attempts, permutation

@@ -33,9 +33,16 @@ from culmen.contrib.sparsity.permutation_search_kernels.permutation_utilities im
 
 __all__ = [
     "Exhaustive_Search",
+    "apply_stripe_group_permutation",
+    "build_stripe_map",
+    "collect_stripes",
     "generate_all_unique_combinations",
+    "generate_stripe_groups",
+    "generate_unique_combinations",
+    "is_canonical",
     "predict_unique_combinations",
     "search_matrix",
+    "use_stripe_map",
 ]
 
 _ELEMENT_BUDGET = 1 << 24  # elements of one batched gather (bounds the search's scratch memory)
@@ -243,3 +250,110 @@ def Exhaustive_Search(matrix, stripe_group_size: int = -1, escape_attempts: int 
     local_list = local.tolist()
     order = [base[i] for i in local_list]
     return _restore_type(matrix, absmat, local_list), time.perf_counter() - start, order
+
+
+# ---- Apex's step-level helpers of the windowed exhaustive search (``Exhaustive_Search`` above runs the batched
+# search; these expose its pieces on numpy matrices). A window ("stripe group") is a sorted tuple of stripes.
+
+def is_canonical(perm: list[int], col: int) -> bool:
+    """Whether appending ``col`` to ``perm`` (already canonical: sorted groups of 4, groups ordered by their
+    first entry) keeps it canonical."""
+    if len(perm) % GROUP_WIDTH == 0:
+        # A new group starts with the smallest column not used yet.
+        return all(v in perm for v in range(col)) and (not perm or col > perm[-GROUP_WIDTH])
+    return col > perm[-1]
+
+
+def generate_unique_combinations(built_permutation: list[int], remaining_columns: list[int],
+                                 full_permutation_list: list, group_width: int) -> None:
+    """Append to ``full_permutation_list`` (as numpy arrays) every canonical completion of
+    ``built_permutation`` with ``remaining_columns``; both lists are restored on return."""
+    if group_width != GROUP_WIDTH:
+        raise ValueError(f"group_width={group_width}: only groups of {GROUP_WIDTH} are supported")
+    if not remaining_columns:
+        full_permutation_list.append(np.array(built_permutation))
+        return
+    for i in range(len(remaining_columns)):
+        col = remaining_columns[i]
+        if is_canonical(built_permutation, col):
+            built_permutation.append(remaining_columns.pop(i))
+            generate_unique_combinations(built_permutation, remaining_columns, full_permutation_list, group_width)
+            remaining_columns.insert(i, built_permutation.pop())
+
+
+def collect_stripes(matrix, stripes, group_width: int) -> np.ndarray:
+    """The columns of ``stripes`` (each ``group_width`` wide) of ``matrix`` side by side: float64
+    ``(rows, len(stripes) * group_width)``."""
+    m = np.asarray(matrix)
+    cols = [s * group_width + c for s in stripes for c in range(group_width)]
+    return m[:, cols].astype(np.float64)
+
+
+def apply_stripe_group_permutation(sgp, stripes, group_width: int, permutation: list[int]) -> list[int]:
+    """``permutation`` after applying ``sgp`` (a column order of the window ``collect_stripes(..., stripes)``)
+    to that window's columns. Returns a new list."""
+    out = list(permutation)
+    for dst, src in enumerate(sgp):
+        d = stripes[dst // group_width] * group_width + dst % group_width
+        s = stripes[int(src) // group_width] * group_width + int(src) % group_width
+        out[d] = permutation[s]
+    return out
+
+
+def generate_stripe_groups(num_stripes: int, window_size: int) -> set[tuple[int, ...]]:
+    """Every window of ``window_size`` distinct stripes out of ``num_stripes``, as sorted tuples."""
+    return set(itertools.combinations(range(num_stripes), window_size))
+
+
+def build_stripe_map(matrix, group_width: int, window_size: int, stripe_map: list, stripe_ids: list, perm_map: list,
+                     used_stripes) -> tuple[list, list, list]:
+    """Fill or refresh the table of windows (``window_size`` columns each) with their best partition's gain
+    (``stripe_map``), stripes (``stripe_ids``) and column order (``perm_map``): new windows are searched, and
+    windows touching ``used_stripes`` re-searched. Returns the three lists, updated."""
+    if group_width != GROUP_WIDTH:
+        raise ValueError(f"group_width={group_width}: only groups of {GROUP_WIDTH} are supported")
+    stripes_per_window = window_size // group_width
+    num_stripes = matrix.shape[1] // group_width
+    if num_stripes * group_width != matrix.shape[1] or stripes_per_window < 1:
+        raise ValueError(f"matrix width {matrix.shape[1]} / window {window_size} do not fit stripes of {group_width}")
+    used = {int(s) for s in used_stripes}
+    for i, window in enumerate(sorted(generate_stripe_groups(num_stripes, stripes_per_window))):
+        new = i >= len(stripe_map)
+        if new:
+            stripe_ids.append(list(window))
+            stripe_map.append(0.0)
+            perm_map.append(list(range(window_size)))
+        if new or used.intersection(window):
+            _, _, perm, gain = search_matrix(collect_stripes(matrix, window, group_width), group_width)
+            stripe_map[i], perm_map[i] = gain, list(perm)
+    return stripe_map, stripe_ids, perm_map
+
+
+def use_stripe_map(matrix, group_width: int, stripe_map: list, stripe_ids: list, perm_map: list,
+                   permutation: list[int]):
+    """Apply the windows' best partitions, largest gain first, skipping windows that share a stripe with one
+    already applied, while the gain is positive. ``matrix`` (numpy) is updated in place.
+
+    Returns ``(matrix, stripe_groups_optimized, stripe_map, stripe_ids, used_stripes, improvement, permutation)``;
+    ``used_stripes`` lists the stripes whose contents changed."""
+    used_stripes: list[int] = []
+    touched: set[int] = set()
+    optimized, improvement = 0, 0.0
+    for k in np.argsort(stripe_map, kind="stable")[::-1]:
+        if stripe_map[k] <= 1e-12:
+            break
+        window = stripe_ids[k]
+        if touched.intersection(window):
+            continue
+        perm = [int(p) for p in perm_map[k]]
+        sub = collect_stripes(matrix, window, group_width)[:, perm]
+        permutation = apply_stripe_group_permutation(perm, window, group_width, permutation)
+        for s, stripe in enumerate(window):
+            group = perm[s * group_width:(s + 1) * group_width]
+            if group != list(range(group[0], group[0] + group_width)) or group[0] % group_width:
+                used_stripes.append(stripe)
+            matrix[:, stripe * group_width:(stripe + 1) * group_width] = sub[:, s * group_width:(s + 1) * group_width]
+        touched.update(window)
+        improvement += stripe_map[k]
+        optimized += 1
+    return matrix, optimized, stripe_map, stripe_ids, used_stripes, improvement, permutation
