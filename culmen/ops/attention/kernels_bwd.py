@@ -53,14 +53,17 @@ def _attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs, dd, dmask, j, m0, sq,
+def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, sqs, sds, sdqs, dd, dmask, j,
+                m0, sq,
                 sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
                 BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
                 EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr, ddv, dvmask,
-                DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr):
+                DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, TMA_DQ: tl.constexpr):
     """One query block's contribution to a key block's dK / dV, computed in the transposed
-    ``(key, query)`` orientation so that ``dV += P^T dO`` and ``dK += dS^T Q`` need no transposed tile."""
+    ``(key, query)`` orientation so that ``dV += P^T dO`` and ``dK += dS^T Q`` need no transposed tile.
+    ``ATOMIC_DQ``: also add this tile's dQ into fp32 ``dq_base``, by element atomics or, with ``TMA_DQ``, by one
+    bulk reduce-add through the descriptor ``dq_desc`` (rows past the sequence lie outside it: dropped)."""
     i = m0 + tl.arange(0, BLOCK_M)
     i64 = i.to(tl.int64)[:, None]
     if MASK:
@@ -106,7 +109,9 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sq
     dk = _dot_acc(dsc, q, dk, DOT_PREC, UPCAST)
     if ATOMIC_DQ:  # dQ of this tile straight from dS (5 matmuls instead of 7), summed in fp32 by atomics
         dq = _dot(tl.trans(dsc), k, DOT_PREC, UPCAST) * (qk_scale * LN2)
-        if MASK:
+        if TMA_DQ:  # cp.reduce.async.bulk.tensor on Hopper: one instruction per tile, not one atomic per element
+            dq_desc.atomic_add([m0, 0], dq)
+        elif MASK:
             tl.atomic_add(dq_base + i64 * sdqs + dd[None, :], dq, mask=qmask, sem="relaxed")
         elif EVEN_D:
             tl.atomic_add(dq_base + i64 * sdqs + dd[None, :], dq, sem="relaxed")
@@ -128,9 +133,10 @@ def _attn_bwd_dkdv_kernel(
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     SU: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr,
-    QV: tl.constexpr,
+    QV: tl.constexpr, TMA_DQ: tl.constexpr,
 ):
-    """dK and dV of one key block (and, with ``ATOMIC_DQ``, its atomic share of dQ in fp32 ``dq_ptr``).
+    """dK and dV of one key block (and, with ``ATOMIC_DQ``, its atomic share of dQ in fp32 ``dq_ptr``, with
+    ``TMA_DQ`` added by TMA reduce through per-head descriptors: ``dq_ptr`` contiguous, rows 16-byte aligned).
     ``DV`` / ``CHUNK`` as in the forward (a V head dim other than ``D``; chunked-local masks). ``QV``: FA3's
     ``qv`` (read with ``do``'s strides: both contiguous ``(.., h, DV)``) adds ``dS^T qv`` to dV."""
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
@@ -183,6 +189,11 @@ def _attn_bwd_dkdv_kernel(
         lse_base = lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0
         delta_base = delta_ptr + b64 * slb + h.to(tl.int64) * slh + q0
         dq_base = dq_ptr + b64 * sdqb + h.to(tl.int64) * sdqh + q0 * sdqs
+        if TMA_DQ:  # bound to this head's rows of this sequence: the reduce drops rows >= sq, columns >= D
+            dq_desc = tl.make_tensor_descriptor(dq_base, shape=[sq, D], strides=[sdqs, 1],
+                                                block_shape=[BLOCK_M, BLOCK_D])
+        else:
+            dq_desc = dq_base
         if QV:
             qv_base = qv_ptr + b64 * sdb + h.to(tl.int64) * sdh + q0 * sds
         slope2 = 0.0
@@ -195,10 +206,12 @@ def _attn_bwd_dkdv_kernel(
                                              BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
                                              HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
             else:
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, sqs, sds,
+                                     sdqs,
                                      dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
                                      rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI,
-                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
+                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK,
+                                     TMA_DQ)
         for m0 in range(f0, f1, BLOCK_M):
             if QV:
                 dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs,
@@ -206,10 +219,12 @@ def _attn_bwd_dkdv_kernel(
                                              BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
                                              HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
             else:
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, sqs, sds,
+                                     sdqs,
                                      dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
                                      rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI,
-                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
+                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK,
+                                     TMA_DQ)
         for m0 in range(f1, hi, BLOCK_M):
             if QV:
                 dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs,
@@ -217,10 +232,12 @@ def _attn_bwd_dkdv_kernel(
                                              BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
                                              HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
             else:
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, sqs, sds, sdqs,
+                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, sqs, sds,
+                                     sdqs,
                                      dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
                                      rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI,
-                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK)
+                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK,
+                                     TMA_DQ)
     dk = dk * (qk_scale * LN2)
     if QV:
         dv = dv + dvq * (qk_scale * LN2)

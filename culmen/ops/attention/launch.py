@@ -62,6 +62,8 @@ TUNING = PlanTuning({
     "dkdv": [(64, 64, 64, 4, 3), (128, 64, 128, 8, 3), (256, 64, 32, 4, 2), (512, 32, 32, 8, 1)],
     "dq": [(64, 128, 32, 4, 3), (128, 128, 64, 8, 3), (256, 128, 32, 8, 2), (512, 32, 32, 8, 1)],
     "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
+    # The dK/dV kernel of "tma_dq" (its dQ tile is staged in shared memory for the bulk reduce); not swept yet.
+    "dkdv_tma": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
     # KV-cache calls with at most SPLIT_MAX_SEQLEN_Q query rows (decoding; with pack-GQA the rows are the query
     # heads of one KV head): a 16-row query tile, the loop streaming wide key blocks. Same columns as "fwd".
@@ -75,6 +77,12 @@ TUNING = PlanTuning({
     # d64/d128, 19% slower with GQA, whose dK/dV programs add into GROUP query heads) and needs an
     # fp32 dQ buffer (+50% peak memory), so every backward is the reproducible one.
     "atomic_dq": False,
+    # Like "atomic_dq" (and implying it), but each dQ tile is added by one TMA bulk reduce-add
+    # (cp.reduce.async.bulk.tensor through a per-head device-side descriptor) instead of one fp32 atomic per
+    # element, as FA3 does. Falls back to the element atomics where descriptors cannot be used (pre-Hopper,
+    # head dim not a multiple of 4 (fp32 rows must be 16-byte aligned), padded head dim > 256, torch.compile,
+    # an interpreter without descriptor reduce). Never taken when deterministic. Off until measured.
+    "tma_dq": False,
     # Block size under the CPU interpreter (tests): small, so odd seqlens span several blocks.
     "interp_block": 16,
 }, clear_plans)
@@ -354,7 +362,11 @@ class AttnPlan:
         self.fwd_empty = self.fwd_grid[0] == 0
         # Pointers besides q/k/v whose alignment the direct launch must check per call.
         self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0 or self.descale or self.qv
-        self.atomic_ok = TUNING["atomic_dq"] and not self.deterministic and not self.qv
+        self.atomic_ok = (TUNING["atomic_dq"] or TUNING["tma_dq"]) and not self.deterministic and not self.qv
+        # dQ's fp32 buffer (B, sq, h, d) / (total, h, d) is contiguous: its rows (and each head's start) are
+        # 16-byte aligned when d % 4 == 0; TMA boxes span at most 256 elements per dim.
+        self.tma_dq = (self.atomic_ok and TUNING["tma_dq"] and not traced and self.D % 4 == 0
+                       and self.block_d <= 256 and _tma_reduce_available(q.device))
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
         """The forward's ``Launch`` (built on first use)."""
@@ -535,10 +547,13 @@ class AttnPlan:
         qkvd = (*u(self.qs), *u(self.ks), *u(self.vs), *u(dos))
         b.dkdv, b.dkdv_ints = {}, {}
         for atomic in ((False, True) if self.atomic_ok else (False,)):
-            bm, bn, warps, stages = _blocks("dkdv_atomic" if atomic else "dkdv", self.block_w, gpu, dt)
+            tma = atomic and self.tma_dq
+            bm, bn, warps, stages = _blocks("dkdv_tma" if tma else "dkdv_atomic" if atomic else "dkdv", self.block_w,
+                                            gpu, dt)
             num_n = cdiv(self.sk, bn)
             b.dkdv[atomic] = Launch(_attn_bwd_dkdv_kernel, (num_n * B * self.HK,),
-                                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, ATOMIC_DQ=atomic, SU=su),
+                                    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, ATOMIC_DQ=atomic, SU=su,
+                                         TMA_DQ=tma),
                                     warps, stages, device=dev)
             b.dkdv_ints[atomic] = (*qkvd, *u(self.dks), *u(self.dvs), *u(dqs), *common, H, self.HK, H // self.HK,
                                    *self.sizes, self.D, num_n, *self.scal)
@@ -582,6 +597,8 @@ class AttnPlan:
         atomic = self.atomic_ok and not deterministic_enabled()
         dq_acc = torch.zeros(self.q_shape, dtype=_F32, device=dev) if atomic else dq
         stream = None if traced else self.stream()
+        if atomic and self.tma_dq:
+            _ensure_allocator(dev)  # per call: autograd may run this backward in another thread
         if traced:
             ok = True
         elif self.extra_ptrs:
@@ -685,6 +702,19 @@ def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
 
 def _cpu_scratch(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu")
+
+
+def _tma_reduce_available(device: torch.device) -> bool:
+    """Whether tensor descriptors' ``atomic_add`` (TMA bulk reduce-add) runs on ``device``: a Hopper-class
+    NVIDIA GPU (older ones would lower it to element atomics anyway), or, on CPU, an interpreter that
+    implements it (Triton 3.9's does not: the plan then keeps the element atomics)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9 and not getattr(torch.version, "hip", None)
+    try:
+        from triton.runtime.interpreter import InterpreterBuilder
+    except ImportError:
+        return False
+    return hasattr(InterpreterBuilder, "create_descriptor_reduce")
 
 
 def _ensure_allocator(device: torch.device) -> None:
