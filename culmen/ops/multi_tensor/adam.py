@@ -355,8 +355,10 @@ def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, 
             pf = pf * decay
         mf = _fma(w1, gf - mf, mf if small else gf)
         vf = _fma(omb2, gf * gf, vf * b2)
-        den = torch.sqrt(vf) * rc2 + e
-        pf = _fma(nss, mf / den, pf)
+        # sqrt and the division in fp64 rounded to fp32: correctly rounded, like sqrt_rn / div_rn (torch's
+        # CPU fp32 sqrt may be an ulp off)
+        den = torch.sqrt(vf.double()).float() * rc2 + e
+        pf = _fma(nss, (mf.double() / den.double()).float(), pf)
         if rem:
             hi, low = rem_split(pf)
             pairs = ((m, mf), (v, vf), (p, hi), (q, low))
