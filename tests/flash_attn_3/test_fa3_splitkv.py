@@ -41,7 +41,8 @@ def _check(out, lse, want, wlse, atol=2e-5):
 
 
 def test_choose_num_splits():
-    # decode at batch 1, 8 KV heads on 132 SMs: 16 splits (one wave); capped by the cache (2 key blocks a split) and MAX_SPLITS
+    # decode at batch 1, 8 KV heads on 132 SMs: 16 splits (one wave); capped by the cache (2 key blocks a
+    # split) and MAX_SPLITS
     assert choose_num_splits(1, 8, 1, 32768, 128, 64, 132) == 16  # one wave: 8 units x 16 splits <= 132 SMs
     assert choose_num_splits(1, 8, 1, 640, 128, 64, 132) == 5
     assert choose_num_splits(1, 1, 1, 1 << 20, 128, 64, 1000) == 128
