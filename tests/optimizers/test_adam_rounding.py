@@ -14,26 +14,12 @@ import math
 
 import pytest
 import torch
+from fp32_emulation import SHAPES  # tests/optimizers helper
+from fp32_emulation import fma32 as _fma
+from fp32_emulation import r32 as _r
+from fp32_emulation import s32 as _s
 
 from culmen.optimizers import FusedAdam
-
-SHAPES = ((1,), (37, 19), (2049,), (3, 1001))  # odd sizes: 1 element, around a 2048 block, several blocks
-
-
-def _r(x: torch.Tensor) -> torch.Tensor:
-    """Round a float64 tensor to fp32 (kept as float64): one IEEE fp32 rounding."""
-    return x.float().double()
-
-
-def _s(x: float) -> float:
-    """A Python scalar as torch hands it to an fp32 kernel: rounded to fp32."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def _fma(a, b, c) -> torch.Tensor:
-    """``a * b + c`` rounded once to fp32 (exact fp32 product in float64, then one sum and an fp32 rounding:
-    a double rounding, off by an ulp only in rare ties)."""
-    return _r(a * b + c)
 
 
 class EmulatedTorchAdam:

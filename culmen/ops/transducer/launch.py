@@ -282,6 +282,40 @@ class JointPlan:
 # ------------------------------------------------------------------------------------------------ loss
 
 
+def check_loss_inputs(op: str, name: str, x: Tensor, label, f_len, y_len, blank_idx, batch_offset, max_f_len,
+                      packed: bool, K: int, k_what: str) -> tuple[int, int, int, int | None]:
+    """The RNN-T loss's label / length / blank checks shared by ``rnnt_loss`` and the fused projection loss:
+    ``(B, T, U, max_f_len)`` of ``x`` (named ``name``: logits ``(B, T, U, K)`` or packed rows), ``K`` the vocabulary
+    (``k_what`` says where it comes from in the message)."""
+    if not _is_int_tensor(label):
+        got = label.dtype if isinstance(label, Tensor) else type(label).__name__
+        raise TypeError(f"{op}: label must be an integer tensor, got {got}")
+    if label.dim() != 2:
+        raise ValueError(f"{op}: label must be 2-D (B, max label length), got shape {tuple(label.shape)}")
+    if label.device != x.device:
+        raise ValueError(f"{op}: label is on {label.device} but {name} on {x.device}")
+    B = label.shape[0]
+    if packed:
+        if isinstance(max_f_len, Tensor):
+            max_f_len = int(max_f_len)
+        if isinstance(max_f_len, bool) or not isinstance(max_f_len, _INT) or max_f_len < 1:
+            raise ValueError(f"{op}: max_f_len must be a positive int with packed_input, got {max_f_len!r}")
+        T, U = max_f_len, label.shape[1] + 1
+        _check_lengths("batch_offset", op, batch_offset, B, x.device)
+    else:
+        if x.shape[0] != B:
+            raise ValueError(f"{op}: {name} has batch size {x.shape[0]} but label has {B} rows")
+        T, U = x.shape[1], x.shape[2]
+        if label.shape[1] < U - 1:
+            raise ValueError(f"{op}: label must have at least U-1={U - 1} columns for {name} of shape "
+                             f"{tuple(x.shape)}, got {tuple(label.shape)}")
+    _check_lengths("f_len", op, f_len, B, x.device)
+    _check_lengths("y_len", op, y_len, B, x.device)
+    if isinstance(blank_idx, bool) or not isinstance(blank_idx, _INT) or not 0 <= blank_idx < K:
+        raise ValueError(f"{op}: blank_idx must be an int in [0, {K}) ({k_what}), got {blank_idx!r}")
+    return B, T, U, max_f_len
+
+
 class LossPlan:
     """Everything ``rnnt_loss`` derives from one call signature. Holds no tensors.
 
@@ -296,33 +330,9 @@ class LossPlan:
         op = "transducer_loss"
         self.packed = bool(packed_input)
         _check_float("x", op, x, 2 if self.packed else 4)
-        if not _is_int_tensor(label):
-            got = label.dtype if isinstance(label, Tensor) else type(label).__name__
-            raise TypeError(f"{op}: label must be an integer tensor, got {got}")
-        if label.dim() != 2:
-            raise ValueError(f"{op}: label must be 2-D (B, max label length), got shape {tuple(label.shape)}")
-        if label.device != x.device:
-            raise ValueError(f"{op}: label is on {label.device} but x on {x.device}")
-        B = label.shape[0]
+        B, T, U, max_f_len = check_loss_inputs(op, "x", x, label, f_len, y_len, blank_idx, batch_offset, max_f_len,
+                                               self.packed, x.shape[-1], "x's last dimension")
         K = x.shape[-1]
-        if self.packed:
-            if isinstance(max_f_len, Tensor):
-                max_f_len = int(max_f_len)
-            if isinstance(max_f_len, bool) or not isinstance(max_f_len, _INT) or max_f_len < 1:
-                raise ValueError(f"{op}: max_f_len must be a positive int with packed_input, got {max_f_len!r}")
-            T, U = max_f_len, label.shape[1] + 1
-            _check_lengths("batch_offset", op, batch_offset, B, x.device)
-        else:
-            if x.shape[0] != B:
-                raise ValueError(f"{op}: x has batch size {x.shape[0]} but label has {B} rows")
-            T, U = x.shape[1], x.shape[2]
-            if label.shape[1] < U - 1:
-                raise ValueError(f"{op}: label must have at least U-1={U - 1} columns for x of shape "
-                                 f"{tuple(x.shape)}, got {tuple(label.shape)}")
-        _check_lengths("f_len", op, f_len, B, x.device)
-        _check_lengths("y_len", op, y_len, B, x.device)
-        if isinstance(blank_idx, bool) or not isinstance(blank_idx, _INT) or not 0 <= blank_idx < K:
-            raise ValueError(f"{op}: blank_idx must be an int in [0, {K}) (x's last dimension), got {blank_idx!r}")
         if K == 0 or U == 0 or T == 0:
             raise ValueError(f"{op}: x must have non-empty time, label and vocabulary dimensions, got "
                              f"{tuple(x.shape)}")

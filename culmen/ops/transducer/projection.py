@@ -36,7 +36,7 @@ from culmen.ops.common.launch import Launch, PlanTuning, aligned_16, cdiv, next_
 from culmen.ops.common.plans import PlanCache, clear_plans
 from culmen.ops.transducer import reference as ref
 from culmen.ops.transducer.kernels import _proj_grad_kernel, _proj_logprobs_kernel, _rnnt_alpha_beta_kernel
-from culmen.ops.transducer.launch import _bad, _check_float, _check_lengths, _contig, _is_int_tensor, _pow2_le
+from culmen.ops.transducer.launch import _bad, _check_float, _contig, _pow2_le, check_loss_inputs
 
 TUNING = PlanTuning({
     # Bytes of one chunk of logits (chunk rows = chunk_bytes // (K * itemsize)): the op's whole working set
@@ -50,7 +50,6 @@ TUNING = PlanTuning({
 
 PLANS = PlanCache("transducer_projection_loss")
 _OP = "rnnt_projection_loss"
-_INT = (int, torch.SymInt)
 _STATS = ("alpha", "beta", "lse", "lpb", "lpe")
 # Whether torch.mm(a, b, out_dtype=torch.float32) runs for low-precision inputs, per device type (tried once).
 _MM_FP32_OUT: dict[str, bool] = {}
@@ -101,32 +100,8 @@ class ProjectionLossPlan:
                                 f"({bias.dtype}, {bias.device})")
             if bias.shape[0] != K:
                 raise ValueError(f"{_OP}: bias must have shape ({K},) (weight's rows), got {tuple(bias.shape)}")
-        if not _is_int_tensor(label):
-            got = label.dtype if isinstance(label, Tensor) else type(label).__name__
-            raise TypeError(f"{_OP}: label must be an integer tensor, got {got}")
-        if label.dim() != 2:
-            raise ValueError(f"{_OP}: label must be 2-D (B, max label length), got shape {tuple(label.shape)}")
-        if label.device != h.device:
-            raise ValueError(f"{_OP}: label is on {label.device} but h on {h.device}")
-        B = label.shape[0]
-        if self.packed:
-            if isinstance(max_f_len, Tensor):
-                max_f_len = int(max_f_len)
-            if isinstance(max_f_len, bool) or not isinstance(max_f_len, _INT) or max_f_len < 1:
-                raise ValueError(f"{_OP}: max_f_len must be a positive int with packed_input, got {max_f_len!r}")
-            T, U = max_f_len, label.shape[1] + 1
-            _check_lengths("batch_offset", _OP, batch_offset, B, h.device)
-        else:
-            if h.shape[0] != B:
-                raise ValueError(f"{_OP}: h has batch size {h.shape[0]} but label has {B} rows")
-            T, U = h.shape[1], h.shape[2]
-            if label.shape[1] < U - 1:
-                raise ValueError(f"{_OP}: label must have at least U-1={U - 1} columns for h of shape "
-                                 f"{tuple(h.shape)}, got {tuple(label.shape)}")
-        _check_lengths("f_len", _OP, f_len, B, h.device)
-        _check_lengths("y_len", _OP, y_len, B, h.device)
-        if isinstance(blank_idx, bool) or not isinstance(blank_idx, _INT) or not 0 <= blank_idx < K:
-            raise ValueError(f"{_OP}: blank_idx must be an int in [0, {K}) (weight's rows), got {blank_idx!r}")
+        B, T, U, max_f_len = check_loss_inputs(_OP, "h", h, label, f_len, y_len, blank_idx, batch_offset, max_f_len,
+                                               self.packed, K, "weight's rows")
         if K == 0 or U == 0 or T == 0 or H == 0:
             raise ValueError(f"{_OP}: h and weight must have non-empty time, label, hidden and vocabulary "
                              f"dimensions, got h {tuple(h.shape)}, weight {tuple(weight.shape)}")
