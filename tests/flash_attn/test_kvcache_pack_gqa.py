@@ -99,3 +99,21 @@ def test_features_with_per_head_positions_do_not_pack(triton_backend, kw):
                                            **{k: (v.double() if isinstance(v, torch.Tensor) else v)
                                               for k, v in kw.items()})
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_pack_gqa_fp8_decode_with_descales(triton_backend):
+    """FP8 one-token decoding with per-(batch, kv head) descales of different sizes: the packed rows keep their
+    KV head's descales (the dense forward, which does not pack, is the reference on the same inputs)."""
+    from culmen.flash_attn_3 import flash_attn_func as fa3_func
+    from culmen.flash_attn_3 import flash_attn_with_kvcache as fa3_kvcache
+    from culmen.flash_attn_3.fp8 import quantize_fp8
+
+    B, S, h, hk, d = 2, 19, 6, 2, 16
+    scale = torch.tensor([0.5, 3.0]).view(1, 1, hk, 1)
+    q = torch.randn(B, 1, h, d)
+    k, v = torch.randn(B, S, hk, d) * scale, torch.randn(B, S, hk, d) * scale
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+    got = fa3_kvcache(q8, k8.clone(), v8.clone(), cache_seqlens=S, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert _plan_for(q8, k8).pack
+    want = fa3_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
