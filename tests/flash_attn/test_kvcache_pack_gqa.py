@@ -32,10 +32,12 @@ def _plan_for(q, kc):
     return plans[-1]
 
 
-@pytest.mark.parametrize("h,hk", [(6, 2), (4, 1), (8, 2)])
+@pytest.mark.parametrize("h,hk,rows", [(6, 2, 3), (4, 1, 4), (8, 2, 4), (32, 1, 16), (36, 2, 9), (17, 1, 1)])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("causal", [False, True])
-def test_pack_gqa_decode_with_append_equals_float64(triton_backend, h, hk, splits, causal):
+def test_pack_gqa_decode_with_append_equals_float64(triton_backend, h, hk, rows, splits, causal):
+    """``rows``: the query heads packed per program, the largest divisor of h / hk up to 16 (17 heads over one KV
+    head: none, one head a program as without packing)."""
     B, S, d = 3, 40, 16
     kc, vc = torch.randn(B, S, hk, d), torch.randn(B, S, hk, d)
     q = torch.randn(B, 1, h, d)
@@ -44,7 +46,8 @@ def test_pack_gqa_decode_with_append_equals_float64(triton_backend, h, hk, split
     kc0, vc0 = kc.clone(), vc.clone()
     out, lse = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=causal, num_splits=splits,
                                        return_softmax_lse=True)
-    assert _plan_for(q, kc).pack
+    plan = _plan_for(q, kc)
+    assert plan.pack == (rows > 1) and (not plan.pack or plan.attn.q_shape == (B, rows, h // rows, d))
     for b, n in enumerate(lens.tolist()):
         kc0[b, n], vc0[b, n] = kn[b, 0], vn[b, 0]
     torch.testing.assert_close(kc, kc0, rtol=0, atol=0)

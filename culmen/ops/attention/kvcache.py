@@ -28,7 +28,7 @@ from torch import Tensor
 
 from culmen.ops.attention import checks
 from culmen.ops.attention.kernels import _kv_append_kernel
-from culmen.ops.attention.launch import AttnPlan, TensorSpec, kvcache_splits, use_kernels
+from culmen.ops.attention.launch import SPLIT_MAX_SEQLEN_Q, AttnPlan, TensorSpec, kvcache_splits, use_kernels
 from culmen.ops.backend import check_values_on
 from culmen.ops.common.launch import Launch, cdiv, next_pow2, stream_getter
 from culmen.ops.common.launch import aligned_16 as _aligned
@@ -181,18 +181,21 @@ class KVCachePlan:
         self.n_cache_rows = k_cache.shape[0]
         self.return_lse = bool(return_lse)
         self.check_values = q.device.type == "cpu" or check_values_on()
-        # Pack-GQA (FA3's pack_gqa) for one-token decoding: the G = h / hk query heads that share a KV head
-        # become G query rows of that head, so each KV row is read once per KV head instead of G times and
-        # the kernel's query tile holds G rows, not 1. Exact when the G rows need no per-row position: one
-        # query (causal is then no mask: it sees every key), no window, chunk, ALiBi (slopes per query head)
-        # or qv. ``q (B, 1, h, d)`` is read as ``(B, G, hk, d)`` through its own strides (no copy).
-        self.group = h // hk
-        self.pack = (sq == 1 and self.group > 1 and alibi_slopes is None and tuple(window_size) == (-1, -1)
+        # Pack-GQA (FA3's pack_gqa) for one-token decoding: P of the G = h / hk query heads that share a KV head
+        # become P query rows of one program (P the largest divisor of G up to the 16-row decode tile), so each
+        # KV row is read G / P times instead of G. Exact when the rows need no per-row position: one query
+        # (causal is then no mask: it sees every key), no window, chunk, ALiBi (slopes per query head) or qv.
+        # ``q (B, 1, h, d)`` is read as ``(B, P, h / P, d)`` through its own strides (no copy): query head
+        # ``j * P + p`` is row ``p`` of packed head ``j``, whose KV head is ``j // (G / P)``.
+        group = h // hk
+        self.pack_rows = max(p for p in range(1, min(group, SPLIT_MAX_SEQLEN_Q) + 1) if group % p == 0)
+        self.pack = (sq == 1 and self.pack_rows > 1 and alibi_slopes is None and tuple(window_size) == (-1, -1)
                      and attention_chunk == 0 and qv is None and use_kernels(q.device, q.dtype, max(d, dv)))
-        sq_eff, h_eff = (self.group, hk) if self.pack else (sq, h)
+        rows, heads = (self.pack_rows, h // self.pack_rows) if self.pack else (sq, h)
         # Split-KV (flash-decoding): num_splits > 1 as given, 0 automatic (GPU decoding that would not fill the
-        # SMs), fixed per plan. A paged cache is then read through its page table (no gather).
-        self.n_splits = kvcache_splits(num_splits, q.device, q.dtype, B, hk, sq_eff, capacity, d, dv)
+        # SMs), fixed per plan; the work units are the programs' (batch, query head) pairs. A paged cache is
+        # then read through its page table (no gather).
+        self.n_splits = kvcache_splits(num_splits, q.device, q.dtype, B, heads, rows, capacity, d, dv)
         self.paged_direct = self.paged and self.n_splits > 1
         paged_strides = None
         # What the attention reads: the cache itself, or a dense (B, seqlen_k, hk, d) gather of it.
@@ -214,8 +217,9 @@ class KVCachePlan:
             qa = TensorSpec(tuple(q.shape), (sq * hq * dq, hq * dq, dq, 1), q.dtype, q.device)
         if self.pack:
             s0, _, s2, s3 = qa.stride()
-            self.pack_strides = (s0, s2, self.group * s2, s3)
-            qa = TensorSpec((B, self.group, hk, d), self.pack_strides, q.dtype, q.device)
+            P = self.pack_rows
+            self.pack_shape, self.pack_strides = (B, P, h // P, d), (s0, s2, P * s2, s3)
+            qa = TensorSpec(self.pack_shape, self.pack_strides, q.dtype, q.device)
             causal = False  # one query row per sequence: the causal mask hides nothing
         self.out_shape = (B, sq, h, dv)
         self.attn = AttnPlan("kvcache", qa, kd, vd, alibi_slopes, softmax_scale=softmax_scale, causal=causal,
@@ -224,7 +228,7 @@ class KVCachePlan:
                              attention_chunk=attention_chunk, descale=descale, fa3=True, qv=qv is not None,
                              n_splits=self.n_splits, page=page if self.paged_direct else 0,
                              paged_strides=paged_strides,
-                             out_strides=(h * dv, dv, self.group * dv, 1) if self.pack else None)
+                             out_strides=(h * dv, dv, self.pack_rows * dv, 1) if self.pack else None)
         self.append = None
         # The append kernel writes k and v rows of one head dim; a V head dim of its own appends in PyTorch.
         if s_new and self.attn.use_kernel and dv == d:
@@ -306,12 +310,12 @@ class KVCachePlan:
             kd, vd = k_cache[rows], v_cache[rows]
         else:
             kd, vd = k_cache, v_cache
-        if self.pack:  # (B, 1, h, d) read as (B, G, hk, d): query head kh * G + g is row g of KV head kh
-            q = q.as_strided((B, self.group, self.attn.HK, q.shape[-1]), self.pack_strides)
+        if self.pack:  # (B, 1, h, d) read as (B, P, h / P, d): query head j * P + p is row p of packed head j
+            q = q.as_strided(self.pack_shape, self.pack_strides)
         out, lse, _ = self.attn.forward(q, kd, vd, alibi_slopes, None, store_lse=self.return_lse,
                                         k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned,
                                         descales=descales, qv=qv, table=table)
-        if self.pack:  # out (B, G, hk, dv) was written into (B, 1, h, dv) memory; lse (B, hk, G) is (B, h, 1)
+        if self.pack:  # out (B, P, h/P, dv) was written into (B, 1, h, dv) memory; lse (B, h/P, P) is (B, h, 1)
             out = out.transpose(1, 2).view(self.out_shape)
             if lse is not None:
                 lse = lse.view(B, -1, 1)
