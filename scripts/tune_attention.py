@@ -2,7 +2,6 @@
 
     python3 scripts/tune_attention.py --kind fwd --d 128 --seqlen 8192 [--configs "128,64,4,3 128,128,8,3"]
     python3 scripts/tune_attention.py --kind dkdv_tma --d 64,128 --seqlen 2048,8192 --gqa 1,4
-    python3 scripts/tune_attention.py --kind fwd_persistent --d 64,128 --seqlen 1024,2048,8192
 
 For each config of ``--kind`` (fwd / dkdv_atomic, the element-atomic dQ backward / dkdv_tma, the TMA
 reduce-add dQ backward / dkdv + dq, the deterministic backward; the other kinds keep ``launch.TUNING``)
@@ -12,9 +11,6 @@ kinds; GQA against SDPA on repeated K/V heads, dK/dV summed back), and prints TF
 ``--seqlen`` and ``--gqa`` (query heads per KV head) take comma lists: every combination is timed.
 ``dkdv_atomic`` / ``dkdv_tma`` also time, per case, the deterministic backward and the element-atomic one
 at ``launch.TUNING``'s configs ("det" / "atomic" rows), so the variant is compared in the same process.
-``fwd_persistent``: the persistent forward (``TUNING["persistent_fwd"]``); a config is ``programs_per_sm`` (the
-forward's block config from ``launch.TUNING``) or ``programs_per_sm,BLOCK_M,BLOCK_N,warps,stages``; the "off"
-row is the one-program-per-tile forward and "cudnn" SDPA's cuDNN forward on BHSD copies, in the same process.
 Kernels are compiled first in a pool of processes (Triton's on-disk cache), then timed in this process.
 """
 
@@ -40,12 +36,8 @@ DEFAULTS = {
     "dkdv_atomic": "64,128,8,3 64,128,8,2 32,128,8,3 64,64,4,3 32,64,4,3 128,128,8,2 64,128,4,3 128,64,8,2",
     # the dQ tile (BLOCK_M x d fp32) is staged in shared memory for the bulk reduce: fewer stages fit
     "dkdv_tma": "64,128,8,3 64,128,8,2 32,128,4,3 64,64,4,3",
-    # programs per SM of the persistent forward (at the "fwd" block config of launch.TUNING)
-    "fwd_persistent": "1 2 3 4",
 }
-BASELINES = {"dkdv_atomic": ("det",), "dkdv_tma": ("det", "atomic"), "fwd_persistent": ("off", "cudnn")}
-FORWARD_KINDS = ("fwd", "fwd_persistent")
-_FWD_DEFAULT = None
+BASELINES = {"dkdv_atomic": ("det",), "dkdv_tma": ("det", "atomic")}
 
 
 def _inputs(d, s, gqa=1, dtype=torch.bfloat16, seed=0):
@@ -64,18 +56,6 @@ def _set(kind, label, cfg, d):
     launch.TUNING["tma"] = os.environ.get("CULMEN_ATTN_TMA", "0") == "1"
     launch.TUNING["atomic_dq"] = label == "atomic" or (label == "cfg" and kind == "dkdv_atomic")
     launch.TUNING["tma_dq"] = label == "cfg" and kind == "dkdv_tma"
-    launch.TUNING["persistent_fwd"] = label == "cfg" and kind == "fwd_persistent"
-    if kind == "fwd_persistent":
-        global _FWD_DEFAULT
-        if _FWD_DEFAULT is None:
-            _FWD_DEFAULT = list(launch.TUNING["fwd"])
-        launch.TUNING["fwd"] = _FWD_DEFAULT  # the "off" rows after a row with its own block config
-        if label == "cfg":
-            launch.TUNING["persistent_programs_per_sm"] = cfg[0]
-            if len(cfg) == 5:
-                bd = max(16, 1 << (d - 1).bit_length())
-                launch.TUNING["fwd"] = [(bd, *cfg[1:])]
-        return
     if label == "cfg":
         bd = max(16, 1 << (d - 1).bit_length())
         launch.TUNING[kind] = [(bd, *cfg)]
@@ -84,24 +64,11 @@ def _set(kind, label, cfg, d):
 def _run(kind, label, d, causal, q, k, v, do):
     from culmen.ops.attention.launch import AttnPlan
 
-    if label == "cudnn":  # SDPA's cuDNN forward on BHSD copies (GQA: K/V heads repeated outside the timing)
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        g = q.shape[2] // k.shape[2]
-        qt, kt, vt = (t.transpose(1, 2).repeat_interleave(r, 1).contiguous().detach()
-                      for t, r in ((q, 1), (k, g), (v, g)))
-
-        def fn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-        return fn, (fn().transpose(1, 2),), None
     # kinds dkdv / dq and the "det" rows: the deterministic dQ-kernel path.
     plan = AttnPlan("dense", q, k, v, None, softmax_scale=d ** -0.5, causal=causal,
                     deterministic=kind in ("dkdv", "dq") or label == "det")
     out, lse, _ = plan.forward(q, k, v, None, None)
-    if kind in FORWARD_KINDS:
+    if kind == "fwd":
         return (lambda: plan.forward(q, k, v, None, None)), (out,), plan
     res = plan.backward(do, q, k, v, out, lse, None, None)
     return (lambda: plan.backward(do, q, k, v, out, lse, None, None)), res, plan
@@ -165,7 +132,7 @@ def main() -> None:
             q, k, v, do = _inputs(d, s, gqa)
             ref = _sdpa(q, k, v, do, causal)
             B, _, h, _ = q.shape
-            flops = 4 * B * h * s * s * d * (0.5 if causal else 1.0) * (1.0 if a.kind in FORWARD_KINDS else 2.5)
+            flops = 4 * B * h * s * s * d * (0.5 if causal else 1.0) * (1.0 if a.kind == "fwd" else 2.5)
             for label, cfg in rows_spec:
                 row = dict(kind=a.kind, d=d, seqlen=s, gqa=gqa, causal=causal, row=label, cfg=cfg)
                 err = errs[(a.kind, label, cfg, d, 1024, gqa)]
@@ -176,8 +143,7 @@ def main() -> None:
                         _set(a.kind, label, cfg, d)
                         fn, res, plan = _run(a.kind, label, d, causal, q, k, v, do)
                         row["tma_dq"] = bool(getattr(plan, "tma_dq", False))
-                        row["grid"] = plan.fwd_grid[0] if plan is not None else None
-                        theirs = ref[:1] if a.kind in FORWARD_KINDS else ref[1:]
+                        theirs = ref[:1] if a.kind == "fwd" else ref[1:]
                         row["maxdiff"] = max((x.float() - y.float()).abs().max().item() for x, y in zip(res, theirs))
                         ms = do_bench(fn, warmup=25, rep=a.rep, return_mode="median")
                         row["ms"] = ms
@@ -188,9 +154,7 @@ def main() -> None:
                 name = str(cfg) if label == "cfg" else label
                 print(f"tma={tma} {a.kind:5} d{d} s{s} gqa{gqa} {'causal' if causal else 'full  '} {name:18} "
                       + (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s diff {row['maxdiff']:.4f}"
-                         + (" (tma_dq)" if row["tma_dq"] else "")
-                         + (f" grid {row['grid']}" if a.kind == "fwd_persistent" else "")
-                         if "ms" in row else row.get("error", "?")),
+                         + (" (tma_dq)" if row["tma_dq"] else "") if "ms" in row else row.get("error", "?")),
                       flush=True)
             del q, k, v, do, ref
     if a.json:

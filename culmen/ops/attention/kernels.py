@@ -45,7 +45,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Integer arguments that change with the batch's sizes (see "Compilation" above).
 _STRIDES = ("sqb", "sqs", "sqh", "skb", "sks", "skh", "svb", "svs", "svh", "sob", "sos", "soh", "sdb", "sds", "sdh",
             "sdkb", "sdks", "sdkh", "sdvb", "sdvs", "sdvh", "sdqb", "sdqs", "sdqh", "slb", "slh")
-_SIZES = ("SQ", "SK", "SQS", "SKS", "TQ", "TK", "NUM_M", "NUM_N", "K_ADD", "TILES", "left", "right")
+_SIZES = ("SQ", "SK", "SQS", "SKS", "TQ", "TK", "NUM_M", "NUM_N", "K_ADD", "left", "right")
 
 
 def _dns(fn) -> list[str]:
@@ -106,20 +106,14 @@ def _sequence(cu_ptr, b, n_dense, total, n_max, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _tile_of(t, n_tiles, NUM_M, HEAVY_FIRST: tl.constexpr):
-    """``(query block, batch * head)`` of tile ``t`` of ``n_tiles = NUM_M * B * H``. ``HEAVY_FIRST``: the last
-    query blocks see the most keys under a causal mask, so they come first."""
-    if HEAVY_FIRST:
-        nbh = n_tiles // NUM_M
-        return NUM_M - 1 - t // nbh, t % nbh
-    return t % NUM_M, t // NUM_M
-
-
-@triton.jit
 def _query_tile(NUM_M, HEAVY_FIRST: tl.constexpr):
-    """``(query block, batch * head)`` of this program of a 1-D grid of ``NUM_M * B * H`` programs
-    (``_tile_of`` of the program id)."""
-    return _tile_of(tl.program_id(0), tl.num_programs(0), NUM_M, HEAVY_FIRST)
+    """``(query block, batch * head)`` of this program of a 1-D grid of ``NUM_M * B * H`` programs.
+    ``HEAVY_FIRST``: the last query blocks see the most keys under a causal mask, so they start first."""
+    pid = tl.program_id(0)
+    if HEAVY_FIRST:
+        nbh = tl.num_programs(0) // NUM_M
+        return NUM_M - 1 - pid // nbh, pid % nbh
+    return pid % NUM_M, pid // NUM_M
 
 
 @triton.jit
@@ -305,11 +299,46 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
     return acc, l_i, m_new
 
 
-@triton.jit
-def _fwd_geometry(pid_m, bh, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr, H, GROUP, SQ, SK, TQ, TK, K_ADD,
-                  BLOCK_M: tl.constexpr, VARLEN: tl.constexpr, K_RANGE: tl.constexpr):
-    """``(b, h, kh, q0, sq, k0, sk, m0)`` of tile ``(pid_m, bh)``: batch row, query head, KV head, the sequence's
-    first query row and length, its first key row and key count, and the tile's first query row."""
+@_jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr,
+    qd_ptr, kd_ptr, vd_ptr, qv_ptr, table_ptr,
+    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
+    stride_ab,
+    H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M, K_ADD,
+    qk_scale, softcap, p_drop, left, right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
+    QV: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
+):
+    """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
+
+    ``K_RANGE`` (dense only; a KV cache): 1 = batch row ``b`` attends to keys ``[0, ken[b] + K_ADD)``,
+    2 = keys ``[kst[b], ken[b] + K_ADD)``, clamped to ``[0, SK)``; its causal diagonal aligned to the end.
+    FA3's features, each off (and absent from the generated code) at its default: ``DV > 0`` a V head dim
+    ``DV`` (padded to ``BLOCK_DV``) other than the QK head dim ``D``; ``CHUNK > 0`` chunked-local attention
+    (``_scores2``); ``DESCALE`` FP8 descales ``qd``/``kd``/``vd`` (fp32 ``(B, HK)``, contiguous), the first
+    two folded into the softmax scale, the last into the output; ``QV`` FA3's ``qv`` (``(.., h, DV)``, laid out
+    like ``out``: read with ``out``'s strides), whose ``qv . v`` joins ``q . k`` in every score.
+
+    Split-KV decoding (``K_RANGE`` only): ``SPLIT`` splits each row's visible keys into ``num_programs(1)`` runs of
+    whole key blocks; program ``(.., s)`` writes split ``s``'s normalized partial output and lse (``-inf`` when it
+    saw no key) at ``o_ptr`` / ``lse_ptr`` + ``s`` times one output / lse (``flash_attn_combine`` merges them).
+    ``PAGE > 0``: K/V are a paged cache of ``PAGE`` rows a page read through ``table_ptr`` (contiguous ``(B,
+    SK // PAGE)``, page numbers already clamped); ``skb``/``svb`` are then the page strides.
+    """
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    p_drop = tl.cast(p_drop, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    sqb, sqs, sqh = _su(sqb, SU), _su(sqs, SU), _su(sqh, SU)
+    skb, sks, skh = _su(skb, SU), _su(sks, SU), _su(skh, SU)
+    svb, svs, svh = _su(svb, SU), _su(svs, SU), _su(svh, SU)
+    sob, sos, soh = _su(sob, SU), _su(sos, SU), _su(soh, SU)
+    pid_m, bh = _query_tile(NUM_M, HEAVY_FIRST)
     b = bh // H
     h = bh % H
     kh = h // GROUP
@@ -324,23 +353,8 @@ def _fwd_geometry(pid_m, bh, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr, H, GROUP, SQ,
         else:
             sk = ken
     m0 = pid_m * BLOCK_M
-    return b, h, kh, q0, sq, k0, sk, m0
-
-
-@triton.jit
-def _fwd_tile(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, qd_ptr, kd_ptr, vd_ptr, qv_ptr, table_ptr,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, stride_ab,
-    H, GROUP, SQ, SK, SQS, SKS, D, NUM_M, qk_scale, softcap, p_drop, left, right,
-    b, h, kh, bh, q0, sq, k0, sk, m0,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, STORE_LSE: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
-    QV: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-):
-    """One query tile of ``_attn_fwd_kernel`` (rows ``m0 ..`` of head ``h`` of batch row ``b``, ``m0 < sq``),
-    given its geometry (``_fwd_geometry``); strides already in elements."""
+    if m0 >= sq:
+        return
     i = m0 + tl.arange(0, BLOCK_M)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
@@ -377,7 +391,7 @@ def _fwd_tile(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    if USE_TMA:  # per-tile descriptors bound to this sequence: rows past sk read as 0
+    if USE_TMA:  # per-program descriptors bound to this sequence: rows past sk read as 0
         k_desc = tl.make_tensor_descriptor(k_base, shape=[sk, D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
         v_desc = tl.make_tensor_descriptor(v_base, shape=[sk, D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
     else:
@@ -431,76 +445,6 @@ def _fwd_tile(
     tl.store(o_base + i64 * sos + ddv[None, :], out.to(o_ptr.dtype.element_ty), mask=rowmask & dvmask[None, :])
     if STORE_LSE:
         tl.store(lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0 + i, lse, mask=i < sq)
-
-
-@_jit
-def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr,
-    qd_ptr, kd_ptr, vd_ptr, qv_ptr, table_ptr,
-    sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh,
-    stride_ab,
-    H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M, K_ADD, TILES,
-    qk_scale, softcap, p_drop, left, right,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-    USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
-    QV: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, PERSISTENT: tl.constexpr,
-):
-    """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
-
-    ``K_RANGE`` (dense only; a KV cache): 1 = batch row ``b`` attends to keys ``[0, ken[b] + K_ADD)``,
-    2 = keys ``[kst[b], ken[b] + K_ADD)``, clamped to ``[0, SK)``; its causal diagonal aligned to the end.
-    FA3's features, each off (and absent from the generated code) at its default: ``DV > 0`` a V head dim
-    ``DV`` (padded to ``BLOCK_DV``) other than the QK head dim ``D``; ``CHUNK > 0`` chunked-local attention
-    (``_scores2``); ``DESCALE`` FP8 descales ``qd``/``kd``/``vd`` (fp32 ``(B, HK)``, contiguous), the first
-    two folded into the softmax scale, the last into the output; ``QV`` FA3's ``qv`` (``(.., h, DV)``, laid out
-    like ``out``: read with ``out``'s strides), whose ``qv . v`` joins ``q . k`` in every score.
-
-    Split-KV decoding (``K_RANGE`` only): ``SPLIT`` splits each row's visible keys into ``num_programs(1)`` runs of
-    whole key blocks; program ``(.., s)`` writes split ``s``'s normalized partial output and lse (``-inf`` when it
-    saw no key) at ``o_ptr`` / ``lse_ptr`` + ``s`` times one output / lse (``flash_attn_combine`` merges them).
-    ``PAGE > 0``: K/V are a paged cache of ``PAGE`` rows a page read through ``table_ptr`` (contiguous ``(B,
-    SK // PAGE)``, page numbers already clamped); ``skb``/``svb`` are then the page strides.
-
-    ``PERSISTENT`` (1-D grid, never with ``SPLIT``): a grid of any size up to ``TILES = NUM_M * B * H``; program
-    ``p`` runs tiles ``p, p + num_programs, ..`` in ``_tile_of``'s order (heaviest first under ``HEAVY_FIRST``),
-    so the per-program start-up is paid once per program and the last wave is balanced. Off, ``TILES`` is unused
-    and the grid has one program per tile.
-    """
-    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
-    p_drop = tl.cast(p_drop, tl.float32)
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    softcap = tl.cast(softcap, tl.float32)
-    sqb, sqs, sqh = _su(sqb, SU), _su(sqs, SU), _su(sqh, SU)
-    skb, sks, skh = _su(skb, SU), _su(sks, SU), _su(skh, SU)
-    svb, svs, svh = _su(svb, SU), _su(svs, SU), _su(svh, SU)
-    sob, sos, soh = _su(sob, SU), _su(sos, SU), _su(soh, SU)
-    if PERSISTENT:
-        for t in range(tl.program_id(0), TILES, tl.num_programs(0)):
-            pid_m, bh = _tile_of(t, TILES, NUM_M, HEAVY_FIRST)
-            b, h, kh, q0, sq, k0, sk, m0 = _fwd_geometry(pid_m, bh, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr, H, GROUP, SQ,
-                                                         SK, TQ, TK, K_ADD, BLOCK_M, VARLEN, K_RANGE)
-            if m0 < sq:  # (a varlen tile past its sequence's end: nothing to do)
-                _fwd_tile(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, qd_ptr, kd_ptr, vd_ptr, qv_ptr,
-                          table_ptr, sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, stride_ab,
-                          H, GROUP, SQ, SK, SQS, SKS, D, NUM_M, qk_scale, softcap, p_drop, left, right,
-                          b, h, kh, bh, q0, sq, k0, sk, m0,
-                          BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                          HAS_RIGHT, USE_TMA, STORE_LSE, DV, BLOCK_DV, EVEN_DV, CHUNK, DESCALE, QV, SPLIT, PAGE)
-    else:
-        pid_m, bh = _query_tile(NUM_M, HEAVY_FIRST)
-        b, h, kh, q0, sq, k0, sk, m0 = _fwd_geometry(pid_m, bh, cu_q_ptr, cu_k_ptr, kst_ptr, ken_ptr, H, GROUP, SQ, SK,
-                                                     TQ, TK, K_ADD, BLOCK_M, VARLEN, K_RANGE)
-        if m0 >= sq:
-            return
-        _fwd_tile(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, alibi_ptr, rng_ptr, qd_ptr, kd_ptr, vd_ptr, qv_ptr, table_ptr,
-                  sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, sob, sos, soh, slb, slh, stride_ab,
-                  H, GROUP, SQ, SK, SQS, SKS, D, NUM_M, qk_scale, softcap, p_drop, left, right,
-                  b, h, kh, bh, q0, sq, k0, sk, m0,
-                  BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC, UPCAST, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                  HAS_RIGHT, USE_TMA, STORE_LSE, DV, BLOCK_DV, EVEN_DV, CHUNK, DESCALE, QV, SPLIT, PAGE)
 
 
 @triton.jit(do_not_specialize=["sknb", "skns", "sknh", "svnb", "svns", "svnh", "skcb", "skcs", "skch", "svcb", "svcs",

@@ -83,15 +83,6 @@ TUNING = PlanTuning({
     # head dim not a multiple of 4 (fp32 rows must be 16-byte aligned), padded head dim > 256, torch.compile,
     # an interpreter without descriptor reduce). Never taken when deterministic. Off until measured.
     "tma_dq": False,
-    # Persistent forward (dense and varlen, one split): a 1-D grid of min(tiles, SMs * "persistent_programs_per_sm")
-    # programs, each looping over query tiles in the same order as the one-program-per-tile grid (heaviest first
-    # when causal). Aimed at short causal sequences (s1024-2048: 0.56-0.66x cuDNN), where each program's Q load and
-    # epilogue weigh against few key blocks and the last wave is a tail. Off until measured
-    # (scripts/tune_attention.py --kind fwd_persistent).
-    "persistent_fwd": False,
-    "persistent_programs_per_sm": 2,
-    # The persistent grid's size under the CPU interpreter (no SMs): small, so each program loops over tiles.
-    "interp_persistent_programs": 3,
     # Block size under the CPU interpreter (tests): small, so odd seqlens span several blocks.
     "interp_block": 16,
 }, clear_plans)
@@ -132,17 +123,6 @@ def _blocks(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> tuple[
         if width <= dmax:
             return bm, bn, w, st
     raise ValueError(f"head dim {block_d} too large for the attention kernels")
-
-
-def persistent_grid(tiles: int, device: torch.device) -> tuple[int]:
-    """The persistent forward's 1-D grid over ``tiles`` query tiles: ``SMs * TUNING["persistent_programs_per_sm"]``
-    programs on a GPU, ``TUNING["interp_persistent_programs"]`` under the CPU interpreter, never more than
-    ``tiles`` (an idle program would only loop zero times)."""
-    if device.type == "cuda":
-        progs = torch.cuda.get_device_properties(device).multi_processor_count * TUNING["persistent_programs_per_sm"]
-    else:
-        progs = TUNING["interp_persistent_programs"]
-    return (min(tiles, max(1, int(progs))),)
 
 
 def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
@@ -367,16 +347,11 @@ class AttnPlan:
         bm, bn, warps, stages = _blocks("decode" if decode else "fwd", self.block_w, on_gpu, q.dtype)
         su = _stride_unit(self.qs + self.ks + self.vs + self.os)
         self.num_m = cdiv(self.sq, bm)
-        tiles = self.num_m * self.B * self.H
-        self.persistent = (TUNING["persistent_fwd"] and not traced and self.n_splits == 1
-                           and self.kind in ("dense", "varlen"))
-        if self.persistent:
-            self.fwd_grid = persistent_grid(tiles, q.device)
-        else:
-            self.fwd_grid = (tiles, self.n_splits) if self.n_splits > 1 else (tiles,)
+        self.fwd_grid = ((self.num_m * self.B * self.H, self.n_splits) if self.n_splits > 1
+                         else (self.num_m * self.B * self.H,))
         self.fwd_cfg = (bm, bn, warps, stages, su)
         self.fwd_ints = (*(s // su for s in self.qs + self.ks + self.vs + self.os), self.slb, self.slh, self.stride_ab,
-                         self.H, self.H // self.HK, *self.sizes, self.D, self.num_m, self.k_add, tiles, *self.scal)
+                         self.H, self.H // self.HK, *self.sizes, self.D, self.num_m, self.k_add, *self.scal)
         # TMA descriptors need 16-byte aligned row strides and a Hopper-class GPU (or the interpreter).
         es = q.element_size()
         self.tma = (TUNING["tma"] and not traced and not self.varlen and not any(self.copy[1:])
@@ -401,8 +376,7 @@ class AttnPlan:
             bm, bn, warps, stages, su = self.fwd_cfg
             meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=self.block_d, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
                         USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale,
-                        SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0,
-                        PERSISTENT=self.persistent)
+                        SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0)
             la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
         return la
 
