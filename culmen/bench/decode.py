@@ -36,11 +36,13 @@ FIXED_SPLITS = (4, 16)
 def _auto_splits(B: int, L: int, device: torch.device, dtype: torch.dtype) -> int:
     """What the automatic rule picks for this call with ``AUTO_SPLIT`` on (the flag restored after)."""
     from culmen.ops.attention import launch
+    from culmen.ops.attention.kvcache import pack_gqa_rows
 
+    rows = pack_gqa_rows(HEADS, KV_HEADS)  # one-token decoding runs HEADS / rows packed heads of `rows` rows
     saved = launch.AUTO_SPLIT
     launch.AUTO_SPLIT = True
     try:
-        return launch.kvcache_splits(0, device, dtype, B, KV_HEADS, 1, L, HEAD_DIM, HEAD_DIM)
+        return launch.kvcache_splits(0, device, dtype, B, HEADS // rows, rows, L, HEAD_DIM, HEAD_DIM)
     finally:
         launch.AUTO_SPLIT = saved
 

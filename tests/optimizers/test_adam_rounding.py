@@ -10,14 +10,14 @@ reference; the GPU tests compare with torch.optim on CUDA directly. An emulation
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from fp32_emulation import SHAPES  # tests/optimizers helper
+from fp32_emulation import check_ulps as _check_ulps
 from fp32_emulation import fma32 as _fma
 from fp32_emulation import r32 as _r
 from fp32_emulation import s32 as _s
+from fp32_emulation import ulps as _ulps
 
 from culmen.optimizers import FusedAdam
 
@@ -63,21 +63,6 @@ class EmulatedTorchAdam:
             sq = _r(torch.sqrt(v))
             den = _r((_r(sq / bc2s) if self.foreach else _r(sq * rc2)) + eps)
             p.copy_(_fma(nss, _r(m / den), p))
-
-
-def _ulps(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """Element-wise distance in fp32 ulps of ``expected``."""
-    e = expected.float()
-    ulp = (torch.nextafter(e.abs(), torch.tensor(math.inf, device=e.device)) - e.abs()).double()
-    return (actual.double() - expected.double()).abs() / ulp
-
-
-def _check_ulps(history, max_ulps: float, min_identical: float) -> None:
-    for k, (ours, ref) in enumerate(history):
-        d = torch.cat([_ulps(a.reshape(-1), b.reshape(-1)) for a, b in zip(ours, ref)])
-        assert d.max().item() <= max_ulps, f"step {k + 1}: {d.max().item()} ulps"
-        same = (d == 0).double().mean().item()
-        assert same >= min_identical, f"step {k + 1}: only {same:.4f} of the elements bit-identical"
 
 
 # lr values exact in fp32, so that capturable (lr kept as an fp32 device tensor) sees the same lr

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from fp32_emulation import SHAPES  # tests/optimizers helper
+from fp32_emulation import check_ulps as _check_ulps
 from fp32_emulation import fma32 as _fma
 from fp32_emulation import r32 as _r
 from fp32_emulation import s32 as _s
@@ -64,13 +65,6 @@ class EmulatedRefLamb:
             p.copy_(_fma(-ratio, u, p))
 
 
-def _ulps(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """Element-wise distance in fp32 ulps of ``expected``."""
-    e = expected.float()
-    ulp = (torch.nextafter(e.abs(), torch.tensor(math.inf)) - e.abs()).double()
-    return (actual.double() - expected.double()).abs() / ulp
-
-
 def _global_norm(grads: list[torch.Tensor]) -> float:
     noop = torch.zeros(1, dtype=torch.int32, device=grads[0].device)
     return float(multi_tensor_applier(amp_C.multi_tensor_l2norm, noop, [grads], False)[0])
@@ -103,14 +97,6 @@ CFGS = {
     "l2_no_avg_no_bc": dict(lr=2e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, adam_w_mode=False,
                             grad_averaging=False, bias_correction=False, max_grad_norm=3.0),
 }
-
-
-def _check_ulps(history, max_ulps: float, min_identical: float) -> None:
-    for k, (ours, ref) in enumerate(history):
-        d = torch.cat([_ulps(a.reshape(-1), b.reshape(-1)) for a, b in zip(ours, ref)])
-        assert d.max().item() <= max_ulps, f"step {k + 1}: {d.max().item()} ulps"
-        same = (d == 0).double().mean().item()
-        assert same >= min_identical, f"step {k + 1}: only {same:.4f} of the elements bit-identical"
 
 
 @pytest.mark.parametrize("name", sorted(CFGS))

@@ -187,8 +187,7 @@ class KVCachePlan:
         # (causal is then no mask: it sees every key), no window, chunk, ALiBi (slopes per query head) or qv.
         # ``q (B, 1, h, d)`` is read as ``(B, P, h / P, d)`` through its own strides (no copy): query head
         # ``j * P + p`` is row ``p`` of packed head ``j``, whose KV head is ``j // (G / P)``.
-        group = h // hk
-        self.pack_rows = max(p for p in range(1, min(group, SPLIT_MAX_SEQLEN_Q) + 1) if group % p == 0)
+        self.pack_rows = pack_gqa_rows(h, hk)
         self.pack = (sq == 1 and self.pack_rows > 1 and alibi_slopes is None and tuple(window_size) == (-1, -1)
                      and attention_chunk == 0 and qv is None and use_kernels(q.device, q.dtype, max(d, dv)))
         rows, heads = (self.pack_rows, h // self.pack_rows) if self.pack else (sq, h)
@@ -320,6 +319,13 @@ class KVCachePlan:
             if lse is not None:
                 lse = lse.view(B, -1, 1)
         return out, lse
+
+
+def pack_gqa_rows(nheads: int, nheads_k: int) -> int:
+    """How many query heads of a KV head one-token decoding packs into one program (pack-GQA): the largest
+    divisor of ``nheads // nheads_k`` that fits the decode tile (``SPLIT_MAX_SEQLEN_Q`` rows); 1 means none."""
+    group = nheads // nheads_k
+    return max(p for p in range(1, min(group, SPLIT_MAX_SEQLEN_Q) + 1) if group % p == 0)
 
 
 def paged_gather(cache: Tensor, block_table: Tensor) -> Tensor:

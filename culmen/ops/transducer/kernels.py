@@ -72,6 +72,9 @@ def _joint_fwd_kernel(F, G, FLEN, GLEN, BOFF, RNG, OUT, MASK, T, U, H, packed_ro
     """Program ``(b*T + t, u block, h block)``: ``h[b, t, u] = f[b, t] + g[b, u]`` (then ReLU / dropout) on
     the valid rows; dense outputs get ``-1`` elsewhere (as Apex writes, so no NaN reaches a weight
     gradient), packed outputs have no such rows."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    p_drop = tl.cast(p_drop, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     bt = tl.program_id(0)
     b = bt // T
     t = bt - b * T
@@ -90,7 +93,7 @@ def _joint_fwd_kernel(F, G, FLEN, GLEN, BOFF, RNG, OUT, MASK, T, U, H, packed_ro
     out = fv + gv
     if RELU or DROPOUT:
         keep = _joint_keep(F, G, RNG, b, t, u, h, T, U, H, f_off, g_off, valid, p_drop, RELU, DROPOUT)
-        out = tl.where(keep, (out * scale).to(tl.float32), 0.0)
+        out = tl.where(keep, out * scale, 0.0)
     if PACK:
         row = _pack_base(BOFF, b) + t * gl + u
         smask = valid & (row < packed_rows)
@@ -109,6 +112,9 @@ def _joint_bwd_f_kernel(DH, F, G, FLEN, GLEN, BOFF, RNG, DF, T, U, H, p_drop, sc
                         BLOCK_U: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program ``(b*T + t, h block)``: ``df[b, t] = sum_{u < g_len} dh[b, t, u] * keep * scale`` (fp32
     accumulation); zero for ``t >= f_len``."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    p_drop = tl.cast(p_drop, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     bt = tl.program_id(0)
     b = bt // T
     t = bt - b * T
@@ -131,7 +137,7 @@ def _joint_bwd_f_kernel(DH, F, G, FLEN, GLEN, BOFF, RNG, DF, T, U, H, p_drop, sc
         if RELU or DROPOUT:
             g_off = (b.to(tl.int64) * U + u) * H + h
             keep = _joint_keep(F, G, RNG, b, t, u, h, T, U, H, f_off, g_off, m, p_drop, RELU, DROPOUT)
-            d = tl.where(keep, (d * scale).to(tl.float32), 0.0)  # fp64 when Inductor passes scale
+            d = tl.where(keep, d * scale, 0.0)
         acc += d
     tl.store(DF + f_off, tl.sum(acc, axis=0)[None, :].to(DF.dtype.element_ty), mask=hm)
 
@@ -142,6 +148,9 @@ def _joint_bwd_g_kernel(DH, F, G, FLEN, GLEN, BOFF, RNG, DG, T, U, H, p_drop, sc
                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program ``(b*U + u, h block)``: ``dg[b, u] = sum_{t < f_len} dh[b, t, u] * keep * scale`` (fp32
     accumulation); zero for ``u >= g_len``."""
+    # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
+    p_drop = tl.cast(p_drop, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     bu = tl.program_id(0)
     b = bu // U
     u = bu - b * U
@@ -166,7 +175,7 @@ def _joint_bwd_g_kernel(DH, F, G, FLEN, GLEN, BOFF, RNG, DG, T, U, H, p_drop, sc
         if RELU or DROPOUT:
             f_off = (b.to(tl.int64) * T + t) * H + h
             keep = _joint_keep(F, G, RNG, b, t, u, h, T, U, H, f_off, g_off, m, p_drop, RELU, DROPOUT)
-            d = tl.where(keep, (d * scale).to(tl.float32), 0.0)  # fp64 when Inductor passes scale
+            d = tl.where(keep, d * scale, 0.0)
         acc += d
     tl.store(DG + g_off, tl.sum(acc, axis=0)[None, :].to(DG.dtype.element_ty), mask=hm)
 
@@ -279,6 +288,16 @@ def _rnnt_alpha_beta_kernel(FLEN, YLEN, LPB, LPE, ALPHA, BETA, LOSS, T, U, BLOCK
         tl.store(LOSS + b, loss.to(LOSS.dtype.element_ty))
 
 
+@triton.jit
+def _logit_grad(x, shift, kk, blank, lab, w_blank, w_label):
+    """The RNN-T loss's gradient w.r.t. the logits ``x`` (rows x vocabulary block ``kk``), softmax backward fused:
+    ``exp(x + shift)`` (the row's softmax times its lattice weight) less the blank and label lattice weights."""
+    g = tl.exp(x + shift[:, None])
+    g -= tl.where(kk == blank, w_blank[:, None], 0.0)
+    g -= tl.where(kk == lab[:, None], w_label[:, None], 0.0)
+    return g
+
+
 @triton.jit(do_not_specialize=["T", "U", "K", "N", "L", "blank"])
 def _rnnt_bwd_kernel(X, DX, LABEL, FLEN, YLEN, BOFF, LSE, LPB, LPE, ALPHA, BETA, LG, T, U, K, N, L, blank,
                      PACK: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -316,9 +335,7 @@ def _rnnt_bwd_kernel(X, DX, LABEL, FLEN, YLEN, BOFF, LSE, LPB, LPE, ALPHA, BETA,
         kk = k0 + k
         km = kk < K
         x = tl.load(X + off + k0, mask=vm & km, other=0.0).to(tl.float32)
-        g = tl.exp(x + shift[:, None])
-        g -= tl.where(kk == blank, w_blank[:, None], 0.0)
-        g -= tl.where(kk == lab[:, None], w_label[:, None], 0.0)
+        g = _logit_grad(x, shift, kk, blank, lab, w_blank, w_label)
         g = tl.where(vm, g * lg, 0.0)
         tl.store(DX + off + k0, g.to(DX.dtype.element_ty), mask=smask & km)
 
@@ -440,8 +457,6 @@ def _proj_grad_kernel(X, LABEL, FLEN, YLEN, BOFF, LSE, LPB, LPE, ALPHA, BETA, LG
         kk = k0 + k
         km = kk < K
         x = tl.load(X + off + k0, mask=vm & km, other=0.0).to(tl.float32)
-        g = tl.exp(x + shift[:, None])
-        g -= tl.where(kk == blank, w_blank[:, None], 0.0)
-        g -= tl.where(kk == lab[:, None], w_label[:, None], 0.0)
+        g = _logit_grad(x, shift, kk, blank, lab, w_blank, w_label)
         g = tl.where(vm, g * lg[:, None], 0.0)
         tl.store(X + off + k0, g.to(X.dtype.element_ty), mask=im & km)
