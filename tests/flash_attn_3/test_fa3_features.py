@@ -343,3 +343,32 @@ def test_gpu_fp8_forward_error_budget(causal):
     deq, _ = oracle(qdq, k8.float() * kd[:, None, :, None], v8.float() * vd[:, None, :, None], torch.float32,
                     causal=causal)
     assert (out.float() - deq).abs().max().item() <= 0.08 * deq.abs().max().item()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_transposed_v_matches_v_as_given(triton_backend, monkeypatch, causal):
+    """The FP8 forward's transposed copy of V (``TUNING["fp8_v_t"]``) changes the layout only: the same bf16
+    output as reading V as given, dense (V non-contiguous, odd lengths) and varlen."""
+    from culmen.ops.attention import launch
+
+    torch.manual_seed(3)
+    (_, _, _), (q8, k8, v8), (qd, kd, vd) = _fp8_case(2, 21, 37, 4, 2, 32, 16)
+    v_nc = torch.empty(2, 37, 2, 40, dtype=F8)[..., 3:19]  # a head-dim view: strided rows
+    v_nc.copy_(v8)
+    cu_q = torch.tensor([0, 21, 42], dtype=torch.int32)
+    cu_k = torch.tensor([0, 37, 74], dtype=torch.int32)
+
+    def run():
+        dense = fa3.flash_attn_func(q8, k8, v_nc, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+        var = fa3.flash_attn_varlen_func(q8.reshape(42, 4, 32), k8.reshape(74, 2, 32), v8.reshape(74, 2, 16),
+                                         cu_q, cu_k, 21, 37, causal=causal, q_descale=qd, k_descale=kd,
+                                         v_descale=vd)
+        return dense, var
+
+    monkeypatch.setitem(launch.TUNING, "fp8_v_t", True)
+    dense_t, var_t = run()
+    monkeypatch.setitem(launch.TUNING, "fp8_v_t", False)
+    dense, var = run()
+    assert torch.equal(dense_t, dense) and torch.equal(var_t, var)
+    torch.testing.assert_close(var.float(), dense.reshape(42, 4, 16).float(), atol=1e-2, rtol=1e-2)
+    assert dense.abs().max() > 0.1

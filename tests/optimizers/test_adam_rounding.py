@@ -49,7 +49,7 @@ class EmulatedTorchAdam:
         bc2 = 1.0 - b2 ** self.t if self.bc else 1.0
         nss = -_s(self.lr / bc1)
         bc2s = _s(bc2 ** 0.5)
-        rc2 = _s(1.0 / bc2s)
+        rc2 = _s(1.0 / bc2 ** 0.5)  # the double reciprocal of the double sqrt, rounded once (torch's CUDA div)
         decay, wd, eps = _s(1.0 - self.lr * self.wd), _s(self.wd), _s(self.eps)
         for p, m, v, g in zip(self.params, self.m, self.v, grads):
             g = g.double()

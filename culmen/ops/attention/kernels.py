@@ -242,6 +242,22 @@ def _load_rows(desc, base, stride, n0, j64, dd, dmask, n, MASK: tl.constexpr, EV
 
 
 @triton.jit
+def _load_rows_t(base, stride, j, dd, dmask, n, MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """Rows ``j`` of a ``(n, D)`` tile source stored transposed (row ``r``, column ``c`` at ``base + r +
+    c * stride``), as ``(len(j), D)``: FP8 V, whose second matmul operand Hopper's FP8 MMA wants with the key
+    dim contiguous (the transposed load gives the same shared layout K's ``tl.trans`` gives the first)."""
+    jr = j.to(tl.int64)[None, :]
+    ptr = base + dd[:, None] * stride + jr
+    if MASK:
+        t = tl.load(ptr, mask=(jr < n) & dmask[:, None], other=0.0)
+    elif EVEN_D:
+        t = tl.load(ptr)
+    else:
+        t = tl.load(ptr, mask=dmask[:, None], other=0.0)
+    return tl.trans(t)
+
+
+@triton.jit
 def _load_paged(base, table_row, k0, sb, ss, j, dd, dmask, sk, PAGE: tl.constexpr):
     """Rows ``j`` (``< sk``) of a paged cache: position ``k0 + j`` lives in row ``pos % PAGE`` of page
     ``table_row[pos // PAGE]`` (page stride ``sb``, row stride ``ss``). The launcher clamps the page numbers."""
@@ -259,7 +275,7 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
                EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
                EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr, table_row, k0, skb, svb,
-               PAGE: tl.constexpr):
+               PAGE: tl.constexpr, V_T: tl.constexpr):
     j = n0 + tl.arange(0, BLOCK_N)
     j64 = j.to(tl.int64)[:, None]
     if PAGE > 0:
@@ -290,6 +306,8 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
     if not QV:
         if PAGE > 0:
             v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+        elif V_T:
+            v = _load_rows_t(v_base, svs, j, ddv, dvmask, sk, MASK, EVEN_DV)
         else:
             v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
     if UPCAST == 2:  # fp8 under the CPU interpreter, whose fp32 -> fp8 rounding is wrong at binade edges: P in fp32
@@ -312,7 +330,7 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
-    QV: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
+    QV: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, V_T: tl.constexpr = False,
 ):
     """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
 
@@ -329,6 +347,8 @@ def _attn_fwd_kernel(
     saw no key) at ``o_ptr`` / ``lse_ptr`` + ``s`` times one output / lse (``flash_attn_combine`` merges them).
     ``PAGE > 0``: K/V are a paged cache of ``PAGE`` rows a page read through ``table_ptr`` (contiguous ``(B,
     SK // PAGE)``, page numbers already clamped); ``skb``/``svb`` are then the page strides.
+    ``V_T`` (dense, no ``qv``): V is stored with its sequence dim contiguous (``svs`` is then its head-dim
+    stride; the launcher's transposed copy of FP8 V, see ``_load_rows_t``).
     """
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
@@ -372,7 +392,10 @@ def _attn_fwd_kernel(
         table_row = table_ptr + b64 * (SK // PAGE)
     else:
         k_base = k_ptr + b64 * skb + kh.to(tl.int64) * skh + k0 * sks
-        v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0 * svs
+        if V_T:  # V stored (.., d, seq): svs is the head-dim stride, the sequence stride is 1
+            v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0
+        else:
+            v_base = v_ptr + b64 * svb + kh.to(tl.int64) * svh + k0 * svs
         table_row = table_ptr
     i64 = i.to(tl.int64)[:, None]
     rowmask = i[:, None] < sq
@@ -411,19 +434,19 @@ def _attn_fwd_kernel(
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T)
     for n0 in range(f0, f1, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T)
     for n0 in range(f1, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:

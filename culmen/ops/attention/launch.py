@@ -83,6 +83,11 @@ TUNING = PlanTuning({
     # head dim not a multiple of 4 (fp32 rows must be 16-byte aligned), padded head dim > 256, torch.compile,
     # an interpreter without descriptor reduce). Never taken when deterministic. Off until measured.
     "tma_dq": False,
+    # FP8 forwards (fp8 q/k/v): their own tile configs (one byte a value), and V read through a transposed
+    # copy made per call ((.., d, seq) contiguous; kernels._load_rows_t), the layout Hopper's FP8 MMA takes
+    # for the P @ V operand (V as given, the compiler transposes it in shared memory every block).
+    "fwd_fp8": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2), (512, 64, 32, 8, 1)],
+    "fp8_v_t": True,
     # Block size under the CPU interpreter (tests): small, so odd seqlens span several blocks.
     "interp_block": 16,
 }, clear_plans)
@@ -318,6 +323,13 @@ class AttnPlan:
         self.qs, self.ks, self.vs = self._bsh(q), self._bsh(k), self._bsh(v)
         if self.paged_strides is not None:
             self.ks, self.vs = self.paged_strides
+        # FP8 V as a transposed copy (forward only: FP8 has no backward; not for KV caches, whose copy would
+        # cost a pass over the cache per call)
+        self.v_t = (self.fp8 and TUNING["fp8_v_t"] and self.k_range == 0 and not self.qv
+                    and self.paged_strides is None)
+        if self.v_t:
+            S_, H_, D_ = v.shape[-3:]
+            self.vs = (0, S_, D_ * S_) if self.varlen else (H_ * D_ * S_, S_, D_ * S_)
         # (split-KV: the kernel writes contiguous partials, and only the merge writes out_strides' layout)
         self.os = (self._out_bsh(self.o_shape) if self.out_strides is None or self.n_splits > 1
                    else tuple(0 if self.o_shape[i] == 1 else self.out_strides[i] for i in range(3)))
@@ -344,7 +356,8 @@ class AttnPlan:
             CHUNK=self.chunk, QV=self.qv,
         )
         decode = self.kind == "kvcache" and self.sq <= SPLIT_MAX_SEQLEN_Q
-        bm, bn, warps, stages = _blocks("decode" if decode else "fwd", self.block_w, on_gpu, q.dtype)
+        bm, bn, warps, stages = _blocks("decode" if decode else "fwd_fp8" if self.fp8 else "fwd", self.block_w,
+                                        on_gpu, q.dtype)
         su = _stride_unit(self.qs + self.ks + self.vs + self.os)
         self.num_m = cdiv(self.sq, bm)
         self.fwd_grid = ((self.num_m * self.B * self.H, self.n_splits) if self.n_splits > 1
@@ -376,7 +389,7 @@ class AttnPlan:
             bm, bn, warps, stages, su = self.fwd_cfg
             meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=self.block_d, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
                         USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale,
-                        SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0)
+                        SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0, V_T=self.v_t)
             la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
         return la
 
@@ -415,6 +428,8 @@ class AttnPlan:
             q, k, v, alibi, cu_q, cu_k = self._kernel_inputs(q, k, v, alibi, cu_q, cu_k)
         if qv is not None:
             qv = qv.contiguous()  # read with out's strides
+        if self.v_t:
+            v = _transposed_v(v, self.varlen)
         qd, kd, vd = _NO_DESCALE if descales is None else descales
         if self.n_splits > 1 and not traced and not self.fwd_empty:  # allocates its own outputs
             return self._forward_split(q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table, store_lse, aligned)
@@ -640,6 +655,16 @@ class AttnPlan:
 
 
 _NO_DESCALE = (None, None, None)
+
+
+def _transposed_v(v: Tensor, varlen: bool) -> Tensor:
+    """``v`` ``(B, S, hk, d)`` / ``(T, hk, d)`` copied into ``(B, hk, d, S)`` / ``(hk, d, T)`` memory (the
+    plan's ``v_t`` strides)."""
+    if varlen:
+        return torch.empty((v.shape[1], v.shape[2], v.shape[0]), dtype=v.dtype, device=v.device).copy_(
+            v.permute(1, 2, 0))
+    B, S, H, D = v.shape
+    return torch.empty((B, H, D, S), dtype=v.dtype, device=v.device).copy_(v.permute(0, 2, 3, 1))
 
 
 def dequantize_fp8(q, k, v, descales, cu_q=None, cu_k=None):

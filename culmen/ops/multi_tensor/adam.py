@@ -20,7 +20,8 @@ fp32 params on CUDA, where every op rounds once and torch's one-kernel ``a + s *
     p = fma(-step_size, m / (sqrt(v) * rc2 + eps), p)
 
 with ``w = 1 - beta1``, ``decay = 1 - lr * wd``, ``step_size = lr / (1 - beta1^step)`` and
-``rc2 = 1 / sqrt(1 - beta2^step)`` (torch divides by a host scalar as a multiply by its fp32 reciprocal)
+``rc2 = 1 / sqrt(1 - beta2^step)`` (torch's CUDA division by a host scalar is a multiply by the scalar's
+reciprocal taken in double, then rounded to fp32: scripts/probe_torch_adam_rounding.py measured every op)
 computed in double and rounded to fp32, as torch rounds Python scalars: on the host for a host lr and
 step, in fp64 inside the kernel from exact fp32 triples of the doubles for a device lr or step
 (capturable, GradScaler-driven steps), so both give the same values. Divisions and square roots are the
@@ -177,7 +178,7 @@ if triton is not None:
                         sv = s.to(tl.int32)
                         bc1 = 1.0 - _pow_int(_f64(b10, b11, b12), sv)
                         bc2 = 1.0 - _pow_int(_f64(b20, b21, b22), sv)
-                        rc2 = tl.div_rn(1.0, tl.sqrt(bc2).to(tl.float32))
+                        rc2 = (1.0 / tl.sqrt(bc2)).to(tl.float32)  # fp64 (div.rn.f64 / sqrt.rn.f64)
                     else:
                         bc1 = tl.full((), 1.0, tl.float64)
                 else:
@@ -285,7 +286,7 @@ def adam_scalars(lr, step, beta1: float, beta2: float, eps: float, wd: float, bi
     bc1 = 1.0
     if not step_t and bias_correction:
         bc1 = 1.0 - beta1 ** step
-        rc2 = 1.0 / _f32((1.0 - beta2 ** step) ** 0.5)  # torch: a multiply by the fp32 scalar's fp32 reciprocal
+        rc2 = 1.0 / (1.0 - beta2 ** step) ** 0.5  # torch: a multiply by the double reciprocal, rounded to fp32
     if lr_t or step_t:
         if not step_t:
             bc13 = split_f64(bc1)
@@ -315,7 +316,7 @@ def _device_scalars(lr, step, beta1: float, beta2: float, wd: float, bias_correc
     else:
         bc1 = torch.tensor(1.0 - beta1 ** step, dtype=f64, device=dev)
         bc2 = torch.tensor(1.0 - beta2 ** step, dtype=f64, device=dev)
-    rc2 = torch.reciprocal(torch.sqrt(bc2).float())
+    rc2 = torch.reciprocal(torch.sqrt(bc2)).float()
     return (-(lr64 / bc1)).float(), rc2, (1.0 - lr64 * wd).float()
 
 
@@ -417,7 +418,7 @@ class AdamPlan(ListPlan):
         bc1 = 1.0
         if not self.step_t and self.bias_correction:
             bc1 = 1.0 - b1 ** step
-            rc2 = 1.0 / _unpack_f32(_pack_f32((1.0 - b2 ** step) ** 0.5))[0]
+            rc2 = 1.0 / (1.0 - b2 ** step) ** 0.5
         if self.lr_t or self.step_t:
             if not self.step_t:
                 bc13 = split_f64(bc1)
