@@ -1,11 +1,11 @@
 """Sweep the FP8 forward's tile configs and its transposed-V copy on a GPU (run on the lent machine).
 
-    python3 scripts/sweep_fp8.py [--seqlen 2048,8192] [--configs "128,128,8,3 128,256,8,2"]
+    python3 scripts/sweep_fp8.py [--seqlen 2048,8192]
 
-At d 128, hidden 2048, batch * seqlen = 16k tokens, causal and not: culmen's bf16 forward (``launch.TUNING``
-"fwd"), then the FP8 forward (float8_e4m3fn q/k/v, per-(batch, kv head) descales) at each config of
-``TUNING["fwd_fp8"]`` with V read through the transposed copy (``fp8_v_t``), and the first config with V read
-as given. Prints wall ms (do_bench median of the eager call), TFLOP/s, the ratio to bf16 and the max
+At d 128, hidden 2048, batch * seqlen = 16k tokens, causal and not: culmen's bf16 forward and the FP8 forward
+(float8_e4m3fn q/k/v, per-(batch, kv head) descales) under each row of ``ROWS`` (``launch.TUNING`` entries:
+the transposed V copy ``fp8_v_t``, fp16 softmax numerators ``fp8_exp16``, the rotated loop ``fwd_overlap``,
+tile configs). Prints wall ms (do_bench median of the eager call), TFLOP/s, the ratio to bf16 and the max
 difference from the bf16 output. Kernels compile first in a pool of processes (Triton's disk cache).
 """
 
@@ -20,15 +20,30 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CONFIGS = "128,128,8,3 128,128,8,4 128,256,8,2 128,64,8,4 128,128,4,3 256,128,8,2 64,128,4,4"
+# (label, fp8 inputs, TUNING entries): tile rows are (BLOCK_M, BLOCK_N, warps, stages) for head dim 128
+ROWS = [
+    ("bf16", False, {}),
+    ("bf16 overlap", False, {"fwd_overlap": True}),
+    ("bf16 overlap 128,64,8,3", False, {"fwd_overlap": True, "fwd": (128, 64, 8, 3)}),
+    ("fp8 v_t", True, {}),
+    ("fp8 v", True, {"fp8_v_t": False}),
+    ("fp8 exp16", True, {"fp8_exp16": True}),
+    ("fp8 overlap", True, {"fwd_overlap": True}),
+    ("fp8 overlap exp16", True, {"fwd_overlap": True, "fp8_exp16": True}),
+    ("fp8 overlap 128,64,8,3", True, {"fwd_overlap": True, "fwd_fp8": (128, 64, 8, 3)}),
+    ("fp8 overlap exp16 128,64,8,4", True, {"fwd_overlap": True, "fp8_exp16": True, "fwd_fp8": (128, 64, 8, 4)}),
+    ("fp8 128,128,8,4", True, {"fwd_fp8": (128, 128, 8, 4)}),
+]
+DEFAULTS = {"fp8_v_t": True, "fp8_exp16": False, "fwd_overlap": False}
 
 
-def _set(cfg, v_t):
+def _set(settings):
     from culmen.ops.attention import launch
 
-    launch.TUNING["fp8_v_t"] = v_t
-    if cfg is not None:
-        launch.TUNING["fwd_fp8"] = [(128, *cfg)]
+    base = _set.base = getattr(_set, "base", None) or {k: launch.TUNING[k] for k in ("fwd", "fwd_fp8")}
+    launch.TUNING.update(dict(DEFAULTS, **base))
+    for key, val in settings.items():
+        launch.TUNING[key] = [(128, *val)] + base[key][2:] if key in base else val
 
 
 def _inputs(s, fp8, seed=0):
@@ -50,12 +65,12 @@ def _call(args, kw, causal):
     return fa3.flash_attn_func(*args, causal=causal, **kw)
 
 
-def _warm(job):
-    cfg, v_t = job
+def _warm(row):
+    _, fp8, settings = row
     try:
-        _set(cfg, v_t)
+        _set(settings)
         for causal in (False, True):
-            args, kw = _inputs(1024, cfg is not None or v_t is not None)
+            args, kw = _inputs(1024, fp8)
             _call(args, kw, causal)
         torch.cuda.synchronize()
         return None
@@ -66,39 +81,31 @@ def _warm(job):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlen", default="2048,8192")
-    ap.add_argument("--configs", default=CONFIGS)
     ap.add_argument("--workers", type=int, default=12)
     a = ap.parse_args()
     from triton.testing import do_bench
 
-    cfgs = [tuple(int(x) for x in c.split(",")) for c in a.configs.split()]
-    rows = [("bf16", None, None)] + [(f"fp8 {c} v_t", c, True) for c in cfgs] + [(f"fp8 {cfgs[0]} v", cfgs[0], False)]
-    jobs = [(c, vt) for _, c, vt in rows]
-    with mp.get_context("spawn").Pool(min(a.workers, len(jobs))) as pool:
-        errs = dict(zip(map(str, jobs), pool.map(_warm, jobs)))
+    with mp.get_context("spawn").Pool(min(a.workers, len(ROWS))) as pool:
+        errs = pool.map(_warm, ROWS)
     for s in (int(x) for x in a.seqlen.split(",")):
         for causal in (False, True):
-            bf_args, _ = _inputs(s, False)
-            f8_args, f8_kw = _inputs(s, True)
-            B = bf_args[0].shape[0]
+            inputs = {False: _inputs(s, False), True: _inputs(s, True)}
+            B = inputs[False][0][0].shape[0]
             flops = 4 * B * 16 * s * s * 128 * (0.5 if causal else 1.0)
-            ref = None
-            base = None
-            for label, cfg, v_t in rows:
-                err = errs[str((cfg, v_t))]
+            ref = base = None
+            for (label, fp8, settings), err in zip(ROWS, errs):
                 if err:
-                    print(f"s{s} {'causal' if causal else 'full  '} {label:28} {err}", flush=True)
+                    print(f"s{s} {'causal' if causal else 'full  '} {label:30} {err}", flush=True)
                     continue
-                _set(cfg, v_t if v_t is not None else True)
-                args, kw = (bf_args, {}) if cfg is None else (f8_args, f8_kw)
+                _set(settings)
+                args, kw = inputs[fp8]
                 out = _call(args, kw, causal)
-                if ref is None:
-                    ref = out
+                ref = out if ref is None else ref
                 ms = do_bench(lambda a_=args, k_=kw, c_=causal: _call(a_, k_, c_), warmup=25, rep=200,
                               return_mode="median")
                 base = base or ms
                 diff = (out.float() - ref.float()).abs().max().item()
-                print(f"s{s} {'causal' if causal else 'full  '} {label:28} {ms:8.3f} ms {flops / ms / 1e9:6.1f} "
+                print(f"s{s} {'causal' if causal else 'full  '} {label:30} {ms:8.3f} ms {flops / ms / 1e9:6.1f} "
                       f"TFLOP/s {base / ms:5.2f}x bf16  diff {diff:.4f}", flush=True)
 
 

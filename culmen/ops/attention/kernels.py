@@ -258,6 +258,19 @@ def _load_rows_t(base, stride, j, dd, dmask, n, MASK: tl.constexpr, EVEN_D: tl.c
 
 
 @triton.jit
+def _exp2(x, EXP16: tl.constexpr):
+    """``2 ** x`` (``x <= 0``, the softmax numerators). ``EXP16`` (FP8 forwards on a GPU, whose P is rounded to
+    fp8, 3 mantissa bits): in fp16, two per ``ex2.approx.f16x2`` (half the MUFU issue of fp32; the argument's
+    fp16 rounding errs by at most 0.6% of p at ``x >= -16``, a tenth of fp8's step), returned as fp16."""
+    if EXP16:
+        y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16,
+                                      is_pure=True, pack=2)
+    else:
+        y = tl.math.exp2(x)
+    return y
+
+
+@triton.jit
 def _load_paged(base, table_row, k0, sb, ss, j, dd, dmask, sk, PAGE: tl.constexpr):
     """Rows ``j`` (``< sk``) of a paged cache: position ``k0 + j`` lives in row ``pos % PAGE`` of page
     ``table_row[pos // PAGE]`` (page stride ``sb``, row stride ``ss``). The launcher clamps the page numbers."""
@@ -269,52 +282,79 @@ def _load_paged(base, table_row, k0, sb, ss, j, dd, dmask, sk, PAGE: tl.constexp
 
 
 @triton.jit
-def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
-               softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
-               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
-               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr, table_row, k0, skb, svb,
-               PAGE: tl.constexpr, V_T: tl.constexpr):
+def _qk_block(q, k_base, k_desc, sks, dd, dmask, n0, sk, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+              UPCAST: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, table_row, k0, skb,
+              PAGE: tl.constexpr):
+    """``q @ k.T`` of the key block at ``n0`` (fp32 ``(BLOCK_M, BLOCK_N)``, unscaled)."""
     j = n0 + tl.arange(0, BLOCK_N)
-    j64 = j.to(tl.int64)[:, None]
     if PAGE > 0:
         k = _load_paged(k_base, table_row, k0, skb, sks, j, dd, dmask, sk, PAGE)
     else:
-        k = _load_rows(k_desc, k_base, sks, n0, j64, dd, dmask, sk, MASK, EVEN_D, USE_TMA)
-    qk = _dot(q, tl.trans(k), DOT_PREC, UPCAST)
-    if QV:  # FA3's qv (MLA): the scores gain qv . v, so V is needed before the softmax
-        if PAGE > 0:
-            v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
-        else:
-            v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
-        qk = _dot_acc(qv, tl.trans(v), qk, DOT_PREC, UPCAST)
+        k = _load_rows(k_desc, k_base, sks, n0, j.to(tl.int64)[:, None], dd, dmask, sk, MASK, EVEN_D, USE_TMA)
+    return _dot(q, tl.trans(k), DOT_PREC, UPCAST)
+
+
+@triton.jit
+def _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
+              rng_ptr, bh, SQS, SKS, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+              MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
+              EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, table_row, k0, svb, PAGE: tl.constexpr, V_T: tl.constexpr,
+              EXP16: tl.constexpr, v_pre, HAS_V: tl.constexpr):
+    """The online-softmax update of ``(acc, l_i, m_i)`` by the scores ``qk`` of the key block at ``n0`` and its V
+    rows (``v_pre`` when ``HAS_V``: already loaded for ``qv``)."""
+    j = n0 + tl.arange(0, BLOCK_N)
     if MASK or SOFTCAP or ALIBI:
         s, _t = _scores2(qk, i[:, None], j[None, :], sq, sk, qk_scale, softcap, slope2, left, right, MASK, SOFTCAP,
                          ALIBI, HAS_LEFT, HAS_RIGHT, CHUNK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASK:  # a row may still have seen nothing: keep its max finite so exp2 gives 0, not NaN
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = _exp2(s - m_new[:, None], EXP16)
     else:  # max(c * x) = c * max(x) for c > 0: the scale folds into one FMA per score
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        p = _exp2(qk * qk_scale - m_new[:, None], EXP16)
     alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
     if DROPOUT:
         p = tl.where(_keep(rng_ptr, p_drop, bh, i[:, None], j[None, :], SQS, SKS), p, 0.0)
-    if not QV:
-        if PAGE > 0:
-            v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
-        elif V_T:
-            v = _load_rows_t(v_base, svs, j, ddv, dvmask, sk, MASK, EVEN_DV)
-        else:
-            v = _load_rows(v_desc, v_base, svs, n0, j64, ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
+    if HAS_V:
+        v = v_pre
+    elif PAGE > 0:
+        v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+    elif V_T:
+        v = _load_rows_t(v_base, svs, j, ddv, dvmask, sk, MASK, EVEN_DV)
+    else:
+        v = _load_rows(v_desc, v_base, svs, n0, j.to(tl.int64)[:, None], ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
     if UPCAST == 2:  # fp8 under the CPU interpreter, whose fp32 -> fp8 rounding is wrong at binade edges: P in fp32
         acc = _dot_acc(p, v, acc * alpha[:, None], DOT_PREC, UPCAST)
     else:
         acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
     return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq, sk, qk_scale,
+               softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
+               BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
+               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr, table_row, k0, skb, svb,
+               PAGE: tl.constexpr, V_T: tl.constexpr, EXP16: tl.constexpr):
+    """One key block: scores, then the softmax update and ``P @ V``."""
+    qk = _qk_block(q, k_base, k_desc, sks, dd, dmask, n0, sk, BLOCK_N, DOT_PREC, UPCAST, MASK, EVEN_D, USE_TMA,
+                   table_row, k0, skb, PAGE)
+    v = qk
+    if QV:  # FA3's qv (MLA): the scores gain qv . v, so V is needed before the softmax
+        j = n0 + tl.arange(0, BLOCK_N)
+        if PAGE > 0:
+            v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+        else:
+            v = _load_rows(v_desc, v_base, svs, n0, j.to(tl.int64)[:, None], ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
+        qk = _dot_acc(qv, tl.trans(v), qk, DOT_PREC, UPCAST)
+    return _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, softcap, slope2, left, right,
+                     p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, MASK, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
+                     HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, table_row, k0, svb, PAGE, V_T, EXP16, v, QV)
 
 
 @_jit
@@ -331,6 +371,7 @@ def _attn_fwd_kernel(
     USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
     QV: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, V_T: tl.constexpr = False,
+    EXP16: tl.constexpr = False, OVERLAP: tl.constexpr = False,
 ):
     """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
 
@@ -347,8 +388,10 @@ def _attn_fwd_kernel(
     saw no key) at ``o_ptr`` / ``lse_ptr`` + ``s`` times one output / lse (``flash_attn_combine`` merges them).
     ``PAGE > 0``: K/V are a paged cache of ``PAGE`` rows a page read through ``table_ptr`` (contiguous ``(B,
     SK // PAGE)``, page numbers already clamped); ``skb``/``svb`` are then the page strides.
-    ``V_T`` (dense, no ``qv``): V is stored with its sequence dim contiguous (``svs`` is then its head-dim
-    stride; the launcher's transposed copy of FP8 V, see ``_load_rows_t``).
+    ``OVERLAP`` (no ``qv``): the loop over the unmasked key blocks issues block ``n + 1``'s ``q @ k.T`` before
+    block ``n``'s softmax (FA3's intra-warpgroup overlap, left to the compiler's async MMA). ``EXP16`` (FP8 on a
+    GPU): the softmax numerators in fp16 (``_exp2``). ``V_T`` (dense, no ``qv``): V is stored with its sequence dim
+    contiguous (``svs`` is then its head-dim stride; the launcher's transposed copy of FP8 V, ``_load_rows_t``).
     """
     # Inductor passes Python floats as fp64: keep the math in fp32 (a no-op in eager launches).
     p_drop = tl.cast(p_drop, tl.float32)
@@ -434,19 +477,36 @@ def _attn_fwd_kernel(
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T)
-    for n0 in range(f0, f1, BLOCK_N):
-        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
-                                   sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
-                                   DOT_PREC,
-                                   UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T, EXP16)
+    if OVERLAP:  # the unmasked run rotated: block n+1's q @ k.T is issued before block n's softmax and P @ V
+        if f1 > f0:
+            qk = _qk_block(q, k_base, k_desc, sks, dd, dmask, f0, sk, BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D,
+                           USE_TMA, table_row, k0, skb, PAGE)
+            for n0 in range(f0, f1 - BLOCK_N, BLOCK_N):
+                qk_next = _qk_block(q, k_base, k_desc, sks, dd, dmask, n0 + BLOCK_N, sk, BLOCK_N, DOT_PREC, UPCAST,
+                                    False, EVEN_D, USE_TMA, table_row, k0, skb, PAGE)
+                acc, l_i, m_i = _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, softcap,
+                                          slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST,
+                                          False, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv, dvmask,
+                                          EVEN_DV, CHUNK, table_row, k0, svb, PAGE, V_T, EXP16, qk, False)
+                qk = qk_next
+            acc, l_i, m_i = _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, f1 - BLOCK_N, sq, sk, qk_scale,
+                                      softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
+                                      UPCAST, False, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv, dvmask,
+                                      EVEN_DV, CHUNK, table_row, k0, svb, PAGE, V_T, EXP16, qk, False)
+    else:
+        for n0 in range(f0, f1, BLOCK_N):
+            acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0,
+                                       sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
+                                       BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
+                                       HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb,
+                                       PAGE, V_T, EXP16)
     for n0 in range(f1, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T, EXP16)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:

@@ -88,6 +88,11 @@ TUNING = PlanTuning({
     # for the P @ V operand (V as given, the compiler transposes it in shared memory every block).
     "fwd_fp8": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2), (512, 64, 32, 8, 1)],
     "fp8_v_t": True,
+    # FP8 forwards on a GPU: the softmax numerators by ex2.approx.f16x2 (kernels._exp2). Off until measured.
+    "fp8_exp16": False,
+    # Forward: the unmasked key loop rotated so the next block's q @ k.T is issued before this block's softmax
+    # (kernels "OVERLAP"; not with qv). Off until measured.
+    "fwd_overlap": False,
     # Block size under the CPU interpreter (tests): small, so odd seqlens span several blocks.
     "interp_block": 16,
 }, clear_plans)
@@ -389,7 +394,9 @@ class AttnPlan:
             bm, bn, warps, stages, su = self.fwd_cfg
             meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=self.block_d, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
                         USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale,
-                        SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0, V_T=self.v_t)
+                        SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0, V_T=self.v_t,
+                        EXP16=self.fp8 and self.on_gpu and TUNING["fp8_exp16"],
+                        OVERLAP=TUNING["fwd_overlap"] and not self.qv)
             la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
         return la
 
