@@ -299,7 +299,8 @@ class KVCachePlan:
         table = None
         if self.paged_direct:
             kd, vd = k_cache, v_cache
-            table = _gather_index(block_table, self.n_cache_rows).to(torch.int32).contiguous()
+            # int32 (checked) clamped in one launch (the kernel reads the contiguous table as given)
+            table = block_table.clamp(0, self.n_cache_rows - 1).contiguous()
         elif self.paged:
             blocks = _gather_index(block_table, self.n_cache_rows)
             kd = k_cache[blocks].reshape(self.attn.k_shape)
