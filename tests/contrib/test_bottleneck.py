@@ -137,7 +137,7 @@ def test_no_comm_exchanger_and_padder():
 # ------------------------------------------------------------------------------------- 2 gloo ranks
 
 
-def _spatial_worker(rank, world):
+def _spatial_worker(rank, world, device="cpu"):
     import torch.distributed as dist
 
     from culmen.contrib.bottleneck import (
@@ -149,6 +149,7 @@ def _spatial_worker(rank, world):
     from culmen.ops.backend import set_backend
 
     failures = []
+    dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", rank)
     ranks = list(range(world))
     comm = dist.new_group(ranks)
     exchangers = {"allgather": HaloExchangerAllGather(ranks, rank, comm),
@@ -156,8 +157,8 @@ def _spatial_worker(rank, world):
                   "peer": HaloExchangerPeer(ranks, rank, None, False)}
     # 1. The exchange itself: rank r sends rows filled with 10r+1 (left) and 10r+2 (right).
     for name, ex in exchangers.items():
-        left_out = torch.full((2, 3, 1, 4), 10.0 * rank + 1)
-        right_out = torch.full((2, 3, 1, 4), 10.0 * rank + 2)
+        left_out = torch.full((2, 3, 1, 4), 10.0 * rank + 1, device=dev)
+        right_out = torch.full((2, 3, 1, 4), 10.0 * rank + 2, device=dev)
         li, ri = ex.left_right_halo_exchange(left_out, right_out)
         want_l = 0.0 if rank == 0 else 10.0 * (rank - 1) + 2
         want_r = 0.0 if rank == world - 1 else 10.0 * (rank + 1) + 1
@@ -171,26 +172,28 @@ def _spatial_worker(rank, world):
     gen = torch.Generator().manual_seed(1)
     full = torch.randn(2, 3, 4 * world, 5, generator=gen, dtype=torch.float64)
     wfull = torch.randn(2, 3, 4 * world + 2, 5, generator=gen, dtype=torch.float64)
-    y = full[:, :, 4 * rank:4 * rank + 4].clone().requires_grad_()
+    y = full[:, :, 4 * rank:4 * rank + 4].to(dev).requires_grad_()
     p = halo_pad(y, exchangers["sendrecv"])
     zero = torch.zeros(2, 3, 1, 5, dtype=torch.float64)
     want = torch.cat([zero, full, zero], 2)[:, :, 4 * rank:4 * rank + 6]
-    if not torch.equal(p.detach(), want):
+    if not torch.equal(p.detach().cpu(), want):
         failures.append("halo_pad: padded values wrong")
     # Each rank's window of the globally padded image uses its own weights; the global gradient of y:
     wloc = wfull[:, :, 4 * rank:4 * rank + 6]
-    (p * wloc).sum().backward()
+    (p * wloc.to(dev)).sum().backward()
     gfull = torch.zeros_like(full)
     for r in range(world):  # every rank's window adds its weights onto the rows it read
         lo_, hi_ = max(4 * r - 1, 0), min(4 * r + 5, 4 * world)
         gfull[:, :, lo_:hi_] += wfull[:, :, 4 * r:4 * r + 6][:, :, lo_ - (4 * r - 1):hi_ - (4 * r - 1)]
-    if not torch.allclose(y.grad, gfull[:, :, 4 * rank:4 * rank + 4], rtol=0, atol=1e-12):
+    if not torch.allclose(y.grad.cpu(), gfull[:, :, 4 * rank:4 * rank + 4], rtol=0, atol=1e-12):
         failures.append("halo_pad: gradient wrong")
     # 3. SpatialBottleneck on H slices == Bottleneck on the whole image (fused and plain paths).
     for backend, dtype, fused, method, stride in (("reference", torch.float64, True, 1, 1),
                                                  ("reference", torch.float64, False, 2, 2),
                                                  ("triton", torch.float32, True, 3, 2)):
         set_backend(backend)
+        if dev.type == "cuda":  # fp32 on the GPUs (cuDNN convolutions), the float64 oracle on the CPU
+            dtype = torch.float32
         name = f"spatial[{backend},{'fused' if fused else 'plain'},stride={stride}]"
         torch.manual_seed(5)
         cin, cout = (6, 6) if stride == 1 else (4, 8)
@@ -210,9 +213,10 @@ def _spatial_worker(rank, world):
         ref.use_cudnn = False
         yw = ref(xw)
         yw.backward(dyf.double())
-        xs = xf[:, :, Hs * rank:Hs * (rank + 1)].clone().requires_grad_()
+        part = part.to(dev)
+        xs = xf[:, :, Hs * rank:Hs * (rank + 1)].to(dev).contiguous(memory_format=CL).requires_grad_()
         ys = part(xs)
-        ys.backward(dyf[:, :, ho * rank:ho * (rank + 1)])
+        ys.backward(dyf[:, :, ho * rank:ho * (rank + 1)].to(dev))
         tol = 1e-10 if dtype == torch.float64 else 2e-4
         checks = [("y", ys, yw[:, :, ho * rank:ho * (rank + 1)]),
                   ("dx", xs.grad, xw.grad[:, :, Hs * rank:Hs * (rank + 1)])]
@@ -221,7 +225,7 @@ def _spatial_worker(rank, world):
             dist.all_reduce(g)  # this rank's share; the shares add up to the whole block's gradient
             checks.append((pn, g, pw.grad))
         for what, got, exp in checks:
-            err = (got.double() - exp).abs().max().item()
+            err = (got.double().cpu() - exp).abs().max().item()
             if not err <= tol * max(1.0, exp.abs().max().item()):
                 failures.append(f"{name}: {what} max err {err:.3g}")
     return failures
@@ -229,6 +233,14 @@ def _spatial_worker(rank, world):
 
 def test_spatial_bottleneck_and_exchangers_on_two_ranks():
     results = run_group(_spatial_worker, 2, timeout=180)
+    assert results == [[], []], results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank per GPU)")
+def test_spatial_bottleneck_and_exchangers_over_nccl_on_two_gpus():
+    """The same checks with the halos exchanged over NCCL between two GPUs (the blocks in fp32 there)."""
+    results = run_group(_spatial_worker, 2, "cuda", backend="nccl", timeout=300, pg_timeout=120)
     assert results == [[], []], results
 
 

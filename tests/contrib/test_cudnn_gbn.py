@@ -19,7 +19,7 @@ from culmen.testing import randn
 from culmen.testing.tolerance import assert_close_tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from bn_checks import relative_failures  # noqa: E402
+from bn_checks import rank_device, relative_failures  # noqa: E402
 from dist_harness import run_group  # noqa: E402
 
 CL = torch.channels_last
@@ -71,19 +71,20 @@ def test_errors():
         GroupBatchNorm2d(4, 0)
 
 
-def _dist_worker(rank, world):
+def _dist_worker(rank, world, device="cpu"):
+    dev, dt, tol = rank_device(rank, device)
     C = 6
     gen = torch.Generator().manual_seed(4)
     full = torch.rand(world, C, 5, 3, generator=gen, dtype=torch.float64)  # Apex's test: one sample per rank
     dyfull = torch.rand(world, C, 5, 3, generator=gen, dtype=torch.float64)
     weight, bias = torch.rand(C, generator=gen, dtype=torch.float64), torch.rand(C, generator=gen, dtype=torch.float64)
-    m = GroupBatchNorm2d(C, group_size=2).double()
+    m = GroupBatchNorm2d(C, group_size=2).to(dev, dt)
     with torch.no_grad():
         m.weight.copy_(weight)
         m.bias.copy_(bias)
-    x = full[rank:rank + 1].contiguous(memory_format=CL).requires_grad_()
+    x = full[rank:rank + 1].to(dev, dt).contiguous(memory_format=CL).requires_grad_()
     y = m(x)
-    y.backward(dyfull[rank:rank + 1])
+    y.backward(dyfull[rank:rank + 1].to(dev, dt))
     xr = full.clone().requires_grad_()
     w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
     rm, rv = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
@@ -91,11 +92,17 @@ def _dist_worker(rank, world):
     yr.backward(dyfull)
     return relative_failures((("y", y, yr[rank:rank + 1]), ("dx", x.grad, xr.grad[rank:rank + 1]),
                               ("dweight", m.weight.grad, w.grad / world), ("dbias", m.bias.grad, b.grad / world),
-                              ("running_mean", m.running_mean, rm), ("running_var", m.running_var, rv)))
+                              ("running_mean", m.running_mean, rm), ("running_var", m.running_var, rv)), tol=tol)
 
 
 def test_group_size_two_on_two_ranks():
     assert run_group(_dist_worker, 2, timeout=120) == [[], []]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank per GPU)")
+def test_group_size_two_over_nccl_on_two_gpus():
+    assert run_group(_dist_worker, 2, "cuda", backend="nccl", timeout=240, pg_timeout=120) == [[], []]
 
 
 def test_apex_alias():

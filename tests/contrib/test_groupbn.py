@@ -1,7 +1,7 @@
 """``culmen.contrib.groupbn.BatchNorm2d_NHWC`` (Apex's ``apex.contrib.groupbn``): bn / bn+ReLU / bn+add+ReLU on
 explicit NHWC input against float64 ``F.batch_norm`` (output, gradients of x, z, weight and bias, running
 statistics, eval), on the Triton kernels and the reference path; argument errors; ``bn_group=2`` and
-``bn_group=1`` on 2 gloo ranks; the alias."""
+``bn_group=1`` on 2 gloo ranks (and over NCCL on 2 GPUs); the alias."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from culmen.testing import randn
 from culmen.testing.tolerance import assert_close_tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from bn_checks import relative_failures  # noqa: E402
+from bn_checks import rank_device, relative_failures  # noqa: E402
 from dist_harness import run_group  # noqa: E402
 
 
@@ -87,8 +87,9 @@ def test_apex_arguments_and_errors():
         m(randn((2, 3, 3, 4)), randn((2, 3, 2, 4)))
 
 
-def _dist_worker(rank, world, sizes):
+def _dist_worker(rank, world, sizes, device="cpu"):
     failures = []
+    dev, dt, tol = rank_device(rank, device)
     C = 5
     gen = torch.Generator().manual_seed(3)
     full = torch.randn(sum(sizes), 3, 4, C, generator=gen, dtype=torch.float64) + 2
@@ -97,17 +98,17 @@ def _dist_worker(rank, world, sizes):
     lo = sum(sizes[:rank])
     sl = slice(lo, lo + sizes[rank])
     for bn_group in (2, 1):
-        m = BatchNorm2d_NHWC(C, fuse_relu=True, bn_group=bn_group).double()
-        x = full[sl].clone().requires_grad_()
-        z = zfull[sl].clone().requires_grad_()
+        m = BatchNorm2d_NHWC(C, fuse_relu=True, bn_group=bn_group).to(dev, dt)
+        x = full[sl].to(dev, dt).requires_grad_()
+        z = zfull[sl].to(dev, dt).requires_grad_()
         y = m(x, z)
-        y.backward(dyfull[sl])
-        # Oracle: the group's whole batch (both ranks for bn_group=2, this rank's slice alone for 1).
+        y.backward(dyfull[sl].to(dev, dt))
+        # Oracle (float64, CPU): the group's whole batch (both ranks for bn_group=2, this rank's slice for 1).
         gsl = slice(0, sum(sizes)) if bn_group == 2 else sl
         xr = full[gsl].clone().requires_grad_()
         zr = zfull[gsl].clone().requires_grad_()
-        w = m.weight.detach().clone().requires_grad_()
-        b = m.bias.detach().clone().requires_grad_()
+        w = m.weight.detach().double().cpu().requires_grad_()
+        b = m.bias.detach().double().cpu().requires_grad_()
         rm, rv = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
         yr = _ref(xr, zr, w, b, rm, rv, "bn_add_relu")
         yr.backward(dyfull[gsl])
@@ -120,12 +121,19 @@ def _dist_worker(rank, world, sizes):
         failures += relative_failures((("y", y, yr[mine]), ("dx", x.grad, xr.grad[mine]), ("dz", z.grad, zr.grad[mine]),
                                        ("dweight", dw, w.grad), ("dbias", db, b.grad),
                                        ("running_mean", m.running_mean, rm), ("running_var", m.running_var, rv)),
-                                      f"bn_group={bn_group}: ")
+                                      f"bn_group={bn_group}: ", tol)
     return failures
 
 
 def test_bn_group_on_two_ranks():
     assert run_group(_dist_worker, 2, [3, 2], timeout=120) == [[], []]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank per GPU)")
+def test_bn_group_over_nccl_on_two_gpus():
+    """``bn_group=2`` statistics summed over NCCL (fp32 on the GPUs against the float64 oracle)."""
+    assert run_group(_dist_worker, 2, [3, 2], "cuda", backend="nccl", timeout=240, pg_timeout=120) == [[], []]
 
 
 def test_apex_alias():
