@@ -204,10 +204,13 @@ def layer_norm_bwd_ref(dy, dy1, dres_out, xs, weight, bias, weight1, bias1, rows
         dh = (wdy - (xhat * c1 + c2)) * rstd[:, None]
     if dres_out is not None:
         dh = dh + dres_out.float()
-    dw = (g * xhat).sum(0).to(weight.dtype) if weight is not None else None
-    db = g.sum(0).to(bias.dtype) if bias is not None else None
-    dw1 = (g1 * xhat).sum(0).to(weight1.dtype) if weight1 is not None else None
-    db1 = g1.sum(0).to(bias1.dtype) if bias1 is not None else None
+    # the column sums over all M rows accumulate in fp64: rounded once to the parameter dtype, so they sit
+    # within an ulp of the exact sum whatever order another implementation sums in
+    f64 = torch.float64
+    dw = torch.sum(g * xhat, 0, dtype=f64).to(weight.dtype) if weight is not None else None
+    db = torch.sum(g, 0, dtype=f64).to(bias.dtype) if bias is not None else None
+    dw1 = torch.sum(g1 * xhat, 0, dtype=f64).to(weight1.dtype) if weight1 is not None else None
+    db1 = torch.sum(g1, 0, dtype=f64).to(bias1.dtype) if bias1 is not None else None
     keep = keep1 = None
     if dropout_p > 0.0:
         keep, keep1 = keep_masks_ref(seed, (M, N), dropout_p, has_x1)
