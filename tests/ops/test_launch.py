@@ -88,8 +88,9 @@ def _launch_setup(monkeypatch, version="3.6.0", hooks=(None, None)):
 
 def test_launch_binds_after_first_call_and_launches_directly(monkeypatch):
     k, la = _launch_setup(monkeypatch)
-    la(77, True, "X", 7)  # first call: Triton's own dispatch compiles and launches
-    assert k.log == [("triton", (5, 2, 1), ("X", 7), {"FLAG": True, "BLOCK": 64, "num_warps": 4, "num_stages": 3})]
+    la(77, True, "X", 7)  # first call: Triton's own dispatch compiles and launches (fma contraction stated)
+    assert k.log == [("triton", (5, 2, 1), ("X", 7), {"FLAG": True, "BLOCK": 64, "num_warps": 4, "num_stages": 3,
+                                                      "enable_fp_fusion": True})]
     assert la.consts == (64, True)  # constexprs in signature order
     k.log.clear()
     la(78, True, "Y", 9)
@@ -157,3 +158,11 @@ def test_fake_kernels_record_launches():
         n = count_calls(lambda: layer_norm(x))
     assert len(launched) == 3 and launched[0][3] == 0  # grid, then the fake stream
     assert n.python > 0 and n.c > 0 and "layer_norm" in str(n)
+
+
+def test_launch_states_fp_fusion_unless_given(monkeypatch):
+    """Eager launches compile with ``enable_fp_fusion=True`` (Triton 3.10 turns it off by default) unless the
+    plan asks otherwise (FusedAdam's exact rounding: ``False``)."""
+    k, _ = _launch_setup(monkeypatch)
+    L.Launch(k, (1,), {"FLAG": False, "BLOCK": 16}, num_warps=1, options={"enable_fp_fusion": False})(1, True, "Z", 3)
+    assert k.log[-1][3]["enable_fp_fusion"] is False

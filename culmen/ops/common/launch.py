@@ -70,7 +70,7 @@ class Launch:
     """
 
     __slots__ = ("fn", "grid", "meta", "num_warps", "num_stages", "device", "consts", "_run", "_mid", "error",
-                 "options")
+                 "options", "_eager_options")
 
     def __init__(self, fn, grid: tuple, meta: dict, num_warps: int, num_stages: int = 3,
                  device: torch.device | None = None, options: dict | None = None) -> None:
@@ -78,6 +78,10 @@ class Launch:
         self.grid = (*grid, 1, 1)[:3]
         self.meta = meta
         self.options = options or {}
+        # fma contraction stated, not left to Triton's default (on through 3.9, off from 3.10): the kernels'
+        # speed and their tests' error budgets assume it. Not for traced launches (Inductor takes no such
+        # option; it compiles with its own settings).
+        self._eager_options = {"enable_fp_fusion": True, **self.options}
         self.num_warps = num_warps
         self.num_stages = num_stages
         self.device = device
@@ -102,10 +106,10 @@ class Launch:
         if stream is None or not _FAST:
             with _guard(self.device):
                 self.fn[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages,
-                                   **self.options)
+                                   **self._eager_options)
             return
         compiled = self.fn[self.grid](*args, **self.meta, num_warps=self.num_warps, num_stages=self.num_stages,
-                                      **self.options)
+                                      **self._eager_options)
         if aligned and compiled is not None and _no_hooks_installed():
             self._bind(compiled, len(args))
 
