@@ -83,15 +83,18 @@ TUNING = PlanTuning({
     # head dim not a multiple of 4 (fp32 rows must be 16-byte aligned), padded head dim > 256, torch.compile,
     # an interpreter without descriptor reduce). Never taken when deterministic. Off until measured.
     "tma_dq": False,
-    # FP8 forwards (fp8 q/k/v): their own tile configs (one byte a value), and V read through a transposed
-    # copy made per call ((.., d, seq) contiguous; kernels._load_rows_t), the layout Hopper's FP8 MMA takes
-    # for the P @ V operand (V as given, the compiler transposes it in shared memory every block).
+    # FP8 forwards (fp8 q/k/v): their own tile configs (one byte a value; at d128 128x128x8x3 was best of
+    # seven on the H200), and V read through a transposed copy made per call ((.., d, seq) contiguous;
+    # kernels._load_rows_t), the layout Hopper's FP8 MMA takes for the P @ V operand: 267 -> 405 TFLOP/s at
+    # d128 s8k (bench/notes/attention.md v6).
     "fwd_fp8": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2), (512, 64, 32, 8, 1)],
     "fp8_v_t": True,
-    # FP8 forwards on a GPU: the softmax numerators by ex2.approx.f16x2 (kernels._exp2). Off until measured.
+    # FP8 forwards on a GPU: the softmax numerators by ex2.approx.f16x2 (kernels._exp2). Off: slower on the
+    # H200 (370 vs 405 TFLOP/s at d128 s8k, 318 vs 373 causal).
     "fp8_exp16": False,
     # Forward: the unmasked key loop rotated so the next block's q @ k.T is issued before this block's softmax
-    # (kernels "OVERLAP"; not with qv). Off until measured.
+    # (kernels "OVERLAP"; not with qv). Off: the compiler does not overlap them; bf16 128x128x3 tiles run out
+    # of shared memory, 128x64 reach 0.92-0.94x of the default, FP8 0.87x.
     "fwd_overlap": False,
     # Block size under the CPU interpreter (tests): small, so odd seqlens span several blocks.
     "interp_block": 16,
