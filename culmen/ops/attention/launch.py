@@ -62,7 +62,8 @@ TUNING = PlanTuning({
     "dkdv": [(64, 64, 64, 4, 3), (128, 64, 128, 8, 3), (256, 64, 32, 4, 2), (512, 32, 32, 8, 1)],
     "dq": [(64, 128, 32, 4, 3), (128, 128, 64, 8, 3), (256, 128, 32, 8, 2), (512, 32, 32, 8, 1)],
     "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
-    # The dK/dV kernel of "tma_dq" (its dQ tile is staged in shared memory for the bulk reduce); not swept yet.
+    # The dK/dV kernel of "tma_dq" (its dQ tile is staged in shared memory for the bulk reduce); swept on the
+    # H200 (bench/notes/attention.md v6): 64x128x8x3 best or within 3% at d128.
     "dkdv_tma": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
     # KV-cache calls with at most SPLIT_MAX_SEQLEN_Q query rows (decoding; with pack-GQA the rows are the query
@@ -81,7 +82,8 @@ TUNING = PlanTuning({
     # (cp.reduce.async.bulk.tensor through a per-head device-side descriptor) instead of one fp32 atomic per
     # element, as FA3 does. Falls back to the element atomics where descriptors cannot be used (pre-Hopper,
     # head dim not a multiple of 4 (fp32 rows must be 16-byte aligned), padded head dim > 256, torch.compile,
-    # an interpreter without descriptor reduce). Never taken when deterministic. Off until measured.
+    # an interpreter without descriptor reduce). Never taken when deterministic. Off: within +-5% of the
+    # deterministic backward on the H200 (bench/notes/attention.md v6).
     "tma_dq": False,
     # FP8 forwards (fp8 q/k/v): their own tile configs (one byte a value; at d128 128x128x8x3 was best of
     # seven on the H200), and V read through a transposed copy made per call ((.., d, seq) contiguous;
@@ -378,8 +380,7 @@ class AttnPlan:
         self.tma = (TUNING["tma"] and not traced and not self.varlen and not any(self.copy[1:])
                     and not self.split_v and not self.fp8 and self.n_splits == 1
                     and all((s * es) % 16 == 0 for s in self.ks + self.vs)
-                    and (not on_gpu or (torch.cuda.get_device_capability(q.device)[0] >= 9
-                                        and not getattr(torch.version, "hip", None))))
+                    and (not on_gpu or _nvidia_hopper(q.device)))
         self.fwd_empty = self.fwd_grid[0] == 0
         # Pointers besides q/k/v whose alignment the direct launch must check per call.
         self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0 or self.descale or self.qv
@@ -739,12 +740,17 @@ def _cpu_scratch(size: int, alignment: int, stream) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu")
 
 
+def _nvidia_hopper(device: torch.device) -> bool:
+    """A CUDA (not ROCm) GPU of compute capability 9 or later: TMA descriptors."""
+    return torch.cuda.get_device_capability(device)[0] >= 9 and not getattr(torch.version, "hip", None)
+
+
 def _tma_reduce_available(device: torch.device) -> bool:
     """Whether tensor descriptors' ``atomic_add`` (TMA bulk reduce-add) runs on ``device``: a Hopper-class
     NVIDIA GPU (older ones would lower it to element atomics anyway), or, on CPU, an interpreter that
     implements it (Triton 3.9's does not: the plan then keeps the element atomics)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9 and not getattr(torch.version, "hip", None)
+        return _nvidia_hopper(device)
     try:
         from triton.runtime.interpreter import InterpreterBuilder
     except ImportError:

@@ -278,7 +278,6 @@ def adam_scalars(lr, step, beta1: float, beta2: float, eps: float, wd: float, bi
     A host ``lr`` and ``step`` give the step's scalars computed here in double (the launch rounds them to
     fp32, as torch rounds Python scalars); a device ``lr`` or ``step`` (``lr_t`` / ``step_t``) passes the
     doubles the kernel needs as exact fp32 triples instead, and the kernel computes the same values in fp64.
-    (``AdamPlan.run`` inlines this: the cached host path makes no Python call for it.)
     """
     head, tail = _constants(float(beta1), float(beta2), float(eps), float(wd),
                             lr if step_t and not lr_t else None, lr_t, step_t)
@@ -330,14 +329,15 @@ def adam_ref(tensor_lists, *, lr, beta1: float, beta2: float, eps: float, step, 
     host = None if lr_t or step_t else adam_scalars(lr, step, beta1, beta2, eps, weight_decay, bias_correction,
                                                     False, False)
     c1, small = _lerp_coefficient(float(beta1))
+    per_device: dict[torch.device, tuple] = {}  # the step's scalars, made once per device, not per tensor
     for g, p, m, v, q in zip(*tensor_lists[:4], masters):
         dev = p.device
         skip = ref_skip(noop_flag, dev)
-        if host is None:
-            nss, rc2, decay = _device_scalars(lr, step, beta1, beta2, weight_decay, bias_correction, dev)
-        else:
-            nss, rc2, decay = (scalar_f32(x, dev) for x in host[:3])
-        wd, w1, omb2, b2, e = (scalar_f32(x, dev) for x in (weight_decay, c1, 1.0 - beta2, beta2, eps))
+        if dev not in per_device:
+            step3 = (_device_scalars(lr, step, beta1, beta2, weight_decay, bias_correction, dev) if host is None
+                     else tuple(scalar_f32(x, dev) for x in host[:3]))
+            per_device[dev] = (*step3, *(scalar_f32(x, dev) for x in (weight_decay, c1, 1.0 - beta2, beta2, eps)))
+        nss, rc2, decay, wd, w1, omb2, b2, e = per_device[dev]
         gf = g.float()
         if inv_scale is not None:
             inv = scalar_f32(inv_scale, dev)
@@ -411,20 +411,8 @@ class AdamPlan(ListPlan):
         lr_p = lr if self.lr_t else None
         step_p = step if self.step_t else None
         inv_p = inv if self.inv >= INV_DEVICE else None
-        # adam_scalars inlined (host cost: no Python call on the cached path)
-        head, tail = _constants(b1, b2, eps, wd, lr if self.step_t and not self.lr_t else None, self.lr_t,
-                                self.step_t)
-        nss, rc2, decay, bc13 = 0.0, 1.0, 1.0, _Z3
-        bc1 = 1.0
-        if not self.step_t and self.bias_correction:
-            bc1 = 1.0 - b1 ** step
-            rc2 = 1.0 / (1.0 - b2 ** step) ** 0.5
-        if self.lr_t or self.step_t:
-            if not self.step_t:
-                bc13 = split_f64(bc1)
-        else:
-            nss, decay = -(lr / bc1), 1.0 - lr * wd
-        scalars = (nss, rc2, decay, *head, float(inv) if self.inv == INV_HOST else 1.0, *tail, *bc13)
+        scalars = adam_scalars(lr, step, b1, b2, eps, wd, self.bias_correction, self.lr_t, self.step_t,
+                               float(inv) if self.inv == INV_HOST else 1.0)
         bits = noop.data_ptr()
         for t in (lr_p, step_p, inv_p):
             if t is not None:

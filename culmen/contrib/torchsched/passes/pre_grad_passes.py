@@ -137,8 +137,4 @@ def register_pattern(name: str, pattern: Callable, replacement: Callable) -> Non
     ``run_pre_grad_pass``); enable it by adding ``name`` to ``config.pre_grad_pass_options``."""
     if not callable(pattern) or not callable(replacement):
         raise TypeError(f"pattern and replacement must be callable, got {pattern!r}, {replacement!r}")
-    register_pass(name, functools.partial(_run_named, name, pattern, replacement))
-
-
-def _run_named(name: str, pattern: Callable, replacement: Callable, graph: fx.Graph) -> int:
-    return run_pre_grad_pass(name, graph, pattern, replacement)
+    register_pass(name, functools.partial(run_pre_grad_pass, name, pattern=pattern, replacement=replacement))
