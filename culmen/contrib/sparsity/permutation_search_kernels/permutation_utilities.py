@@ -202,7 +202,7 @@ def group_differences(A, B) -> list[tuple[int, int, int]]:
     for every value of ``B``'s group ``g`` that ``A``'s group ``g`` lacks."""
     ga, gb = make_grouped(A), make_grouped(B)
     where = {int(v): i for i, g in enumerate(ga) for v in g}
-    return [(int(v), g, where[int(v)]) for g, grp in enumerate(gb) for v in grp if int(v) not in set(ga[g].tolist())]
+    return [(int(v), g, where[int(v)]) for g, grp in enumerate(gb) for v in grp if where[int(v)] != g]
 
 
 def dictify(wrong_entries) -> dict[tuple[int, int], list[int]]:
