@@ -23,18 +23,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (label, fp8 inputs, TUNING entries): tile rows are (BLOCK_M, BLOCK_N, warps, stages) for head dim 128
 ROWS = [
     ("bf16", False, {}),
-    ("bf16 overlap", False, {"fwd_overlap": True}),
-    ("bf16 overlap 128,64,8,3", False, {"fwd_overlap": True, "fwd": (128, 64, 8, 3)}),
-    ("fp8 v_t", True, {}),
-    ("fp8 v", True, {"fp8_v_t": False}),
-    ("fp8 exp16", True, {"fp8_exp16": True}),
-    ("fp8 overlap", True, {"fwd_overlap": True}),
-    ("fp8 overlap exp16", True, {"fwd_overlap": True, "fp8_exp16": True}),
-    ("fp8 overlap 128,64,8,3", True, {"fwd_overlap": True, "fwd_fp8": (128, 64, 8, 3)}),
-    ("fp8 overlap exp16 128,64,8,4", True, {"fwd_overlap": True, "fp8_exp16": True, "fwd_fp8": (128, 64, 8, 4)}),
-    ("fp8 128,128,8,4", True, {"fwd_fp8": (128, 128, 8, 4)}),
+    ("fp8 tma", True, {"fp8_overlap": False}),
+    ("fp8 tma overlap", True, {}),
+    ("fp8 tma overlap exp16", True, {"fp8_exp16": True}),
+    ("fp8 tma overlap 128,128,8,4", True, {"fwd_fp8": (128, 128, 8, 4)}),
+    ("fp8 tma overlap 128,256,8,3", True, {"fwd_fp8": (128, 256, 8, 3)}),
+    ("fp8 tma overlap exp16 128,256,8,3", True, {"fp8_exp16": True, "fwd_fp8": (128, 256, 8, 3)}),
+    ("fp8 tma overlap 128,64,4,3", True, {"fwd_fp8": (128, 64, 4, 3)}),
+    ("fp8 tma overlap 128,128,4,3", True, {"fwd_fp8": (128, 128, 4, 3)}),
 ]
-DEFAULTS = {"fp8_v_t": True, "fp8_exp16": False, "fwd_overlap": False}
+DEFAULTS = {"fp8_v_t": True, "fp8_tma": True, "fp8_overlap": True, "tma": False, "fp8_exp16": False,
+            "fwd_overlap": False}
 
 
 def _set(settings):

@@ -372,3 +372,35 @@ def test_fp8_transposed_v_matches_v_as_given(triton_backend, monkeypatch, causal
     assert torch.equal(dense_t, dense) and torch.equal(var_t, var)
     torch.testing.assert_close(var.float(), dense.reshape(42, 4, 16).float(), atol=1e-2, rtol=1e-2)
     assert dense.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_tma_and_rotated_loop_match_pointer_loads(triton_backend, monkeypatch, causal):
+    """FP8 with 16-byte aligned rows takes K and the transposed V through TMA descriptors and the rotated key
+    loop (``TUNING["fp8_tma"]``, ``["fp8_overlap"]``): the launch really is the TMA one, and its output is
+    bit-identical to pointer loads in the plain loop, over several key blocks with a ragged last one."""
+    from culmen.ops.attention import launch
+
+    taken = []
+    fwd_launch = launch.AttnPlan.fwd_launch
+
+    def spy(self, store_lse, tma=False):
+        taken.append(tma)
+        return fwd_launch(self, store_lse, tma)
+
+    monkeypatch.setattr(launch.AttnPlan, "fwd_launch", spy)
+    torch.manual_seed(5)
+    (_, _, _), (q8, k8, v8), (qd, kd, vd) = _fp8_case(2, 48, 208, 4, 2, 32, 32)
+
+    def run():
+        return fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    monkeypatch.setitem(launch.TUNING, "fp8_tma", True)
+    monkeypatch.setitem(launch.TUNING, "fp8_overlap", True)
+    fast = run()
+    assert taken and all(taken)
+    taken.clear()
+    monkeypatch.setitem(launch.TUNING, "fp8_tma", False)
+    plain = run()
+    assert taken and not any(taken)
+    assert torch.equal(fast, plain) and fast.abs().max() > 0.1

@@ -322,6 +322,9 @@ def _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, s
         v = v_pre
     elif PAGE > 0:
         v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+    elif V_T and USE_TMA:
+        # Triton 3.6 never pipelines the pointer load of FP8 V (3.9 does): TMA loads always are
+        v = tl.trans(v_desc.load([0, n0]))
     elif V_T:
         v = _load_rows_t(v_base, svs, j, ddv, dvmask, sk, MASK, EVEN_DV)
     else:
@@ -459,7 +462,12 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     if USE_TMA:  # per-program descriptors bound to this sequence: rows past sk read as 0
         k_desc = tl.make_tensor_descriptor(k_base, shape=[sk, D], strides=[sks, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[sk, D], strides=[svs, 1], block_shape=[BLOCK_N, BLOCK_D])
+        if V_T:  # FP8 V's transposed copy: (D, sk) tiles, the key dim contiguous
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[D, sk], strides=[svs, 1],
+                                               block_shape=[BLOCK_D, BLOCK_N])
+        else:
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[sk, D], strides=[svs, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])
     else:
         k_desc = k_base
         v_desc = v_base

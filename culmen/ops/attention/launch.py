@@ -88,9 +88,16 @@ TUNING = PlanTuning({
     # FP8 forwards (fp8 q/k/v): their own tile configs (one byte a value; at d128 128x128x8x3 was best of
     # seven on the H200), and V read through a transposed copy made per call ((.., d, seq) contiguous;
     # kernels._load_rows_t), the layout Hopper's FP8 MMA takes for the P @ V operand: 267 -> 405 TFLOP/s at
-    # d128 s8k (bench/notes/attention.md v6).
+    # d128 s8k with pointer loads (bench/notes/attention.md v6); 658 with "fp8_tma" and "fp8_overlap" (v7).
     "fwd_fp8": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2), (512, 64, 32, 8, 1)],
     "fp8_v_t": True,
+    # FP8 forwards with the transposed V: K and V through TMA descriptors (as "tma", but for FP8 alone).
+    # Triton 3.6 never pipelines the pointer load of the transposed FP8 V (its TTGIR loads V synchronously
+    # in every iteration; Triton 3.9 does pipeline it), and a TMA load is always pipelined.
+    "fp8_tma": True,
+    # FP8 forwards through TMA: the rotated key loop ("fwd_overlap") on. H200, d128 s8k: 591 -> 658 TFLOP/s,
+    # causal 514 -> 544 (with pointer loads it was slower: 405 -> 351).
+    "fp8_overlap": True,
     # FP8 forwards on a GPU: the softmax numerators by ex2.approx.f16x2 (kernels._exp2). Off: slower on the
     # H200 (370 vs 405 TFLOP/s at d128 s8k, 318 vs 373 causal).
     "fp8_exp16": False,
@@ -377,8 +384,8 @@ class AttnPlan:
                          self.H, self.H // self.HK, *self.sizes, self.D, self.num_m, self.k_add, *self.scal)
         # TMA descriptors need 16-byte aligned row strides and a Hopper-class GPU (or the interpreter).
         es = q.element_size()
-        self.tma = (TUNING["tma"] and not traced and not self.varlen and not any(self.copy[1:])
-                    and not self.split_v and not self.fp8 and self.n_splits == 1
+        self.tma = ((TUNING["fp8_tma"] if self.v_t else TUNING["tma"] and not self.fp8) and not traced
+                    and not self.varlen and not any(self.copy[1:]) and not self.split_v and self.n_splits == 1
                     and all((s * es) % 16 == 0 for s in self.ks + self.vs)
                     and (not on_gpu or _nvidia_hopper(q.device)))
         self.fwd_empty = self.fwd_grid[0] == 0
@@ -400,7 +407,7 @@ class AttnPlan:
                         USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale,
                         SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0, V_T=self.v_t,
                         EXP16=self.fp8 and self.on_gpu and TUNING["fp8_exp16"],
-                        OVERLAP=TUNING["fwd_overlap"] and not self.qv)
+                        OVERLAP=(TUNING["fp8_overlap"] and tma if self.v_t else TUNING["fwd_overlap"]) and not self.qv)
             la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
         return la
 
