@@ -150,6 +150,9 @@ def _spatial_worker(rank, world, device="cpu"):
 
     failures = []
     dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", rank)
+    if dev.type == "cuda":  # cuDNN convolutions default to TF32 (errors ~1e-3): the checks are for fp32
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     ranks = list(range(world))
     comm = dist.new_group(ranks)
     exchangers = {"allgather": HaloExchangerAllGather(ranks, rank, comm),
