@@ -540,7 +540,10 @@ def test_host_path_budget():
         heavy = {"aten.sort", "aten.searchsorted", "aten.index_select", "aten.index_copy_", "aten.masked_fill_",
                  "aten.stack", "aten.where", "aten.nonzero"}
         assert not heavy & set(pad_ops), pad_ops
-        assert sum(pad_ops.values()) <= sum(dense_ops.values()) + 2, (pad_ops, dense_ops)
+        # the dense backward writes dq, dk, dv into the projection's gradient (no transposes, no stack);
+        # the padded one adds the index / pack / unpack buffers and views
+        assert sum(pad_ops.values()) <= sum(dense_ops.values()) + 7, (pad_ops, dense_ops)
+        assert "aten.stack" not in dense_ops and "aten.cat" not in dense_ops, dense_ops
         n = assert_host_budget(infer_pad, python=21, c=30)
         assert launched
 

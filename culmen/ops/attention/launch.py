@@ -309,6 +309,7 @@ class AttnPlan:
         self.stream = stream_getter(q.device)
         self._fwd: dict = {}
         self._bwd: dict = {}
+        self.grads_direct = False  # backward(grads=) writes into them (set by _plan_kernels)
         if self.use_kernel:
             self._plan_kernels(q, k, v, alibi, traced)
 
@@ -332,6 +333,7 @@ class AttnPlan:
         on_gpu = q.device.type == "cuda"
         self.copy = (_needs_copy(q), _needs_copy(k), _needs_copy(v))
         self.fix_inputs = any(self.copy) or self.alibi_fix or self.cu_fix
+        self.grads_direct = not (any(self.copy) or self.qv)
         # Outputs shaped and typed like a contiguous input come from empty_like (cheaper on the host).
         self.q_like = q.is_contiguous() or self.copy[0]
         self.o_like = self.q_like and not self.split_v and not self.fp8
@@ -560,15 +562,18 @@ class AttnPlan:
         return out, lse, probs
 
     # ------------------------------------------------------------------------------------ backward
-    def _plan_bwd(self, dout) -> _BwdPlan:
+    def _plan_bwd(self, dout, into_inputs: bool = False) -> _BwdPlan:
+        """``into_inputs``: dQ, dK, dV are written with q's, k's and v's own strides (``backward(grads=)``;
+        the deterministic kernels only: the atomic dQ accumulator is a contiguous buffer)."""
         b = _BwdPlan()
         b.copy_do = _needs_copy(dout)
         dos = self._bsh(dout)
         if self.qv:  # qv and dqv are read / written with dout's strides: all three contiguous
             b.copy_do = b.copy_do or not dout.is_contiguous()
             dos = self._out_bsh(self.o_shape)
-        dqs = self._out_bsh(self.q_shape)  # dq is allocated contiguous
-        su = _stride_unit(self.qs + self.ks + self.vs + self.os + dos + dqs + self.dks + self.dvs)
+        dqs = self.qs if into_inputs else self._out_bsh(self.q_shape)  # else dq is allocated contiguous
+        dks, dvs = (self.ks, self.vs) if into_inputs else (self.dks, self.dvs)
+        su = _stride_unit(self.qs + self.ks + self.vs + self.os + dos + dqs + dks + dvs)
         u = (lambda st: tuple(s // su for s in st))
         dev, H, B, gpu, dt, bd = self.device, self.H, self.B, self.on_gpu, self.dtype, self.block_d
         pbm = TUNING["pre_block_m"] if gpu else TUNING["interp_block"]
@@ -579,7 +584,7 @@ class AttnPlan:
         common = (self.slb, self.slh, self.stride_ab)
         qkvd = (*u(self.qs), *u(self.ks), *u(self.vs), *u(dos))
         b.dkdv, b.dkdv_ints = {}, {}
-        for atomic in ((False, True) if self.atomic_ok else (False,)):
+        for atomic in ((False, True) if self.atomic_ok and not into_inputs else (False,)):
             tma = atomic and self.tma_dq
             bm, bn, warps, stages = _blocks("dkdv_tma" if tma else "dkdv_atomic" if atomic else "dkdv", self.block_w,
                                             gpu, dt)
@@ -588,7 +593,7 @@ class AttnPlan:
                                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, ATOMIC_DQ=atomic, SU=su,
                                          TMA_DQ=tma),
                                     warps, stages, device=dev)
-            b.dkdv_ints[atomic] = (*qkvd, *u(self.dks), *u(self.dvs), *u(dqs), *common, H, self.HK, H // self.HK,
+            b.dkdv_ints[atomic] = (*qkvd, *u(dks), *u(dvs), *u(dqs), *common, H, self.HK, H // self.HK,
                                    *self.sizes, self.D, num_n, *self.scal)
         bm, bn, warps, stages = _blocks("dq", self.block_w, gpu, dt)
         num_m = cdiv(self.sq, bm)
@@ -598,9 +603,18 @@ class AttnPlan:
         b.dq_ints = (*qkvd, *u(dqs), *common, H, H // self.HK, *self.sizes, self.D, num_m, *self.scal)
         return b
 
-    def backward(self, dout, q, k, v, out, lse, alibi, rng, cu_q=None, cu_k=None, traced: bool = False, qv=None):
+    def backward(self, dout, q, k, v, out, lse, alibi, rng, cu_q=None, cu_k=None, traced: bool = False, qv=None,
+                 grads=None):
         """Gradients ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v`` (dK/dV per KV head), and ``dqv`` after them
-        when the plan has ``qv``. ``dout`` may have any strides; ``out``/``lse`` are this plan's forward outputs."""
+        when the plan has ``qv``. ``dout`` may have any strides; ``out``/``lse`` are this plan's forward outputs.
+        ``grads``: ``(dq, dk, dv)`` to write (and return), each with the shape, strides and dtype of its input
+        (e.g. views of one packed gradient when q, k, v are views of one packed projection), so no copy gathers
+        them afterwards. Checked when the kernels are planned (the first call with ``grads`` and these dout
+        strides): a caller passes the same layout on every call."""
+        if grads is not None and (traced or not self.grads_direct or self.atomic_ok and not deterministic_enabled()):
+            for dst, src in zip(grads, self.backward(dout, q, k, v, out, lse, alibi, rng, cu_q, cu_k, traced)):
+                dst.copy_(src)
+            return grads
         if self.qv and not self.use_kernel:
             return self._backward_ref_qv(dout, q, k, v, out, lse, qv, cu_q, cu_k)
         if not self.use_kernel:
@@ -608,26 +622,34 @@ class AttnPlan:
             if self.varlen:
                 return attention_varlen_bwd_ref(dout, q, k, v, out, lse, cu_q, cu_k, self.sq, self.sk, **kw)
             return attention_bwd_ref(dout, q, k, v, out, lse, **kw)
-        b = None if traced else self._bwd.get(dout.stride())
+        key = dout.stride() if grads is None else (dout.stride(), True)
+        b = None if traced else self._bwd.get(key)
         if b is None:
-            b = self._plan_bwd(dout)
+            if grads is not None and any(g.shape != t.shape or g.stride() != t.stride() or g.dtype != t.dtype
+                                         for g, t in zip(grads, (q, k, v))):
+                raise ValueError("grads must have the shapes, strides and dtypes of q, k and v (the kernels are "
+                                 f"planned for them), got {[(tuple(g.shape), g.stride(), g.dtype) for g in grads]}")
+            b = self._plan_bwd(dout, grads is not None)
             if not traced:
-                self._bwd[dout.stride()] = b
+                self._bwd[key] = b
         if b.copy_do:
             dout = dout.contiguous()
         if self.fix_inputs:
             q, k, v, alibi, cu_q, cu_k = self._kernel_inputs(q, k, v, alibi, cu_q, cu_k)
         dev = self.device
-        dq = torch.empty_like(q) if self.q_like else torch.empty(self.q_shape, dtype=self.dtype, device=dev)
-        dk = torch.empty_like(k) if self.k_like else torch.empty(self.k_shape, dtype=self.dtype, device=dev)
-        dv = torch.empty_like(v) if self.v_like else torch.empty(self.v_shape, dtype=self.dtype, device=dev)
+        if grads is not None:
+            dq, dk, dv = grads
+        else:
+            dq = torch.empty_like(q) if self.q_like else torch.empty(self.q_shape, dtype=self.dtype, device=dev)
+            dk = torch.empty_like(k) if self.k_like else torch.empty(self.k_shape, dtype=self.dtype, device=dev)
+            dv = torch.empty_like(v) if self.v_like else torch.empty(self.v_shape, dtype=self.dtype, device=dev)
         delta = torch.empty(self.lse_shape, dtype=_F32, device=dev)
         dqv = None
         if self.qv:
             qv = qv.contiguous()
             dqv = torch.empty(self.o_shape, dtype=self.dtype, device=dev)
         # Per call: torch.use_deterministic_algorithms / culmen.set_deterministic may change any time.
-        atomic = self.atomic_ok and not deterministic_enabled()
+        atomic = self.atomic_ok and not deterministic_enabled() and grads is None
         dq_acc = torch.zeros(self.q_shape, dtype=_F32, device=dev) if atomic else dq
         stream = None if traced else self.stream()
         if atomic and self.tma_dq:
@@ -638,6 +660,8 @@ class AttnPlan:
             ok = _aligned(q, k, v, dout, alibi, cu_q, cu_k, qv, dqv)
         else:
             ok = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) & 15 == 0
+        if grads is not None and not traced:
+            ok = ok and (dq.data_ptr() | dk.data_ptr() | dv.data_ptr()) & 15 == 0
         launches = ((b.pre, (out, dout, delta, cu_q, *b.pre_ints), ()),
                     (b.dkdv[atomic], (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, cu_q, cu_k, qv,
                                       *b.dkdv_ints[atomic]), (dk, dv)))
