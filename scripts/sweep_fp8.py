@@ -23,14 +23,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (label, fp8 inputs, TUNING entries): tile rows are (BLOCK_M, BLOCK_N, warps, stages) for head dim 128
 ROWS = [
     ("bf16", False, {}),
-    ("fp8 tma", True, {"fp8_overlap": False}),
+    ("bf16 tma overlap 128,128,8,2", False, {"tma": True, "fwd_overlap": True, "fwd": (128, 128, 8, 2)}),
+    ("bf16 tma overlap 128,64,8,3", False, {"tma": True, "fwd_overlap": True, "fwd": (128, 64, 8, 3)}),
+    ("bf16 overlap 128,128,8,2", False, {"fwd_overlap": True, "fwd": (128, 128, 8, 2)}),
+    ("bf16 tma 256,128,16,2", False, {"tma": True, "fwd": (256, 128, 16, 2)}),
     ("fp8 tma overlap", True, {}),
-    ("fp8 tma overlap exp16", True, {"fp8_exp16": True}),
-    ("fp8 tma overlap 128,128,8,4", True, {"fwd_fp8": (128, 128, 8, 4)}),
-    ("fp8 tma overlap 128,256,8,3", True, {"fwd_fp8": (128, 256, 8, 3)}),
-    ("fp8 tma overlap exp16 128,256,8,3", True, {"fp8_exp16": True, "fwd_fp8": (128, 256, 8, 3)}),
-    ("fp8 tma overlap 128,64,4,3", True, {"fwd_fp8": (128, 64, 4, 3)}),
-    ("fp8 tma overlap 128,128,4,3", True, {"fwd_fp8": (128, 128, 4, 3)}),
+    ("fp8 tma overlap 256,128,16,3", True, {"fwd_fp8": (256, 128, 16, 3)}),
+    ("fp8 tma overlap 256,128,8,3", True, {"fwd_fp8": (256, 128, 8, 3)}),
+    ("fp8 tma overlap 256,64,8,3", True, {"fwd_fp8": (256, 64, 8, 3)}),
+    ("fp8 tma 256,128,16,3", True, {"fp8_overlap": False, "fwd_fp8": (256, 128, 16, 3)}),
+    ("fp8 tma overlap 128,128,8,3 (again)", True, {"fwd_fp8": (128, 128, 8, 3)}),
 ]
 DEFAULTS = {"fp8_v_t": True, "fp8_tma": True, "fp8_overlap": True, "tma": False, "fp8_exp16": False,
             "fwd_overlap": False}
