@@ -2,7 +2,9 @@
 ``d512`` (host-bound there), a few steps each under ``cProfile`` (culmen's Python, by own time) and under
 ``torch.profiler`` (aten ops and autograd nodes, by CPU time).
 
-``python scripts/train_step_profile.py [style] [size]``.
+``python scripts/train_step_profile.py [style] [size] [kernels]``; ``kernels``: instead of the host profiles,
+the device time per step of each CUDA kernel (largest first) and their sum, to tell a host-bound step from a
+device-bound one.
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 5 * 1e3
         print(f"== {impl} {style} {size}: host {host:.2f} ms/step (enqueue), wall {wall:.2f} ms/step", flush=True)
+        if len(sys.argv) > 3 and sys.argv[3] == "kernels":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            rows = sorted(((e.device_time_total / 3e3, e.count // 3, e.key) for e in prof.key_averages()
+                           if e.device_time_total > 0), reverse=True)
+            print(f"   kernels {sum(r[0] for r in rows):.2f} ms/step", flush=True)
+            for t, n, key in rows[:16]:
+                print(f"   {t:7.3f} ms x{n:<4d} {key[:100]}", flush=True)
+            del model, opt, step
+            continue
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 step()
