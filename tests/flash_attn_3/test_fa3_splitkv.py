@@ -197,3 +197,28 @@ def test_gpu_decode_under_cuda_graph_equals_eager():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
         kc0.copy_(kc)
         vc0.copy_(vc)
+
+
+def test_paged_direct_read_clamps_bad_page_numbers_in_the_kernel(triton_backend):
+    """With the value checks off (as on a GPU), page numbers outside ``[0, num_pages)`` in the table the split
+    kernel reads directly are clamped by the kernel itself: the result is the one of the clamped table, and
+    nothing outside the cache is read (the interpreter would fault)."""
+    B, h, hk, d, page, npages = 2, 2, 1, 16, 4, 5
+    kc = torch.randn(B * npages, page, hk, d)
+    vc = torch.randn(B * npages, page, hk, d)
+    table = torch.randperm(B * npages, dtype=torch.int32).view(B, npages)
+    bad = table.clone()
+    bad[0, 1], bad[1, 3] = 10 ** 6, -7
+    seqlens = torch.tensor([npages * page, npages * page - 3], dtype=torch.int32)
+    q = torch.randn(B, 1, h, d)
+
+    def run(t):
+        return fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=t, num_splits=3)
+
+    want = run(bad.clamp(0, B * npages - 1))
+    plans = [p for p in kvcache.PLANS.values() if getattr(p, "paged_direct", False) and p.attn.page == page]
+    assert plans
+    for p in plans:
+        p.check_values = False
+    got = run(bad)
+    assert torch.equal(got, want)

@@ -271,24 +271,26 @@ def _exp2(x, EXP16: tl.constexpr):
 
 
 @triton.jit
-def _load_paged(base, table_row, k0, sb, ss, j, dd, dmask, sk, PAGE: tl.constexpr):
+def _load_paged(base, table_row, TK, k0, sb, ss, j, dd, dmask, sk, PAGE: tl.constexpr):
     """Rows ``j`` (``< sk``) of a paged cache: position ``k0 + j`` lives in row ``pos % PAGE`` of page
-    ``table_row[pos // PAGE]`` (page stride ``sb``, row stride ``ss``). The launcher clamps the page numbers."""
+    ``table_row[pos // PAGE]`` (page stride ``sb``, row stride ``ss``). Page numbers are clamped into
+    ``[0, TK)`` (``TK``: the cache's number of pages), so no table value reads outside the cache."""
     valid = j < sk
     pos = k0 + j.to(tl.int64)
     pg = tl.load(table_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+    pg = tl.minimum(tl.maximum(pg, 0), TK - 1)
     off = pg * sb + (pos % PAGE) * ss
     return tl.load(base + off[:, None] + dd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
 
 
 @triton.jit
 def _qk_block(q, k_base, k_desc, sks, dd, dmask, n0, sk, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-              UPCAST: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, table_row, k0, skb,
-              PAGE: tl.constexpr):
+              UPCAST: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, table_row, TK,
+              k0, skb, PAGE: tl.constexpr):
     """``q @ k.T`` of the key block at ``n0`` (fp32 ``(BLOCK_M, BLOCK_N)``, unscaled)."""
     j = n0 + tl.arange(0, BLOCK_N)
     if PAGE > 0:
-        k = _load_paged(k_base, table_row, k0, skb, sks, j, dd, dmask, sk, PAGE)
+        k = _load_paged(k_base, table_row, TK, k0, skb, sks, j, dd, dmask, sk, PAGE)
     else:
         k = _load_rows(k_desc, k_base, sks, n0, j.to(tl.int64)[:, None], dd, dmask, sk, MASK, EVEN_D, USE_TMA)
     return _dot(q, tl.trans(k), DOT_PREC, UPCAST)
@@ -299,7 +301,7 @@ def _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, s
               rng_ptr, bh, SQS, SKS, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
               MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
-              EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, table_row, k0, svb, PAGE: tl.constexpr, V_T: tl.constexpr,
+              EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, table_row, TK, k0, svb, PAGE: tl.constexpr, V_T: tl.constexpr,
               EXP16: tl.constexpr, v_pre, HAS_V: tl.constexpr):
     """The online-softmax update of ``(acc, l_i, m_i)`` by the scores ``qk`` of the key block at ``n0`` and its V
     rows (``v_pre`` when ``HAS_V``: already loaded for ``qv``)."""
@@ -321,7 +323,7 @@ def _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, s
     if HAS_V:
         v = v_pre
     elif PAGE > 0:
-        v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+        v = _load_paged(v_base, table_row, TK, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
     elif V_T and USE_TMA:
         # Triton 3.6 never pipelines the pointer load of FP8 V (3.9 does): TMA loads always are
         v = tl.trans(v_desc.load([0, n0]))
@@ -342,22 +344,22 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
                BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
-               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr, table_row, k0, skb, svb,
+               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr, table_row, TK, k0, skb, svb,
                PAGE: tl.constexpr, V_T: tl.constexpr, EXP16: tl.constexpr):
     """One key block: scores, then the softmax update and ``P @ V``."""
     qk = _qk_block(q, k_base, k_desc, sks, dd, dmask, n0, sk, BLOCK_N, DOT_PREC, UPCAST, MASK, EVEN_D, USE_TMA,
-                   table_row, k0, skb, PAGE)
+                   table_row, TK, k0, skb, PAGE)
     v = qk
     if QV:  # FA3's qv (MLA): the scores gain qv . v, so V is needed before the softmax
         j = n0 + tl.arange(0, BLOCK_N)
         if PAGE > 0:
-            v = _load_paged(v_base, table_row, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+            v = _load_paged(v_base, table_row, TK, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
         else:
             v = _load_rows(v_desc, v_base, svs, n0, j.to(tl.int64)[:, None], ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
         qk = _dot_acc(qv, tl.trans(v), qk, DOT_PREC, UPCAST)
     return _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, softcap, slope2, left, right,
                      p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, MASK, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                     HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, table_row, k0, svb, PAGE, V_T, EXP16, v, QV)
+                     HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, v, QV)
 
 
 @_jit
@@ -485,36 +487,36 @@ def _attn_fwd_kernel(
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T, EXP16)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, TK, k0, skb, svb, PAGE, V_T, EXP16)
     if OVERLAP:  # the unmasked run rotated: block n+1's q @ k.T is issued before block n's softmax and P @ V
         if f1 > f0:
             qk = _qk_block(q, k_base, k_desc, sks, dd, dmask, f0, sk, BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D,
-                           USE_TMA, table_row, k0, skb, PAGE)
+                           USE_TMA, table_row, TK, k0, skb, PAGE)
             for n0 in range(f0, f1 - BLOCK_N, BLOCK_N):
                 qk_next = _qk_block(q, k_base, k_desc, sks, dd, dmask, n0 + BLOCK_N, sk, BLOCK_N, DOT_PREC, UPCAST,
-                                    False, EVEN_D, USE_TMA, table_row, k0, skb, PAGE)
+                                    False, EVEN_D, USE_TMA, table_row, TK, k0, skb, PAGE)
                 acc, l_i, m_i = _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, softcap,
                                           slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST,
                                           False, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv, dvmask,
-                                          EVEN_DV, CHUNK, table_row, k0, svb, PAGE, V_T, EXP16, qk, False)
+                                          EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, qk, False)
                 qk = qk_next
             acc, l_i, m_i = _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, f1 - BLOCK_N, sq, sk, qk_scale,
                                       softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
                                       UPCAST, False, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv, dvmask,
-                                      EVEN_DV, CHUNK, table_row, k0, svb, PAGE, V_T, EXP16, qk, False)
+                                      EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, qk, False)
     else:
         for n0 in range(f0, f1, BLOCK_N):
             acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0,
                                        sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
                                        BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                                       HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb,
-                                       PAGE, V_T, EXP16)
+                                       HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, qv, QV, table_row, TK, k0, skb,
+                                       svb, PAGE, V_T, EXP16)
     for n0 in range(f1, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, k0, skb, svb, PAGE, V_T, EXP16)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, TK, k0, skb, svb, PAGE, V_T, EXP16)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:

@@ -226,7 +226,7 @@ class KVCachePlan:
                              k_range=2 if cache_leftpad is not None else 1, k_add=s_new,
                              attention_chunk=attention_chunk, descale=descale, fa3=True, qv=qv is not None,
                              n_splits=self.n_splits, page=page if self.paged_direct else 0,
-                             paged_strides=paged_strides,
+                             paged_strides=paged_strides, n_pages=self.n_cache_rows if self.paged_direct else 0,
                              out_strides=(h * dv, dv, self.pack_rows * dv, 1) if self.pack else None)
         self.append = None
         # The append kernel writes k and v rows of one head dim; a V head dim of its own appends in PyTorch.
@@ -299,8 +299,8 @@ class KVCachePlan:
         table = None
         if self.paged_direct:
             kd, vd = k_cache, v_cache
-            # int32 (checked) clamped in one launch (the kernel reads the contiguous table as given)
-            table = block_table.clamp(0, self.n_cache_rows - 1).contiguous()
+            # int32 (checked); the kernel clamps the page numbers it reads (no launch here)
+            table = block_table.contiguous()
         elif self.paged:
             blocks = _gather_index(block_table, self.n_cache_rows)
             kd = k_cache[blocks].reshape(self.attn.k_shape)

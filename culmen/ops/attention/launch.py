@@ -234,7 +234,7 @@ class AttnPlan:
                  dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  deterministic=False, return_lse=True, return_probs=False, k_range: int = 0, k_add: int = 0,
                  traced: bool = False, attention_chunk: int = 0, descale: bool = False, fa3: bool = False,
-                 qv: bool = False, n_splits: int = 1, page: int = 0, paged_strides=None,
+                 qv: bool = False, n_splits: int = 1, page: int = 0, paged_strides=None, n_pages: int = 0,
                  out_strides: tuple | None = None) -> None:
         self.kind = kind
         self.varlen = varlen = kind == "varlen"
@@ -261,6 +261,7 @@ class AttnPlan:
         # Split-KV decoding (kvcache only, see kvcache_splits) and a paged cache read through its page table
         # (page size ``page``; ``paged_strides`` the caches' (page, row, head) strides), used with splits only.
         self.n_splits, self.page, self.paged_strides = int(n_splits), int(page), paged_strides
+        self.n_pages = int(n_pages)  # the paged cache's number of pages (the kernel clamps page numbers)
         # The output's strides when the caller wants it laid out otherwise than contiguous (pack-GQA decoding
         # writes (B, G, hk, dv) straight into the (B, 1, h, dv) memory the caller returns).
         self.out_strides = None if out_strides is None else tuple(int(x) for x in out_strides)
@@ -362,7 +363,8 @@ class AttnPlan:
         self.stride_ab = (self.H if self.alibi_2d else 0)
         # SQ, SK (the lengths, or the max lengths of varlen), the dropout counters' row strides (the same),
         # and the packed totals (varlen).
-        self.sizes = (self.sq, self.sk, self.sq, self.sk, self.total_q, self.total_k)
+        self.sizes = (self.sq, self.sk, self.sq, self.sk, self.total_q,
+                      self.n_pages if self.page else self.total_k)  # TK: total keys (varlen) or pages
         self.scal = (self.scale * LOG2E_F, self.softcap if self.softcap > 0 else 1.0, self.dropout_p,
                      max(self.left, 0), max(self.right, 0))
         self.flags = dict(
