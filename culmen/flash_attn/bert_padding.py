@@ -12,11 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input",
+__all__ = ["IndexFirstAxis", "IndexFirstAxisResidual", "IndexPutFirstAxis", "index_first_axis",
+           "index_first_axis_residual", "index_put_first_axis", "pad_input", "unpad_input",
            "unpad_input_for_concatenated_sequences"]
 
 
-class _IndexFirstAxis(torch.autograd.Function):
+class IndexFirstAxis(torch.autograd.Function):
+    """``IndexFirstAxis.apply(input, indices)``: ``input[indices]`` along the first axis (flash_attn's
+    autograd function behind ``index_first_axis``)."""
+
     @staticmethod
     def forward(ctx, x: Tensor, indices: Tensor) -> Tensor:
         ctx.save_for_backward(indices)
@@ -31,7 +35,10 @@ class _IndexFirstAxis(torch.autograd.Function):
         return out, None
 
 
-class _IndexPutFirstAxis(torch.autograd.Function):
+class IndexPutFirstAxis(torch.autograd.Function):
+    """``IndexPutFirstAxis.apply(values, indices, first_axis_dim)``: zeros ``(first_axis_dim, ...)`` with
+    ``values`` at rows ``indices`` (flash_attn's autograd function behind ``index_put_first_axis``)."""
+
     @staticmethod
     def forward(ctx, values: Tensor, indices: Tensor, first_dim: int) -> Tensor:
         ctx.save_for_backward(indices)
@@ -45,14 +52,40 @@ class _IndexPutFirstAxis(torch.autograd.Function):
         return g[indices], None, None
 
 
-def index_first_axis(x: Tensor, indices: Tensor) -> Tensor:
-    """``x[indices]`` along the first axis (``x (N, ...)``, ``indices (n,)`` int64), differentiable in ``x``."""
-    return _IndexFirstAxis.apply(x, indices)
+class IndexFirstAxisResidual(torch.autograd.Function):
+    """``IndexFirstAxisResidual.apply(input, indices)`` -> ``(input[indices], input.detach())``: the gathered
+    rows and the whole input as a residual that does not start a second autograd path; the backward adds
+    the gathered rows' gradient into the residual's (flash_attn's BERT keeps its last layer's full hidden
+    states this way)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(indices)
+        ctx.shape = x.shape
+        return x[indices], x.detach()
+
+    @staticmethod
+    def backward(ctx, g: Tensor, g_residual: Tensor):
+        (indices,) = ctx.saved_tensors
+        out = g_residual.clone() if g_residual is not None else g.new_zeros(ctx.shape)
+        out.index_add_(0, indices, g.to(out.dtype))
+        return out, None
 
 
-def index_put_first_axis(values: Tensor, indices: Tensor, first_dim: int) -> Tensor:
-    """Zeros ``(first_dim, ...)`` with ``values (n, ...)`` written at rows ``indices``; differentiable."""
-    return _IndexPutFirstAxis.apply(values, indices, first_dim)
+def index_first_axis(input: Tensor, indices: Tensor) -> Tensor:  # noqa: A002 - flash_attn's parameter name
+    """``input[indices]`` along the first axis (``input (N, ...)``, ``indices (n,)`` int64), differentiable
+    in ``input``."""
+    return IndexFirstAxis.apply(input, indices)
+
+
+def index_first_axis_residual(input: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:  # noqa: A002
+    """``(input[indices], input)`` as ``IndexFirstAxisResidual``: the residual carries the gradient of both."""
+    return IndexFirstAxisResidual.apply(input, indices)
+
+
+def index_put_first_axis(values: Tensor, indices: Tensor, first_axis_dim: int) -> Tensor:
+    """Zeros ``(first_axis_dim, ...)`` with ``values (n, ...)`` written at rows ``indices``; differentiable."""
+    return IndexPutFirstAxis.apply(values, indices, first_axis_dim)
 
 
 def _check(hidden: Tensor, mask: Tensor, name: str) -> None:

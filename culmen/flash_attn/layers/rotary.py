@@ -17,6 +17,9 @@ from culmen.ops.rotary import rotary, rotary_emb_ref
 from culmen.ops.rotary import rotate_half as _rotate_half
 
 __all__ = [
+    "ApplyRotaryEmb",
+    "ApplyRotaryEmbKV_",
+    "ApplyRotaryEmbQKV_",
     "RotaryEmbedding",
     "apply_rotary_emb",
     "apply_rotary_emb_func",
@@ -109,6 +112,46 @@ class _Heads:
         return t.narrow(2, 0, self.n)
 
 
+def _whole(t: Tensor) -> Tensor:
+    return t
+
+
+def _qkv_parts(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q) -> tuple:
+    """``(view, kw)``: the view of a packed ``qkv`` holding Q and K, and the ``rotary`` arguments rotating it
+    (validated; see ``apply_rotary_emb_qkv_``)."""
+    if not isinstance(qkv, Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if (cos_k is None) != (sin_k is None):
+        raise ValueError("cos_k and sin_k must be given together")
+    shape = qkv.shape
+    if len(shape) == 5:
+        if shape[2] != 3:
+            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got shape {tuple(shape)}")
+        # Q and K as the two head groups of one (b, s, 2, h, d) view.
+        return _q_and_k, dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k, seqlen_offsets=seqlen_offsets,
+                              interleaved=interleaved)
+    if len(shape) != 4:
+        raise ValueError(f"qkv must be 5-D (b, s, 3, h, d) or 4-D (b, s, hq + 2 hk, d), got shape {tuple(shape)}")
+    if num_heads_q is None:
+        raise ValueError("qkv of shape (batch, seqlen, nheads_q + 2 * nheads_k, headdim) needs num_heads_q")
+    nq = int(num_heads_q)
+    nk = (shape[2] - nq) // 2
+    if nq <= 0 or nk < 0 or shape[2] != nq + 2 * nk:
+        raise ValueError(f"qkv.shape[2] = {shape[2]} must equal num_heads_q + 2 * num_heads_k with "
+                         f"num_heads_q = {num_heads_q}")
+    # Q and K heads are adjacent: one (b, s, hq + hk, d) view; K's own tables start at head nq.
+    split = nq if (cos_k is not None and nk) else None
+    return _Heads(nq + nk), dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k, nheads_q=split,
+                                 seqlen_offsets=seqlen_offsets, interleaved=interleaved)
+
+
+def _kv_kw(kv, cos, sin, interleaved, seqlen_offsets) -> dict:
+    if not isinstance(kv, Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must be (batch, seqlen, 2, nheads, headdim), got "
+                         f"{tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
+    return dict(cos=cos, sin=sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved)
+
+
 def apply_rotary_emb_qkv_(
     qkv: Tensor,
     cos: Tensor,
@@ -130,37 +173,10 @@ def apply_rotary_emb_qkv_(
     Q and K are rotated by one kernel launch (one autograd node), whatever qkv's strides, also with
     separate K tables.
     """
-    if not isinstance(qkv, Tensor):
-        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
-    if (cos_k is None) != (sin_k is None):
-        raise ValueError("cos_k and sin_k must be given together")
-    shape = qkv.shape
-    if len(shape) == 5:
-        if shape[2] != 3:
-            raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got shape {tuple(shape)}")
-        # Q and K as the two head groups of one (b, s, 2, h, d) view.
-        if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and torch.is_grad_enabled():
-            return _PackedInPlace.apply(qkv, _q_and_k, dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k,
-                                                             seqlen_offsets=seqlen_offsets, interleaved=interleaved))
-        rotary(qkv.narrow(2, 0, 2), cos, sin, cos_k=cos_k, sin_k=sin_k, seqlen_offsets=seqlen_offsets,
-               interleaved=interleaved, inplace=True)
-        return qkv
-    if len(shape) != 4:
-        raise ValueError(f"qkv must be 5-D (b, s, 3, h, d) or 4-D (b, s, hq + 2 hk, d), got shape {tuple(shape)}")
-    if num_heads_q is None:
-        raise ValueError("qkv of shape (batch, seqlen, nheads_q + 2 * nheads_k, headdim) needs num_heads_q")
-    nq = int(num_heads_q)
-    nk = (shape[2] - nq) // 2
-    if nq <= 0 or nk < 0 or shape[2] != nq + 2 * nk:
-        raise ValueError(f"qkv.shape[2] = {shape[2]} must equal num_heads_q + 2 * num_heads_k with "
-                         f"num_heads_q = {num_heads_q}")
-    # Q and K heads are adjacent: one (b, s, hq + hk, d) view; K's own tables start at head nq.
-    split = nq if (cos_k is not None and nk) else None
-    kw = dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k, nheads_q=split, seqlen_offsets=seqlen_offsets,
-              interleaved=interleaved)
+    view, kw = _qkv_parts(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q)
     if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and torch.is_grad_enabled():
-        return _PackedInPlace.apply(qkv, _Heads(nq + nk), kw)
-    rotary(qkv.narrow(2, 0, nq + nk), **kw, inplace=True)
+        return _PackedInPlace.apply(qkv, view, kw)
+    rotary(view(qkv), **kw, inplace=True)
     return qkv
 
 
@@ -173,14 +189,61 @@ def apply_rotary_emb_kv_(
 ) -> Tensor:
     """Rotary embedding of K *in place* in a packed ``kv`` ``(batch, seqlen, 2, nheads, headdim)``;
     returns ``kv``. cos, sin: ``(seqlen, rotary_dim / 2)``."""
-    if not isinstance(kv, Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv must be (batch, seqlen, 2, nheads, headdim), got "
-                         f"{tuple(kv.shape) if isinstance(kv, Tensor) else type(kv).__name__}")
-    kw = dict(cos=cos, sin=sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved)
+    kw = _kv_kw(kv, cos, sin, interleaved, seqlen_offsets)
     if kv.requires_grad and (kv._base if kv._base is not None else kv).is_leaf and torch.is_grad_enabled():
         return _PackedInPlace.apply(kv, _k_of_kv, kw)
     rotary(kv.select(2, 0), **kw, inplace=True)
     return kv
+
+
+class ApplyRotaryEmb(torch.autograd.Function):
+    """flash_attn's autograd function behind ``apply_rotary_emb``: ``ApplyRotaryEmb.apply(x, cos, sin,
+    interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None)`` (arguments as
+    ``apply_rotary_emb``'s). With ``inplace`` it rotates ``x``'s memory and returns it without marking it
+    dirty, as flash_attn does (so a leaf that requires grad may be rotated); the backward rotates a copy
+    of the incoming gradient back."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                max_seqlen=None):
+        kw = dict(cos=cos, sin=sin, seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                  interleaved=interleaved)
+        ctx.view, ctx.kw = _whole, kw
+        if inplace:
+            return _PackedInPlace.forward(ctx, x, _whole, kw)
+        return rotary(x, **kw)
+
+    @staticmethod
+    def backward(ctx, do):
+        return _PackedInPlace.backward(ctx, do)[0], None, None, None, None, None, None, None
+
+
+class ApplyRotaryEmbQKV_(torch.autograd.Function):
+    """flash_attn's autograd function behind ``apply_rotary_emb_qkv_``: ``ApplyRotaryEmbQKV_.apply(qkv, cos,
+    sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0, num_heads_q=None)``; Q and K rotated in
+    ``qkv``'s memory, which is returned (not marked dirty, as flash_attn)."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0, num_heads_q=None):
+        view, kw = _qkv_parts(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q)
+        return _PackedInPlace.forward(ctx, qkv, view, kw)
+
+    @staticmethod
+    def backward(ctx, dqkv):
+        return _PackedInPlace.backward(ctx, dqkv)[0], None, None, None, None, None, None, None
+
+
+class ApplyRotaryEmbKV_(torch.autograd.Function):
+    """flash_attn's autograd function behind ``apply_rotary_emb_kv_``: ``ApplyRotaryEmbKV_.apply(kv, cos, sin,
+    interleaved=False, seqlen_offsets=0)``; K rotated in ``kv``'s memory, which is returned."""
+
+    @staticmethod
+    def forward(ctx, kv, cos, sin, interleaved=False, seqlen_offsets=0):
+        return _PackedInPlace.forward(ctx, kv, _k_of_kv, _kv_kw(kv, cos, sin, interleaved, seqlen_offsets))
+
+    @staticmethod
+    def backward(ctx, dkv):
+        return _PackedInPlace.backward(ctx, dkv)[0], None, None, None, None
 
 
 class RotaryEmbedding(torch.nn.Module):
