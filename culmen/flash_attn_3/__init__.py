@@ -5,9 +5,17 @@
 honoured: FA3's arguments, a V head dim other than the QK head dim, ``attention_chunk`` (with a backward,
 which FA3 lacks), the FP8 forward, ``qv`` (with a backward) and split-KV decoding. culmen's own additions:
 ``quantize_fp8`` (FA3-style descales, optionally after a Hadamard rotation of Q and K, ``culmen.flash_attn_3.fp8``)
-and ``flash_attn_func(..., quantize="fp8" | "fp8_hadamard")``.
+and ``flash_attn_func(..., quantize="fp8" | "fp8_hadamard")``. FA3's autograd classes (``FlashAttnFunc`` & co.,
+``culmen.flash_attn_3.autograd``) take FA3's ``apply`` arguments.
 """
 
+from culmen.flash_attn_3.autograd import (
+    FlashAttnFunc,
+    FlashAttnQKVPackedFunc,
+    FlashAttnVarlenFunc,
+    maybe_contiguous,
+    round_multiple,
+)
 from culmen.flash_attn_3.combine import flash_attn_combine
 from culmen.flash_attn_3.fp8 import quantize_fp8
 from culmen.flash_attn_3.interface import (
@@ -19,11 +27,16 @@ from culmen.flash_attn_3.interface import (
 )
 
 __all__ = [
+    "FlashAttnFunc",
+    "FlashAttnQKVPackedFunc",
+    "FlashAttnVarlenFunc",
     "flash_attn_combine",
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "get_scheduler_metadata",
+    "maybe_contiguous",
     "quantize_fp8",
+    "round_multiple",
 ]
