@@ -46,18 +46,26 @@ def _forward(ctx, fn, args: tuple, positions: tuple, n_args: int, return_softmax
     return (out.detach(), lse) if return_softmax else out.detach()
 
 
-def _backward(ctx, dout) -> tuple:
-    out, wanted = ctx.graph
-    ctx.graph = None
-    where, n_args = ctx.where
-    grads = [None] * n_args
-    if wanted and out.requires_grad:
-        for p, g in zip(where, torch.autograd.grad(out, wanted, dout, allow_unused=True)):
-            grads[p] = g
-    return tuple(grads)
+class _ReplayFunction(torch.autograd.Function):
+    """The backward of the classes below: differentiate the graph their forward kept (``_forward``)."""
+
+    @staticmethod
+    def forward(ctx, *args):  # pragma: no cover - each subclass has its own
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, dout, *_) -> tuple:
+        out, wanted = ctx.graph
+        ctx.graph = None
+        where, n_args = ctx.where
+        grads = [None] * n_args
+        if wanted and out.requires_grad:
+            for p, g in zip(where, torch.autograd.grad(out, wanted, dout, allow_unused=True)):
+                grads[p] = g
+        return tuple(grads)
 
 
-class FlashAttnFunc(torch.autograd.Function):
+class FlashAttnFunc(_ReplayFunction):
     """``FlashAttnFunc.apply(q, k, v, softmax_scale, causal, qv=None, q_descale=None, k_descale=None,
     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
     deterministic=False, sm_margin=0, return_softmax=False)`` -> ``out`` or ``(out, softmax_lse)``; as
@@ -76,12 +84,8 @@ class FlashAttnFunc(torch.autograd.Function):
                                   attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin),
                         (0, 1, 2, 5), 17, return_softmax)
 
-    @staticmethod
-    def backward(ctx, dout, *_):
-        return _backward(ctx, dout)
 
-
-class FlashAttnVarlenFunc(torch.autograd.Function):
+class FlashAttnVarlenFunc(_ReplayFunction):
     """``FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     max_seqlen_k, softmax_scale, causal, qv=None, q_descale=None, k_descale=None, v_descale=None,
     window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
@@ -104,12 +108,8 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
                                   attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin),
                         (0, 1, 2, 11), 23, return_softmax)
 
-    @staticmethod
-    def backward(ctx, dout, *_):
-        return _backward(ctx, dout)
 
-
-class FlashAttnQKVPackedFunc(torch.autograd.Function):
+class FlashAttnQKVPackedFunc(_ReplayFunction):
     """``FlashAttnQKVPackedFunc.apply(qkv, softmax_scale, causal, q_descale=None, k_descale=None,
     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
     num_heads_q=None, sm_margin=0, return_softmax=False)``; as ``flash_attn_3.flash_attn_qkvpacked_func``."""
@@ -124,7 +124,3 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
                                                          v_descale, window_size, attention_chunk, softcap,
                                                          deterministic, num_heads_q, sm_margin), (0,), 13,
                         return_softmax)
-
-    @staticmethod
-    def backward(ctx, dout, *_):
-        return _backward(ctx, dout)
