@@ -153,3 +153,10 @@ def test_index_classes_and_residual():
     want = torch.zeros_like(x)
     want.index_add_(0, idx, gs)
     torch.testing.assert_close(gx, want)
+
+
+def test_rotary_embedding_takes_device_fifth_as_flash_attn():
+    rope = R.RotaryEmbedding(8, 10000.0, False, None, "cpu")
+    assert rope.inv_freq.device.type == "cpu" and rope.pos_idx_in_fp32 is True
+    with pytest.raises(TypeError):
+        R.RotaryEmbedding(8, 10000.0, False, None, "cpu", False)  # pos_idx_in_fp32 is keyword only

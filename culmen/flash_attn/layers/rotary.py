@@ -255,13 +255,13 @@ class RotaryEmbedding(torch.nn.Module):
         interleaved: GPT-J pairs instead of GPT-NeoX halves.
         scale_base: XPos (Sun et al.): Q is scaled by ``scale ** ((pos - seqlen // 2) / scale_base)`` and
             K by its inverse, ``scale = (arange(0, dim, 2) + 0.4 dim) / 1.4 dim``. ``None``: plain RoPE.
-        pos_idx_in_fp32: build positions (and ``inv_freq``) in fp32 even when the module was cast to
-            a lower precision, so large positions stay exact.
-        device: where the buffers live.
+        device: where the buffers live (flash_attn's fifth positional argument).
+        pos_idx_in_fp32: keyword only (culmen's): build positions (and ``inv_freq``) in fp32 even when the
+            module was cast to a lower precision, so large positions stay exact.
     """
 
     def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False, scale_base: float | None = None,
-                 pos_idx_in_fp32: bool = True, device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, *, pos_idx_in_fp32: bool = True) -> None:
         super().__init__()
         if int(dim) <= 0 or int(dim) % 2:
             raise ValueError(f"dim must be a positive even number, got {dim}")
