@@ -32,7 +32,38 @@ from torch import Tensor
 from culmen.amp._amp_state import maybe_print
 from culmen.multi_tensor_apply import amp_C, multi_tensor_applier
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "axpby_check_overflow_python", "scale_check_overflow_python"]
+
+
+def _nonfinite_sum(t: Tensor) -> bool:
+    s = float(t.float().sum())
+    return not math.isfinite(s)
+
+
+def scale_check_overflow_python(model_grad: Tensor, master_grad: Tensor, scale: float,
+                                check_overflow: bool = False) -> bool:
+    """Apex's per-tensor fallback of the unscale: with ``check_overflow``, True (and nothing written) when
+    ``model_grad`` holds an inf or NaN (one host sync); else ``master_grad = model_grad * scale`` and False."""
+    if check_overflow and _nonfinite_sum(model_grad):
+        return True
+    if master_grad is not model_grad:
+        master_grad.copy_(model_grad)
+    if scale != 1.0:
+        master_grad.mul_(scale)
+    return False
+
+
+def axpby_check_overflow_python(model_grad: Tensor, stashed_grad: Tensor, master_grad: Tensor, a: float, b: float,
+                                check_overflow: bool = False) -> bool:
+    """Apex's per-tensor fallback of the unscale with stashed gradients: with ``check_overflow``, True when
+    ``model_grad`` holds an inf or NaN; else ``master_grad = a * model_grad + b * stashed_grad`` (in
+    ``master_grad``'s dtype, which ``stashed_grad`` must share) and False."""
+    if check_overflow and _nonfinite_sum(model_grad):
+        return True
+    if stashed_grad.dtype != master_grad.dtype:
+        raise TypeError(f"stashed_grad must have master_grad's dtype {master_grad.dtype}, got {stashed_grad.dtype}")
+    master_grad.data = a * model_grad.data.to(master_grad.dtype) + b * stashed_grad.data
+    return False
 
 
 def _group_by_device(*lists: Sequence[Tensor]) -> dict[torch.device, list[list[Tensor]]]:

@@ -62,7 +62,8 @@ from culmen.ops.common.collectives import all_gather_single
 
 ReduceOp = dist.ReduceOp
 
-__all__ = ["DistributedDataParallel", "Reducer", "ReduceOp", "flat_dist_call", "extract_tensors"]
+__all__ = ["DistributedDataParallel", "Reducer", "ReduceOp", "apply_flat_dist_call", "extract_tensors",
+           "flat_dist_call", "flatten", "import_flatten_impl", "split_by_type", "split_half_float_double", "unflatten"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,6 +92,48 @@ def flat_dist_call(tensors: Sequence[Tensor], call, extra_args: tuple | None = N
         if call is dist.all_reduce:
             flat.div_(dist.get_world_size(group))
         torch._foreach_copy_(list(bucket), list(torch._utils._unflatten_dense_tensors(flat, bucket)))
+
+
+def flatten(bucket: Sequence[Tensor]) -> Tensor:
+    """Apex's ``flatten``: the dense tensors of ``bucket`` (one dtype, one device) as one flat tensor."""
+    return torch._utils._flatten_dense_tensors(bucket)
+
+
+def unflatten(coalesced: Tensor, bucket: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """Apex's ``unflatten``: ``coalesced`` cut back into tensors shaped like ``bucket``'s (views of it)."""
+    return torch._utils._unflatten_dense_tensors(coalesced, bucket)
+
+
+def import_flatten_impl() -> None:
+    """Apex's hook choosing between its C++ ``apex_C.flatten`` and torch's; culmen always uses torch's
+    (``flatten`` / ``unflatten`` above), so there is nothing to choose."""
+
+
+def apply_flat_dist_call(bucket: Sequence[Tensor], call, extra_args: tuple | None = None) -> None:
+    """Apex's ``apply_flat_dist_call``: ``call(flat, *extra_args)`` on the flattened ``bucket`` (one dtype and
+    device), divided by the world size after ``dist.all_reduce``, then copied back into ``bucket``."""
+    flat = flatten(bucket)
+    call(flat, *(extra_args or ()))
+    if call is dist.all_reduce:
+        flat.div_(dist.get_world_size())
+    torch._foreach_copy_(list(bucket), list(unflatten(flat, bucket)))
+
+
+def split_half_float_double(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
+    """Apex's ``split_half_float_double``: the CUDA half, float and double tensors of ``tensors``, one list per
+    type that occurs, in that order (other tensors are left out, as in Apex)."""
+    kinds = ("torch.cuda.HalfTensor", "torch.cuda.FloatTensor", "torch.cuda.DoubleTensor")
+    tensors = list(tensors)
+    return [b for b in ([t for t in tensors if t.type() == k] for k in kinds) if b]
+
+
+def split_by_type(tensors: Iterable[Tensor]) -> OrderedDict:
+    """Apex's ``split_by_type``: ``tensors`` grouped by ``Tensor.type()`` (e.g. ``"torch.cuda.HalfTensor"``),
+    in order of first appearance."""
+    buckets: OrderedDict = OrderedDict()
+    for t in tensors:
+        buckets.setdefault(t.type(), []).append(t)
+    return buckets
 
 
 def extract_tensors(maybe_tensor: Any, tensor_list: list[Tensor]) -> None:

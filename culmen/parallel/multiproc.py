@@ -30,6 +30,11 @@ _USAGE = ("usage: python -m culmen.parallel.multiproc [--nproc N] [--no-rank-arg
           "script.py [args ...]")
 
 
+def docstring_hack() -> None:
+    """Multiproc launcher: ``python -m apex.parallel.multiproc main.py ...`` starts one process per visible GPU
+    (Apex keeps this function only to carry that text; it does nothing)."""
+
+
 def _parse(argv: list[str]) -> tuple[dict, list[str]]:
     opts = {"nproc": None, "rank_args": True, "log_dir": ".", "log_files": True, "worker": False}
     i = 0

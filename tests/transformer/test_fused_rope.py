@@ -144,3 +144,42 @@ def test_bad_input():
         fused_apply_rotary_pos_emb_2d(randn((1, 6, 2, 8)), 2, 3, *[torch.rand(1, 2, 1, 4)] * 4)
     with pytest.raises(ValueError, match="3-D"):
         fused_apply_rotary_pos_emb_thd(t, torch.tensor([0, 4], dtype=torch.int32), torch.rand(4, 1, 1, 8))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_autograd_classes_match_the_functions(backend, request):
+    """Apex's ``FusedRoPEFunc`` / ``FusedRoPECachedFunc`` / ``FusedRoPETHDFunc`` / ``FusedRoPE2DFunc``
+    (``apply`` with Apex's arguments): bit-identical outputs and input gradients to the functions."""
+    from culmen.transformer.functional.fused_rope import (
+        FusedRoPE2DFunc,
+        FusedRoPECachedFunc,
+        FusedRoPEFunc,
+        FusedRoPETHDFunc,
+    )
+
+    request.getfixturevalue(f"{backend}_backend")
+    s, b, h, d = 5, 2, 3, 8
+    freqs = torch.rand(s, 1, 1, 6) * 10
+    ang = torch.rand(s, 1, 1, d) * 6
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    ih, iw = 2, 3
+    ah, aw = torch.rand(1, ih, 1, d // 2) * 6, torch.rand(1, iw, 1, d // 2) * 6
+    cases = [
+        ((s, b, h, d), lambda x: FusedRoPEFunc.apply(x, freqs, True),
+         lambda x: fused_apply_rotary_pos_emb(x, freqs, True)),
+        ((s, b, h, d), lambda x: FusedRoPECachedFunc.apply(x, ang.cos(), ang.sin()),
+         lambda x: fused_apply_rotary_pos_emb_cached(x, ang.cos(), ang.sin())),
+        ((5, h, d), lambda x: FusedRoPETHDFunc.apply(x, cu, freqs),
+         lambda x: fused_apply_rotary_pos_emb_thd(x, cu, freqs)),
+        ((b, ih * iw, h, d), lambda x: FusedRoPE2DFunc.apply(x, ih, iw, ah.cos(), ah.sin(), aw.cos(), aw.sin()),
+         lambda x: fused_apply_rotary_pos_emb_2d(x, ih, iw, ah.cos(), ah.sin(), aw.cos(), aw.sin())),
+    ]
+    for shape, cls_call, fn_call in cases:
+        t = randn(shape, BF16)
+        a, c = t.clone().requires_grad_(), t.clone().requires_grad_()
+        ya, yc = cls_call(a), fn_call(c)
+        assert torch.equal(ya, yc)
+        g = randn(ya.shape, BF16)
+        ya.backward(g)
+        yc.backward(g)
+        assert torch.equal(a.grad, c.grad)

@@ -27,6 +27,10 @@ from culmen.ops.rotary import rotary, rotary_planned
 from culmen.ops.rotary.launch import RotaryPlan
 
 __all__ = [
+    "FusedRoPE2DFunc",
+    "FusedRoPECachedFunc",
+    "FusedRoPEFunc",
+    "FusedRoPETHDFunc",
     "fused_apply_rotary_pos_emb",
     "fused_apply_rotary_pos_emb_2d",
     "fused_apply_rotary_pos_emb_cached",
@@ -261,3 +265,68 @@ def fused_apply_rotary_pos_emb_2d(t: Tensor, img_h: int, img_w: int, cos_h: Tens
     (``W >= img_w``). ``d`` must be divisible by 4. Returns ``[b, s, h, d]``; differentiable in ``t``.
     """
     return two_d(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w, False, True)
+
+
+# ------------------------------------------------------------------------------- autograd classes
+
+
+class FusedRoPEFunc(torch.autograd.Function):
+    """Apex's autograd class behind ``fused_apply_rotary_pos_emb``: ``FusedRoPEFunc.apply(t, freqs,
+    transpose_output_memory=False)``; the backward rotates the gradient back (the same kernel, angles negated)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, freqs: Tensor, transpose_output_memory: bool = False) -> Tensor:
+        ctx.save_for_backward(freqs)
+        ctx.transpose = transpose_output_memory
+        return sbhd_freqs(t, freqs, transpose_output_memory, False, False)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (freqs,) = ctx.saved_tensors
+        return sbhd_freqs(g, freqs, ctx.transpose, True, False), None, None
+
+
+class FusedRoPECachedFunc(torch.autograd.Function):
+    """``FusedRoPECachedFunc.apply(t, cos_, sin_, transpose_output_memory=False)``, behind
+    ``fused_apply_rotary_pos_emb_cached``."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, cos_: Tensor, sin_: Tensor, transpose_output_memory: bool = False) -> Tensor:
+        ctx.save_for_backward(cos_, sin_)
+        ctx.transpose = transpose_output_memory
+        return sbhd_cached(t, cos_, sin_, transpose_output_memory, False, False)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        cos_, sin_ = ctx.saved_tensors
+        return sbhd_cached(g, cos_, sin_, ctx.transpose, True, False), None, None, None
+
+
+class FusedRoPETHDFunc(torch.autograd.Function):
+    """``FusedRoPETHDFunc.apply(t, cu_seqlens, freqs)``, behind ``fused_apply_rotary_pos_emb_thd``."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, cu_seqlens: Tensor, freqs: Tensor) -> Tensor:
+        ctx.save_for_backward(cu_seqlens, freqs)
+        return thd_freqs(t, cu_seqlens, freqs, False, False)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        cu_seqlens, freqs = ctx.saved_tensors
+        return thd_freqs(g, cu_seqlens, freqs, True, False), None, None
+
+
+class FusedRoPE2DFunc(torch.autograd.Function):
+    """``FusedRoPE2DFunc.apply(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w)``, behind
+    ``fused_apply_rotary_pos_emb_2d``."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, img_h: int, img_w: int, cos_h: Tensor, sin_h: Tensor, cos_w: Tensor,
+                sin_w: Tensor) -> Tensor:
+        ctx.save_for_backward(cos_h, sin_h, cos_w, sin_w)
+        ctx.img = (img_h, img_w)
+        return two_d(t, img_h, img_w, cos_h, sin_h, cos_w, sin_w, False, False)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return (two_d(g, *ctx.img, *ctx.saved_tensors, True, False), None, None, None, None, None, None)
