@@ -30,6 +30,25 @@ from torch import Tensor
 from torch.nn import init
 from torch.nn.parameter import Parameter
 
+from culmen.normalization.stats_api import (  # noqa: F401 - Apex's names in this module
+    fused_layer_norm_affine_bwd,
+    fused_layer_norm_affine_bwd_fake,
+    fused_layer_norm_affine_fwd,
+    fused_layer_norm_affine_fwd_fake,
+    fused_layer_norm_bwd,
+    fused_layer_norm_bwd_fake,
+    fused_layer_norm_fwd,
+    fused_layer_norm_fwd_fake,
+    fused_rms_norm_affine_bwd,
+    fused_rms_norm_affine_bwd_fake,
+    fused_rms_norm_affine_fwd,
+    fused_rms_norm_affine_fwd_fake,
+    fused_rms_norm_bwd,
+    fused_rms_norm_bwd_fake,
+    fused_rms_norm_fwd,
+    fused_rms_norm_fwd_fake,
+    supports_custom_op,
+)
 from culmen.ops.common.plans import PlanCache
 from culmen.ops.layer_norm import layer_norm
 
