@@ -173,7 +173,12 @@ def apply_rotary_emb_qkv_(
     Q and K are rotated by one kernel launch (one autograd node), whatever qkv's strides, also with
     separate K tables.
     """
-    view, kw = _qkv_parts(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q)
+    if type(qkv) is Tensor and qkv.dim() == 5 and qkv.shape[2] == 3 and (cos_k is None) == (sin_k is None):
+        # the common layout without a helper call (the cached path's host budget, tests/host)
+        view, kw = _q_and_k, dict(cos=cos, sin=sin, cos_k=cos_k, sin_k=sin_k, seqlen_offsets=seqlen_offsets,
+                                  interleaved=interleaved)
+    else:
+        view, kw = _qkv_parts(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q)
     if qkv.requires_grad and (qkv._base if qkv._base is not None else qkv).is_leaf and torch.is_grad_enabled():
         return _PackedInPlace.apply(qkv, view, kw)
     rotary(view(qkv), **kw, inplace=True)
