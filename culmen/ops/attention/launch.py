@@ -388,7 +388,10 @@ class AttnPlan:
                          self.H, self.H // self.HK, *self.sizes, self.D, self.num_m, self.k_add, *self.scal)
         # TMA descriptors need 16-byte aligned row strides and a Hopper-class GPU (or the interpreter).
         es = q.element_size()
-        self.tma = ((TUNING["fp8_tma"] if self.v_t else TUNING["tma"] and not self.fp8) and not traced
+        # FP8 through TMA only on GPU tiles of 3+ stages: ptxas crashed (-11) on every 2-stage TMA variant swept
+        # (bench/notes/attention.md v7); the d256 FP8 tile has 2 and keeps the pointer loads.
+        fp8_tma = TUNING["fp8_tma"] and (not on_gpu or self.fwd_cfg[3] >= 3)
+        self.tma = ((fp8_tma if self.v_t else TUNING["tma"] and not self.fp8) and not traced
                     and not self.varlen and not any(self.copy[1:]) and not self.split_v and self.n_splits == 1
                     and all((s * es) % 16 == 0 for s in self.ks + self.vs)
                     and (not on_gpu or _nvidia_hopper(q.device)))
