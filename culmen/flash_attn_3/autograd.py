@@ -27,7 +27,7 @@ def round_multiple(x: int, m: int) -> int:
 
 
 def _detached(t):
-    return t.detach().requires_grad_(t.requires_grad) if isinstance(t, Tensor) and t.requires_grad else t
+    return t.detach().requires_grad_() if isinstance(t, Tensor) and t.requires_grad else t
 
 
 def _forward(ctx, fn, args: tuple, positions: tuple, n_args: int, return_softmax: bool):

@@ -83,15 +83,16 @@ def flat_dist_call(tensors: Sequence[Tensor], call, extra_args: tuple | None = N
     one flattened call per (dtype, device). After ``dist.all_reduce`` the result is divided by the
     group's size (Apex's convention: an average)."""
     for bucket in _split_by_type(tensors).values():
-        flat = torch._utils._flatten_dense_tensors(bucket)
-        kwargs = {} if group is None else {"group": group}
-        if extra_args is not None:
-            call(flat, *extra_args, **kwargs)
-        else:
-            call(flat, **kwargs)
-        if call is dist.all_reduce:
-            flat.div_(dist.get_world_size(group))
-        torch._foreach_copy_(list(bucket), list(torch._utils._unflatten_dense_tensors(flat, bucket)))
+        _flat_call(bucket, call, extra_args, group)
+
+
+def _flat_call(bucket: Sequence[Tensor], call, extra_args: tuple | None, group) -> None:
+    """``call`` on ``bucket`` (one dtype and device) flattened, averaged after ``dist.all_reduce``, copied back."""
+    flat = torch._utils._flatten_dense_tensors(bucket)
+    call(flat, *(extra_args or ()), **({} if group is None else {"group": group}))
+    if call is dist.all_reduce:
+        flat.div_(dist.get_world_size(group))
+    torch._foreach_copy_(list(bucket), list(torch._utils._unflatten_dense_tensors(flat, bucket)))
 
 
 def flatten(bucket: Sequence[Tensor]) -> Tensor:
@@ -112,11 +113,7 @@ def import_flatten_impl() -> None:
 def apply_flat_dist_call(bucket: Sequence[Tensor], call, extra_args: tuple | None = None) -> None:
     """Apex's ``apply_flat_dist_call``: ``call(flat, *extra_args)`` on the flattened ``bucket`` (one dtype and
     device), divided by the world size after ``dist.all_reduce``, then copied back into ``bucket``."""
-    flat = flatten(bucket)
-    call(flat, *(extra_args or ()))
-    if call is dist.all_reduce:
-        flat.div_(dist.get_world_size())
-    torch._foreach_copy_(list(bucket), list(unflatten(flat, bucket)))
+    _flat_call(bucket, call, extra_args, None)
 
 
 def split_half_float_double(tensors: Iterable[Tensor]) -> list[list[Tensor]]:

@@ -4,14 +4,13 @@ and against a direct float64 formula."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import culmen.flash_attn_3 as fa3
 from culmen.flash_attn import flash_attn_func, flash_attn_varlen_func
 from culmen.flash_attn.utils import testing as T
+from culmen.testing.attention import plain
 
 
 def test_random_padding_masks():
@@ -55,29 +54,13 @@ def test_local_and_chunk_masks_bottom_right():
     assert torch.equal(shifted[1, 0, 0], torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.bool))
 
 
-def _ref64(q, k, v, causal=False, window=(-1, -1)):
-    sq, sk = q.shape[1], k.shape[1]
-    g = q.shape[2] // k.shape[2]
-    k, v = k.double().repeat_interleave(g, 2), v.double().repeat_interleave(g, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k) / math.sqrt(q.shape[-1])
-    i = torch.arange(sq)[:, None] + sk - sq
-    j = torch.arange(sk)[None]
-    hide = torch.zeros(sq, sk, dtype=torch.bool)
-    right = 0 if causal else window[1]
-    if right >= 0:
-        hide |= j > i + right
-    if window[0] >= 0:
-        hide |= j < i - window[0]
-    p = torch.softmax(s.masked_fill(hide, float("-inf")), -1).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
-
-
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 2))])
 def test_attention_ref_matches_float64_and_culmen(causal, window):
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 7, 4, 16), torch.randn(2, 11, 2, 16), torch.randn(2, 11, 2, 16)
     out, attn = T.attention_ref(q, k, v, causal=causal, window_size=window)
-    torch.testing.assert_close(out.double(), _ref64(q, k, v, causal, window), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), plain(q, k, v, torch.float64, causal=causal, window=window),
+                               rtol=1e-5, atol=1e-5)
     assert attn.shape == (2, 4, 7, 11)
     torch.testing.assert_close(flash_attn_func(q, k, v, causal=causal, window_size=window), out,
                                rtol=1e-4, atol=1e-4)

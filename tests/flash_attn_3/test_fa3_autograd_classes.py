@@ -14,6 +14,14 @@ def _grads(out, inputs, g):
     return torch.autograd.grad(out, inputs, g)
 
 
+def _same_output_and_grads(out, want, inputs):
+    """``out`` equals ``want`` and, seeded with one random gradient, so do their gradients of ``inputs``."""
+    torch.testing.assert_close(out, want)
+    g = torch.randn_like(out)
+    for a, b in zip(_grads(out, inputs, g), _grads(want, inputs, g)):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_attn_func_class(causal):
     torch.manual_seed(0)
@@ -41,10 +49,7 @@ def test_flash_attn_func_class_with_qv_and_a_frozen_input():
     qv = torch.randn(1, 6, 2, 12, requires_grad=True)
     out = fa3.FlashAttnFunc.apply(q, k, v, None, True, qv)
     want = fa3.flash_attn_func(q, k, v, causal=True, qv=qv)
-    torch.testing.assert_close(out, want)
-    g = torch.randn_like(out)
-    for a, b in zip(_grads(out, (q, v, qv), g), _grads(want, (q, v, qv), g)):
-        torch.testing.assert_close(a, b)
+    _same_output_and_grads(out, want, (q, v, qv))
 
 
 def test_varlen_class_takes_seqused_before_max_lengths():
@@ -57,10 +62,7 @@ def test_varlen_class_takes_seqused_before_max_lengths():
     used_k = torch.tensor([5, 7], dtype=torch.int32)
     out = fa3.FlashAttnVarlenFunc.apply(q, k, v, cu_q, cu_k, None, used_k, 5, 7, None, True)
     want = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, seqused_k=used_k, causal=True)
-    torch.testing.assert_close(out, want)
-    g = torch.randn_like(out)
-    for a, b in zip(_grads(out, (q, k, v), g), _grads(want, (q, k, v), g)):
-        torch.testing.assert_close(a, b)
+    _same_output_and_grads(out, want, (q, k, v))
 
 
 def test_qkvpacked_class_and_helpers():

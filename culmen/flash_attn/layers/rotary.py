@@ -213,9 +213,9 @@ class ApplyRotaryEmb(torch.autograd.Function):
                 max_seqlen=None):
         kw = dict(cos=cos, sin=sin, seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                   interleaved=interleaved)
-        ctx.view, ctx.kw = _whole, kw
         if inplace:
             return _PackedInPlace.forward(ctx, x, _whole, kw)
+        ctx.view, ctx.kw = _whole, kw
         return rotary(x, **kw)
 
     @staticmethod

@@ -654,7 +654,7 @@ class AttnPlan:
             qv = qv.contiguous()
             dqv = torch.empty(self.o_shape, dtype=self.dtype, device=dev)
         # Per call: torch.use_deterministic_algorithms / culmen.set_deterministic may change any time.
-        atomic = self.atomic_ok and not deterministic_enabled() and grads is None
+        atomic = self.atomic_ok and not deterministic_enabled()  # False with grads (handled above)
         dq_acc = torch.zeros(self.q_shape, dtype=_F32, device=dev) if atomic else dq
         stream = None if traced else self.stream()
         if atomic and self.tma_dq:
