@@ -37,6 +37,7 @@ DEFAULTS = {
     # the dQ tile (BLOCK_M x d fp32) is staged in shared memory for the bulk reduce: fewer stages fit
     "dkdv_tma": "64,128,8,3 64,128,8,2 32,128,4,3 64,64,4,3",
 }
+_MAXNREG0 = None  # launch.TUNING["bwd_maxnreg"] as shipped: the caps every row keeps but the swept kernel's
 BASELINES = {"dkdv_atomic": ("det",), "dkdv_tma": ("det", "atomic")}
 
 
@@ -56,9 +57,17 @@ def _set(kind, label, cfg, d):
     launch.TUNING["tma"] = os.environ.get("CULMEN_ATTN_TMA", "0") == "1"
     launch.TUNING["atomic_dq"] = label == "atomic" or (label == "cfg" and kind == "dkdv_atomic")
     launch.TUNING["tma_dq"] = label == "cfg" and kind == "dkdv_tma"
+    global _MAXNREG0
+    if _MAXNREG0 is None:
+        _MAXNREG0 = dict(launch.TUNING["bwd_maxnreg"])
+    caps = dict(_MAXNREG0)
     if label == "cfg":
         bd = max(16, 1 << (d - 1).bit_length())
-        launch.TUNING[kind] = [(bd, *cfg)]
+        launch.TUNING[kind] = [(bd, *cfg[:4])]
+        caps.pop((kind, bd), None)
+        if len(cfg) > 4 and cfg[4]:  # a fifth number: the ptxas register cap of a backward kernel
+            caps[(kind, bd)] = cfg[4]
+    launch.TUNING["bwd_maxnreg"] = caps
 
 
 def _run(kind, label, d, causal, q, k, v, do):
@@ -111,7 +120,8 @@ def main() -> None:
     ap.add_argument("--d", default="128", help="head dims, comma-separated")
     ap.add_argument("--seqlen", default="8192", help="sequence lengths, comma-separated")
     ap.add_argument("--gqa", default="1", help="query heads per KV head, comma-separated")
-    ap.add_argument("--configs", default=None, help="space-separated BLOCK_M,BLOCK_N,warps,stages")
+    ap.add_argument("--configs", default=None,
+                    help="space-separated BLOCK_M,BLOCK_N,warps,stages[,maxnreg (backward kinds)]")
     ap.add_argument("--json", default=None)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--rep", type=int, default=200, help="do_bench rep (ms)")

@@ -120,6 +120,54 @@ def _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq
     return dk, dv
 
 
+@triton.jit
+def _dkdv_range(dk, dv, dvq, k, v, start, stop, GROUP, hb, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, alibi_ptr,
+                qv_ptr, sqs, sqh, sds, sdh, slh, sdqs, sdqh, stride_ab, q0, b, dd, dmask, j, sq, sk, D, qk_scale,
+                softcap, left, right, p_drop, rng_ptr, SQS, SKS,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                MASK: tl.constexpr, EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                DROPOUT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                ddv, dvmask, DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, TMA_DQ: tl.constexpr,
+                QV: tl.constexpr):
+    """Query blocks ``start, start + BLOCK_M, .. < stop`` of every query head of the key block's group, in one loop
+    (block by block, the group's heads within a block). ``hb``: the batch offsets of q / do / lse / dq, the
+    group's first head and ``b * H``."""
+    qb0, db0, lb0, dqb0, h0, bh0 = hb
+    nb = tl.cdiv(tl.maximum(stop - start, 0), BLOCK_M)
+    for t in range(0, nb * GROUP):
+        # Divide by GROUP (>= 1), never by nb: nb may be 0, and LLVM, free to assume a divisor is not 0, then
+        # dropped the zero-trip guard of the pipelined loads (illegal addresses on the GPU when GROUP == 1).
+        mb = t // GROUP
+        h = h0 + (t - mb * GROUP)
+        m0 = start + mb * BLOCK_M
+        h64 = h.to(tl.int64)
+        q_base = q_ptr + qb0 + h64 * sqh + q0 * sqs
+        do_base = do_ptr + db0 + h64 * sdh + q0 * sds
+        lse_base = lse_ptr + lb0 + h64 * slh + q0
+        delta_base = delta_ptr + lb0 + h64 * slh + q0
+        dq_base = dq_ptr + dqb0 + h64 * sdqh + q0 * sdqs
+        if TMA_DQ:  # bound to this head's rows of this sequence: the reduce drops rows >= sq, columns >= D
+            dq_desc = tl.make_tensor_descriptor(dq_base, shape=[sq, D], strides=[sdqs, 1],
+                                                block_shape=[BLOCK_M, BLOCK_D])
+        else:
+            dq_desc = dq_base
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32) * LOG2E
+        if QV:
+            qv_base = qv_ptr + db0 + h64 * sdh + q0 * sds
+            dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs, sds,
+                                         dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, BLOCK_M,
+                                         DOT_PREC, UPCAST, MASK, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT, HAS_RIGHT, ddv,
+                                         dvmask, EVEN_DV, CHUNK)
+        else:
+            dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, sqs, sds, sdqs,
+                                 dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr,
+                                 bh0 + h, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, MASK, EVEN_D, SOFTCAP, ALIBI,
+                                 DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK, TMA_DQ)
+    return dk, dv, dvq
+
+
 @_jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, alibi_ptr, rng_ptr, cu_q_ptr, cu_k_ptr,
@@ -180,64 +228,28 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     if QV:
         dvq = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    else:
+        dvq = 0.0
     lo, f0, f1, hi = _bounds_t(n0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, CHUNK)
-    for g in range(0, GROUP):
-        h = kh * GROUP + g
-        bh = b * H + h
-        q_base = q_ptr + b64 * sqb + h.to(tl.int64) * sqh + q0 * sqs
-        do_base = do_ptr + b64 * sdb + h.to(tl.int64) * sdh + q0 * sds
-        lse_base = lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0
-        delta_base = delta_ptr + b64 * slb + h.to(tl.int64) * slh + q0
-        dq_base = dq_ptr + b64 * sdqb + h.to(tl.int64) * sdqh + q0 * sdqs
-        if TMA_DQ:  # bound to this head's rows of this sequence: the reduce drops rows >= sq, columns >= D
-            dq_desc = tl.make_tensor_descriptor(dq_base, shape=[sq, D], strides=[sdqs, 1],
-                                                block_shape=[BLOCK_M, BLOCK_D])
-        else:
-            dq_desc = dq_base
-        if QV:
-            qv_base = qv_ptr + b64 * sdb + h.to(tl.int64) * sdh + q0 * sds
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = tl.load(alibi_ptr + b * stride_ab + h).to(tl.float32) * LOG2E
-        for m0 in range(lo, f0, BLOCK_M):
-            if QV:
-                dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs,
-                                             sds, dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right,
-                                             BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
-                                             HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
-            else:
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, sqs, sds,
-                                     sdqs,
-                                     dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
-                                     rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI,
-                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK,
-                                     TMA_DQ)
-        for m0 in range(f0, f1, BLOCK_M):
-            if QV:
-                dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs,
-                                             sds, dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right,
-                                             BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
-                                             HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
-            else:
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, sqs, sds,
-                                     sdqs,
-                                     dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
-                                     rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI,
-                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK,
-                                     TMA_DQ)
-        for m0 in range(f1, hi, BLOCK_M):
-            if QV:
-                dk, dv, dvq = _dkdv_block_qv(dk, dv, dvq, k, v, q_base, qv_base, do_base, lse_base, delta_base, sqs,
-                                             sds, dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right,
-                                             BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, HAS_LEFT,
-                                             HAS_RIGHT, ddv, dvmask, EVEN_DV, CHUNK)
-            else:
-                dk, dv = _dkdv_block(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, sqs, sds,
-                                     sdqs,
-                                     dd, dmask, j, m0, sq, sk, qk_scale, softcap, slope2, left, right, p_drop,
-                                     rng_ptr, bh, SQS, SKS, BLOCK_M, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI,
-                                     DROPOUT, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK,
-                                     TMA_DQ)
+    # One loop per block kind over (query head of the group, query block), not a head loop around three block
+    # loops: Triton pipelines each loop alone, and the nested form held the pipeline state of all three across
+    # the head loop (255 registers and spills at d64 against ~170; 2 programs per SM instead of 3).
+    hb = (b64 * sqb, b64 * sdb, b64 * slb, b64 * sdqb, kh * GROUP, b * H)
+    dk, dv, dvq = _dkdv_range(dk, dv, dvq, k, v, lo, f0, GROUP, hb, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                              alibi_ptr, qv_ptr, sqs, sqh, sds, sdh, slh, sdqs, sdqh, stride_ab, q0, b, dd, dmask, j,
+                              sq, sk, D, qk_scale, softcap, left, right, p_drop, rng_ptr, SQS, SKS, BLOCK_M,
+                              BLOCK_D, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT,
+                              ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK, TMA_DQ, QV)
+    dk, dv, dvq = _dkdv_range(dk, dv, dvq, k, v, f0, f1, GROUP, hb, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                              alibi_ptr, qv_ptr, sqs, sqh, sds, sdh, slh, sdqs, sdqh, stride_ab, q0, b, dd, dmask, j,
+                              sq, sk, D, qk_scale, softcap, left, right, p_drop, rng_ptr, SQS, SKS, BLOCK_M,
+                              BLOCK_D, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT,
+                              ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK, TMA_DQ, QV)
+    dk, dv, dvq = _dkdv_range(dk, dv, dvq, k, v, f1, hi, GROUP, hb, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                              alibi_ptr, qv_ptr, sqs, sqh, sds, sdh, slh, sdqs, sdqh, stride_ab, q0, b, dd, dmask, j,
+                              sq, sk, D, qk_scale, softcap, left, right, p_drop, rng_ptr, SQS, SKS, BLOCK_M,
+                              BLOCK_D, DOT_PREC, UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT,
+                              ATOMIC_DQ, ddv, dvmask, DV, EVEN_DV, CHUNK, TMA_DQ, QV)
     dk = dk * (qk_scale * LN2)
     if QV:
         dv = dv + dvq * (qk_scale * LN2)

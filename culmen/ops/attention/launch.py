@@ -60,12 +60,19 @@ TUNING = PlanTuning({
     # loop over queries. Measured on an H100 (bench/notes/attention.md).
     "fwd": [(64, 128, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2), (512, 64, 32, 8, 1)],
     "dkdv": [(64, 64, 64, 4, 3), (128, 64, 128, 8, 3), (256, 64, 32, 4, 2), (512, 32, 32, 8, 1)],
-    "dq": [(64, 128, 32, 4, 3), (128, 128, 64, 8, 3), (256, 128, 32, 8, 2), (512, 32, 32, 8, 1)],
+    "dq": [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (256, 128, 32, 8, 2), (512, 32, 32, 8, 1)],
     "dkdv_atomic": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     # The dK/dV kernel of "tma_dq" (its dQ tile is staged in shared memory for the bulk reduce); swept on the
     # H200 (bench/notes/attention.md v6): 64x128x8x3 best or within 3% at d128.
     "dkdv_tma": [(64, 64, 128, 8, 3), (128, 64, 128, 8, 3), (256, 32, 64, 4, 2), (512, 32, 32, 8, 1)],
     "pre_block_m": 64,
+    # Register cap (ptxas ``maxnreg``) per (backward kernel kind, max padded head dim of its tile row); absent:
+    # none. The dK/dV and dQ kernels use every register ptxas allows (255 at d64's 64x64x4 tile), which leaves
+    # 2 programs of 4 warps per SM; a cap trades a few spills for a third program (ncu: 12.5% occupancy).
+    # H200, d64 s2k GQA 32/8 (bench/notes/attention.md v8): dQ 128x64x8x3 capped at 128 registers (2 programs of 8
+    # warps per SM) 1.406 ms causal / 2.258 full for the whole backward, against 1.455 / 2.360 for 128x32x4x3.
+    # At d128 every cap tried spilled badly (2-6x slower).
+    "bwd_maxnreg": {("dq", 64): 128},
     # KV-cache calls with at most SPLIT_MAX_SEQLEN_Q query rows (decoding; with pack-GQA the rows are the query
     # heads of one KV head): a 16-row query tile, the loop streaming wide key blocks. Same columns as "fwd".
     "decode": [(64, 16, 128, 4, 3), (128, 16, 128, 4, 3), (256, 16, 64, 4, 2), (512, 16, 32, 4, 1)],
@@ -145,6 +152,16 @@ def _blocks(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> tuple[
         if width <= dmax:
             return bm, bn, w, st
     raise ValueError(f"head dim {block_d} too large for the attention kernels")
+
+
+def _bwd_options(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> dict | None:
+    """Compile options of a backward kernel: ``maxnreg`` from ``TUNING["bwd_maxnreg"]`` (GPU only)."""
+    if not on_gpu:
+        return None
+    width = block_d * (2 if dtype == torch.float32 else 1)
+    dmax = next((row[0] for row in TUNING[kind] if width <= row[0]), None)
+    n = TUNING["bwd_maxnreg"].get((kind, dmax))
+    return {"maxnreg": n} if n else None
 
 
 def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
@@ -591,20 +608,20 @@ class AttnPlan:
         b.dkdv, b.dkdv_ints = {}, {}
         for atomic in ((False, True) if self.atomic_ok and not into_inputs else (False,)):
             tma = atomic and self.tma_dq
-            bm, bn, warps, stages = _blocks("dkdv_tma" if tma else "dkdv_atomic" if atomic else "dkdv", self.block_w,
-                                            gpu, dt)
+            kind = "dkdv_tma" if tma else "dkdv_atomic" if atomic else "dkdv"
+            bm, bn, warps, stages = _blocks(kind, self.block_w, gpu, dt)
             num_n = cdiv(self.sk, bn)
             b.dkdv[atomic] = Launch(_attn_bwd_dkdv_kernel, (num_n * B * self.HK,),
                                     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, ATOMIC_DQ=atomic, SU=su,
                                          TMA_DQ=tma),
-                                    warps, stages, device=dev)
+                                    warps, stages, device=dev, options=_bwd_options(kind, self.block_w, gpu, dt))
             b.dkdv_ints[atomic] = (*qkvd, *u(dks), *u(dvs), *u(dqs), *common, H, self.HK, H // self.HK,
                                    *self.sizes, self.D, num_n, *self.scal)
         bm, bn, warps, stages = _blocks("dq", self.block_w, gpu, dt)
         num_m = cdiv(self.sq, bm)
         b.dq = Launch(_attn_bwd_dq_kernel, (num_m * B * H,),
                       dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
-                           SU=su), warps, stages, device=dev)
+                           SU=su), warps, stages, device=dev, options=_bwd_options("dq", self.block_w, gpu, dt))
         b.dq_ints = (*qkvd, *u(dqs), *common, H, H // self.HK, *self.sizes, self.D, num_m, *self.scal)
         return b
 
