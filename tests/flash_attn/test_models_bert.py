@@ -106,7 +106,10 @@ def _compare_grads(model, hf_grads_hi, hf_grads_lo, cfg, label):
     checked = 0
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{label}: no gradient for {name}"
-        assert_close_tolerance(p.grad, hi[name], lo[name], name=f"{label} d{name}")
+        # flash_attn's rule for gradients (3x the low-precision error): a parameter's gradient here sums the
+        # rounding of every kernel after it, and at 2x the fp16 case failed by 0.01% of its budget when the
+        # attention backward changed only its accumulation order (H200, 2026-11-27).
+        assert_close_tolerance(p.grad, hi[name], lo[name], factor=3.0, name=f"{label} d{name}")
         checked += 1
     assert checked == len(list(model.parameters()))
 
