@@ -2,7 +2,8 @@
 ``d512`` (host-bound there), a few steps each under ``cProfile`` (culmen's Python, by own time) and under
 ``torch.profiler`` (aten ops and autograd nodes, by CPU time).
 
-``python scripts/train_step_profile.py [style] [size] [kernels]``; ``kernels``: instead of the host profiles,
+``python scripts/train_step_profile.py [style] [size] [kernels]``; the host profile ends with the culmen
+``Launch`` objects that never bound the direct launcher. ``kernels``: instead of the host profiles,
 the device time per step of each CUDA kernel (largest first) and their sum, to tell a host-bound step from a
 device-bound one.
 """
@@ -17,6 +18,19 @@ import time
 import torch
 
 from culmen.bench.models import build_model, build_optimizer, make_batch, model_config
+
+
+def _unbound_launches() -> None:
+    """Every culmen ``Launch`` that has not bound the direct launcher (each call pays Triton's dispatch)."""
+    import gc
+
+    from culmen.ops.common.launch import Launch
+
+    seen = [o for o in gc.get_objects() if isinstance(o, Launch)]
+    slow = [o for o in seen if o._run is None]
+    print(f"launches: {len(seen)}, unbound: {len(slow)}")
+    for o in slow[:20]:
+        print(f"   unbound {o.fn.__name__ if hasattr(o.fn, '__name__') else o.fn}: {o.error}")
 
 
 def main() -> None:
@@ -69,6 +83,7 @@ def main() -> None:
             pr.disable()
             torch.cuda.synchronize()
             pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+            _unbound_launches()
         del model, opt, step
 
 

@@ -354,8 +354,11 @@ def _decoder(impl: str, arch: Arch, weights: dict[str, torch.Tensor], dev: torch
     if static and dev.type != "cuda":
         raise RuntimeError("compiled static-cache decoding is timed on CUDA only")
     model = build_hf(arch, "hf_sdpa", weights, dev, dtype).eval()
-    if static:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    # transformers' generate compiles the decoding step itself when the cache is static (its default
+    # CompileConfig: torch.compile with CUDA graphs); compiling model.forward here as well wrapped one graph in
+    # another, and the second decode read a CUDA-graph output the next replay had overwritten (transformers 5.x).
+    if static and getattr(model.generation_config, "disable_compile", False):
+        model.generation_config.disable_compile = False
     return lambda: _decode_hf(model, ids, new, static)
 
 
