@@ -25,11 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-        torch.int64: "*i64", torch.uint8: "*u8"}
+from sm90_compile import compile_sm90  # noqa: E402
 
 
 def _capture(d: int, causal: bool, gqa: int) -> dict:
@@ -61,26 +57,8 @@ def _compile(la, args, over: dict):
         bm, bn, warps, stages = tile
         meta.update(BLOCK_M=bm, BLOCK_N=bn)
     meta.update(over)
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(la.fn.arg_names):
-        a = meta[name] if name in meta else args[i]
-        if name in meta or a is None:
-            sig[name] = "constexpr"
-            consts[(i,)] = a
-        elif isinstance(a, torch.Tensor):
-            sig[name] = _PTR[a.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(a, bool):
-            sig[name] = "i1"
-        elif isinstance(a, int):
-            sig[name] = "i32"
-            if a and a % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32"
-    compiled = triton.compile(ASTSource(la.fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True,
-                                           **({"maxnreg": maxnreg} if maxnreg else {})))
+    compiled = compile_sm90(la.fn, args, meta, dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True,
+                                                    **({"maxnreg": maxnreg} if maxnreg else {})))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")

@@ -23,11 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-_PTR = {torch.float8_e4m3fn: "*fp8e4nv", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-        torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
+from sm90_compile import compile_sm90  # noqa: E402
 
 
 def _capture(causal: bool, tuning: dict):
@@ -59,25 +55,7 @@ def main() -> None:
     warps, stages = int(over.pop("W", 8)), int(over.pop("S", 3))
     for name, val in over.items():
         meta[name] = bool(int(val)) if val in ("0", "1") else int(val)
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(la.fn.arg_names):
-        a = meta[name] if name in meta else args[i]
-        if name in meta or a is None:
-            sig[name] = "constexpr"
-            consts[(i,)] = a
-        elif isinstance(a, torch.Tensor):
-            sig[name] = _PTR[a.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(a, bool):
-            sig[name] = "i1"
-        elif isinstance(a, int):
-            sig[name] = "i32"
-            if a and a % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32"
-    compiled = triton.compile(ASTSource(la.fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
+    compiled = compile_sm90(la.fn, args, meta, dict(num_warps=warps, num_stages=stages))
     ttgir = compiled.asm["ttgir"]
     if out:
         with open(out, "w") as f:
