@@ -33,6 +33,7 @@ from culmen.flash_attn import flash_attn_2_cuda as flash_attn_gpu
 from culmen.flash_attn.flash_attn_2_cuda import gather_keys
 from culmen.ops.attention.kvcache import attention_kvcache
 from culmen.ops.attention.op import attention, attention_varlen
+from culmen.ops.attention.reference import round_multiple  # flash_attn_interface.round_multiple, imported by others
 
 __all__ = [
     "FlashAttnFunc",
@@ -332,11 +333,6 @@ def flash_attn_with_kvcache(
 def maybe_contiguous(x: Tensor | None) -> Tensor | None:
     """``x`` with a unit-stride last dim (a copy only when it has none); ``None`` stays ``None``."""
     return x.contiguous() if x is not None and x.stride(-1) != 1 else x
-
-
-def round_multiple(x: int, m: int) -> int:
-    """``x`` rounded up to a multiple of ``m``."""
-    return (x + m - 1) // m * m
 
 
 def _fresh(t: Tensor) -> Tensor:

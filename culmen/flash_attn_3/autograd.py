@@ -13,17 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# FA3's helpers are flash_attn 2's, under the same names
+from culmen.flash_attn.flash_attn_interface import maybe_contiguous, round_multiple
+
 __all__ = ["FlashAttnFunc", "FlashAttnQKVPackedFunc", "FlashAttnVarlenFunc", "maybe_contiguous", "round_multiple"]
-
-
-def maybe_contiguous(x: Tensor | None) -> Tensor | None:
-    """``x`` with a unit last-dim stride (a contiguous copy only when it has another); ``None`` passes."""
-    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
-
-
-def round_multiple(x: int, m: int) -> int:
-    """``x`` rounded up to a multiple of ``m``."""
-    return (x + m - 1) // m * m
 
 
 def _detached(t):

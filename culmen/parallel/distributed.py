@@ -71,11 +71,16 @@ __all__ = ["DistributedDataParallel", "Reducer", "ReduceOp", "apply_flat_dist_ca
 # ---------------------------------------------------------------------------------------------
 
 
-def _split_by_type(tensors: Iterable[Tensor]) -> OrderedDict:
+def _buckets(tensors: Iterable[Tensor], key) -> OrderedDict:
+    """``tensors`` grouped by ``key(t)``, groups in order of first appearance."""
     buckets: OrderedDict = OrderedDict()
     for t in tensors:
-        buckets.setdefault((t.dtype, t.device), []).append(t)
+        buckets.setdefault(key(t), []).append(t)
     return buckets
+
+
+def _split_by_type(tensors: Iterable[Tensor]) -> OrderedDict:
+    return _buckets(tensors, lambda t: (t.dtype, t.device))
 
 
 def flat_dist_call(tensors: Sequence[Tensor], call, extra_args: tuple | None = None, group=None) -> None:
@@ -119,18 +124,15 @@ def apply_flat_dist_call(bucket: Sequence[Tensor], call, extra_args: tuple | Non
 def split_half_float_double(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     """Apex's ``split_half_float_double``: the CUDA half, float and double tensors of ``tensors``, one list per
     type that occurs, in that order (other tensors are left out, as in Apex)."""
-    kinds = ("torch.cuda.HalfTensor", "torch.cuda.FloatTensor", "torch.cuda.DoubleTensor")
-    tensors = list(tensors)
-    return [b for b in ([t for t in tensors if t.type() == k] for k in kinds) if b]
+    buckets = split_by_type(tensors)
+    return [buckets[k] for k in ("torch.cuda.HalfTensor", "torch.cuda.FloatTensor", "torch.cuda.DoubleTensor")
+            if k in buckets]
 
 
 def split_by_type(tensors: Iterable[Tensor]) -> OrderedDict:
     """Apex's ``split_by_type``: ``tensors`` grouped by ``Tensor.type()`` (e.g. ``"torch.cuda.HalfTensor"``),
     in order of first appearance."""
-    buckets: OrderedDict = OrderedDict()
-    for t in tensors:
-        buckets.setdefault(t.type(), []).append(t)
-    return buckets
+    return _buckets(tensors, Tensor.type)
 
 
 def extract_tensors(maybe_tensor: Any, tensor_list: list[Tensor]) -> None:

@@ -235,9 +235,9 @@ def _attn_bwd_dkdv_kernel(
     else:
         dvq = 0.0
     lo, f0, f1, hi = _bounds_t(n0, sq, sk, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, CHUNK)
-    # One loop per block kind over (query head of the group, query block), not a head loop around three block
-    # loops: Triton pipelines each loop alone, and the nested form held the pipeline state of all three across
-    # the head loop (255 registers and spills at d64 against ~170; 2 programs per SM instead of 3).
+    # One flat loop per block kind over (query block, query head of the group), not a head loop around three
+    # block loops: the nested form spilled (255 registers and a 712 B stack at d64 under Triton 3.6); flat, the
+    # spills are gone (bench/notes/attention.md v8).
     hb = (b64 * sqb, b64 * sdb, b64 * slb, b64 * sdqb, kh * GROUP, b * H)
     ptrs = (q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, alibi_ptr, qv_ptr, rng_ptr)
     strides = (sqs, sqh, sds, sdh, slh, sdqs, sdqh, stride_ab)

@@ -143,24 +143,27 @@ def use_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, return_
     return supported(dtype, head_dim, return_probs)
 
 
+def _tile_row(kind: str, block_d: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """The first ``TUNING[kind]`` row ``(max padded head dim, BLOCK_M, BLOCK_N, warps, stages)`` that fits."""
+    width = block_d * (2 if dtype == torch.float32 else 1)  # bytes per row / 2
+    for row in TUNING[kind]:
+        if width <= row[0]:
+            return row
+    raise ValueError(f"head dim {block_d} too large for the attention kernels")
+
+
 def _blocks(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> tuple[int, int, int, int]:
     if not on_gpu:
         b = TUNING["interp_block"]
         return b, b, 4, 1
-    width = block_d * (2 if dtype == torch.float32 else 1)  # bytes per row / 2
-    for dmax, bm, bn, w, st in TUNING[kind]:
-        if width <= dmax:
-            return bm, bn, w, st
-    raise ValueError(f"head dim {block_d} too large for the attention kernels")
+    return _tile_row(kind, block_d, dtype)[1:]
 
 
 def _bwd_options(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> dict | None:
     """Compile options of a backward kernel: ``maxnreg`` from ``TUNING["bwd_maxnreg"]`` (GPU only)."""
     if not on_gpu:
         return None
-    width = block_d * (2 if dtype == torch.float32 else 1)
-    dmax = next((row[0] for row in TUNING[kind] if width <= row[0]), None)
-    n = TUNING["bwd_maxnreg"].get((kind, dmax))
+    n = TUNING["bwd_maxnreg"].get((kind, _tile_row(kind, block_d, dtype)[0]))
     return {"maxnreg": n} if n else None
 
 
