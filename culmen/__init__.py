@@ -29,12 +29,20 @@ __version__ = "0.1.0"
 _APEX_EAGER = ("amp", "fp16_utils", "normalization", "optimizers", "parallel", "transformer")
 
 __all__ = ["__version__", "check_cudnn_version_and_warn", "deprecated_warning", "deterministic_enabled",
-           "set_deterministic", *_APEX_EAGER]
+           "set_compile_fusion", "set_deterministic", *_APEX_EAGER]
 
 
 def set_deterministic(flag: bool) -> None:
     """Make every culmen backward bitwise reproducible; see ``culmen.ops.backend.set_deterministic``."""
     from culmen.ops.backend import set_deterministic as _set  # lazy: ``import culmen`` stays light
+
+    _set(flag)
+
+
+def set_compile_fusion(flag: bool) -> None:
+    """Under ``torch.compile``, let Inductor fuse culmen's norms, rotary and activations with their
+    neighbours (``True``, the default); see ``culmen.ops.backend.set_compile_fusion``."""
+    from culmen.ops.backend import set_compile_fusion as _set
 
     _set(flag)
 

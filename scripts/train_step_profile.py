@@ -2,10 +2,11 @@
 ``d512`` (host-bound there), a few steps each under ``cProfile`` (culmen's Python, by own time) and under
 ``torch.profiler`` (aten ops and autograd nodes, by CPU time).
 
-``python scripts/train_step_profile.py [style] [size] [kernels]``; the host profile ends with the culmen
+``python scripts/train_step_profile.py [style] [size] [kernels] [compile]``; the host profile ends with the culmen
 ``Launch`` objects that never bound the direct launcher. ``kernels``: instead of the host profiles,
 the device time per step of each CUDA kernel (largest first) and their sum, to tell a host-bound step from a
-device-bound one.
+device-bound one. ``compile``: the models wrapped in ``torch.compile`` (``compile_model(model, "model")``);
+``culmen-only``: skip the PyTorch model.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from culmen.bench.models import build_model, build_optimizer, make_batch, model_config
+from culmen.bench.models import build_model, build_optimizer, compile_model, make_batch, model_config
 
 
 def _unbound_launches() -> None:
@@ -39,9 +40,11 @@ def main() -> None:
     cfg = model_config(style, size)
     dev = torch.device("cuda")
     tokens, labels = make_batch(cfg, dev)
-    for impl in ("torch", "culmen"):
+    for impl in ("culmen",) if "culmen-only" in sys.argv[3:] else ("torch", "culmen"):
         model = build_model(cfg, impl, dev, torch.bfloat16)
         opt = build_optimizer(model, impl)
+        if "compile" in sys.argv[3:]:
+            model = compile_model(model, "model")
 
         def step(model=model, opt=opt):
             model(tokens, labels).backward()
@@ -58,7 +61,7 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 5 * 1e3
         print(f"== {impl} {style} {size}: host {host:.2f} ms/step (enqueue), wall {wall:.2f} ms/step", flush=True)
-        if len(sys.argv) > 3 and sys.argv[3] == "kernels":
+        if "kernels" in sys.argv[3:]:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     step()
@@ -66,7 +69,7 @@ def main() -> None:
             rows = sorted(((e.device_time_total / 3e3, e.count // 3, e.key) for e in prof.key_averages()
                            if e.device_time_total > 0), reverse=True)
             print(f"   kernels {sum(r[0] for r in rows):.2f} ms/step", flush=True)
-            for t, n, key in rows[:16]:
+            for t, n, key in rows[:28]:
                 print(f"   {t:7.3f} ms x{n:<4d} {key[:100]}", flush=True)
             del model, opt, step
             continue

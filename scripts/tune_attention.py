@@ -110,6 +110,20 @@ def _sdpa(q, k, v, do, causal):
     return o.transpose(1, 2), *(t.transpose(1, 2) for t in grads)
 
 
+def _cudnn_fwd(q, k, v, causal):
+    """SDPA's cuDNN forward on the same inputs (``(B, h, s, d)`` views, GQA by ``enable_gqa``)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+    return run
+
+
 def _ints(text):
     return [int(x) for x in str(text).split(",")]
 
@@ -143,6 +157,16 @@ def main() -> None:
             ref = _sdpa(q, k, v, do, causal)
             B, _, h, _ = q.shape
             flops = 4 * B * h * s * s * d * (0.5 if causal else 1.0) * (1.0 if a.kind == "fwd" else 2.5)
+            if a.kind == "fwd":  # the peer to beat, same inputs, same process
+                row = dict(kind=a.kind, d=d, seqlen=s, gqa=gqa, causal=causal, row="cudnn", cfg=None)
+                try:
+                    ms = do_bench(_cudnn_fwd(q, k, v, causal), warmup=25, rep=a.rep, return_mode="median")
+                    row.update(ms=ms, tflops=flops / ms / 1e9)
+                    print(f"tma={tma} fwd   d{d} s{s} gqa{gqa} {'causal' if causal else 'full  '} {'cudnn':18} "
+                          f"{ms:8.3f} ms {row['tflops']:6.1f} TFLOP/s", flush=True)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                rows.append(row)
             for label, cfg in rows_spec:
                 row = dict(kind=a.kind, d=d, seqlen=s, gqa=gqa, causal=causal, row=label, cfg=cfg)
                 err = errs[(a.kind, label, cfg, d, 1024, gqa)]

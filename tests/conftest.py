@@ -60,6 +60,20 @@ def reference_backend():
         yield
 
 
+@pytest.fixture(params=[True, False], ids=["fusion", "kernels"])
+def compile_fusion(request):
+    """Both ``torch.compile`` forms of the fusable ops: their PyTorch formulas (``True``, the default) and the
+    ``triton_op``s (``culmen.set_compile_fusion(False)``)."""
+    from culmen.ops import backend
+
+    prev = backend.compile_fusion_enabled()
+    backend.set_compile_fusion(request.param)
+    torch._dynamo.reset()
+    yield request.param
+    backend.set_compile_fusion(prev)
+    torch._dynamo.reset()
+
+
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_GPU else "cpu")

@@ -247,13 +247,20 @@ class CulmenLlamaBlock(nn.Module):
 
     def forward(self, h: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         from culmen.flash_attn import flash_attn_func
-        from culmen.flash_attn.layers.rotary import apply_rotary_emb_qkv_
+        from culmen.flash_attn.layers.rotary import apply_rotary_emb, apply_rotary_emb_qkv_
         from culmen.flash_attn.ops.activations import swiglu
 
         B, S, d = h.shape
         x, residual = self.attn_norm(h, residual, prenorm=True)
-        qkv = apply_rotary_emb_qkv_(self.qkv(x).view(B, S, 3, self.heads, d // self.heads), cos, sin)
-        q, k, v = qkv.unbind(2)
+        qkv = self.qkv(x).view(B, S, 3, self.heads, d // self.heads)
+        if torch.compiler.is_compiling():
+            # Out of place under torch.compile: Inductor cannot rotate a slice of qkv in place (each element
+            # needs its pair), so the in-place form costs an fp32 buffer plus two copies of Q and K per layer
+            # (scripts/compile_graph_dump.py); rotated out of place, Q and K come from one fused kernel.
+            q, k = apply_rotary_emb(qkv[:, :, :2].flatten(2, 3), cos, sin).unflatten(2, (2, -1)).unbind(2)
+            v = qkv[:, :, 2]
+        else:  # in place in eager: the packed gradient needs no slice-backward zero fills and copies
+            q, k, v = apply_rotary_emb_qkv_(qkv, cos, sin).unbind(2)
         h = self.o_proj(flash_attn_func(q, k, v, causal=True).reshape(B, S, d))
         x, residual = self.mlp_norm(h, residual, prenorm=True)
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x))), residual

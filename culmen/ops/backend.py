@@ -162,6 +162,31 @@ def deterministic_enabled() -> bool:
     return _DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
 
 
+_COMPILE_FUSION = os.environ.get("CULMEN_COMPILE_FUSION", "1") not in ("", "0")
+
+
+def set_compile_fusion(flag: bool) -> None:
+    """Under ``torch.compile``, trace the ops Inductor generates as well as culmen's kernels as their plain
+    PyTorch formulas (``True``, the default), or keep every op a ``triton_op`` (``False``).
+
+    The ops concerned are pointwise or one-row reductions: LayerNorm / RMSNorm without dropout (with the
+    fused residual add), rotary embeddings of dense ``(batch, seqlen, ...)`` inputs, and the activations
+    (``bias_act``, the gated ones). Their kernels match Inductor's on the GPU, but an opaque op stops
+    Inductor from fusing across it, and an in-place rotary of a packed ``qkv`` cost copies of the whole
+    tensor around the op (H200, LLaMA-1B step: ~6 ms of copy kernels). Attention, the fused losses and
+    everything with RNG-dependent masks stay culmen's kernels. Eager calls never read this switch;
+    starts from ``CULMEN_COMPILE_FUSION`` (``0`` turns it off)."""
+    global _COMPILE_FUSION
+    if not isinstance(flag, bool):
+        raise TypeError(f"set_compile_fusion expects a bool, got {type(flag).__name__}")
+    _COMPILE_FUSION = flag
+
+
+def compile_fusion_enabled() -> bool:
+    """The switch of ``set_compile_fusion`` (read only while ``torch.compile`` traces)."""
+    return _COMPILE_FUSION
+
+
 _NULL_GUARD = contextlib.nullcontext()
 
 

@@ -307,7 +307,7 @@ def test_bad_inputs_raise():
         gated_act(x, x, "relu_ge0")
 
 
-def test_torch_compile_fullgraph(backend):
+def test_torch_compile_fullgraph(backend, compile_fusion):
     """Under torch.compile the ops are custom-op nodes (no graph break) with the eager results."""
     x = randn((5, 40), requires_grad=True)
     b = randn(40, requires_grad=True)

@@ -482,7 +482,7 @@ def test_backward_is_deterministic(triton_backend, rms):
 
 
 @pytest.mark.parametrize("compile_backend", BACKENDS)
-def test_torch_compile_fullgraph(compile_backend, monkeypatch):
+def test_torch_compile_fullgraph(compile_backend, compile_fusion, monkeypatch):
     set_backend(compile_backend)
     torch._dynamo.reset()
     M, N = 6, 48

@@ -305,7 +305,7 @@ def test_empty(backend):
 
 
 @pytest.mark.parametrize("compile_backend", ["reference", "triton"])
-def test_torch_compile_fullgraph(compile_backend, monkeypatch):
+def test_torch_compile_fullgraph(compile_backend, compile_fusion, monkeypatch):
     set_backend(compile_backend)
     torch._dynamo.reset()
     B, S, H, D = 2, 5, 2, 12
@@ -337,7 +337,7 @@ def test_torch_compile_fullgraph(compile_backend, monkeypatch):
 
 
 @pytest.mark.parametrize("compile_backend", ["reference", "triton"])
-def test_torch_compile_qkv_varlen_apex(compile_backend):
+def test_torch_compile_qkv_varlen_apex(compile_backend, compile_fusion):
     """The API forms under torch.compile (fullgraph): packed QKV with XPos keys (one op for both head
     groups, in place with autograd), packed sequences, and Apex's sbhd RoPE with angle tables."""
     from culmen.flash_attn.layers.rotary import apply_rotary_emb_qkv_

@@ -10,9 +10,12 @@ ops ``torch.compile`` traces.
 The call path (DESIGN.md): an eager call builds a key from its signature and looks up a cached plan
 (``launch.ActPlan`` / ``ActBwdPlan`` / ``GluPlan``; validation ran when the plan was built); with
 autograd recording it goes through a plain ``autograd.Function`` (its C-level ``apply``), otherwise
-straight to the plan. Under ``torch.compile`` the ops are ``triton_op``s (``culmen::act_fwd``,
-``act_bwd``, ``glu_fwd``, ``glu_bwd``) whose bodies launch through ``wrap_triton``, so Inductor launches
-the kernels itself; the differentiable ones carry their backward through ``register_autograd``.
+straight to the plan. Under ``torch.compile``, ``bias_act`` and ``gated_act`` trace their PyTorch formulas
+(fp32 math, ``reference.py``), which Inductor fuses with their neighbours, unless
+``culmen.set_compile_fusion(False)``; the raw functions, and those two with the switch off, are
+``triton_op``s (``culmen::act_fwd``, ``act_bwd``, ``glu_fwd``, ``glu_bwd``) whose bodies launch through
+``wrap_triton``, so Inductor launches the kernels itself; the differentiable ones carry their backward
+through ``register_autograd``.
 
 ``gated_act`` on the two halves of one tensor (``h.chunk(2, -1)``, the usual fused gate/up projection)
 runs the kernels on the halves in place (row stride ``2N``), and when autograd records it takes the
@@ -40,10 +43,12 @@ from culmen.ops.activations.launch import (
     ActPlan,
     GluPlan,
     check_activation,
+    check_bias,
     check_same,
     check_tensor,
 )
-from culmen.ops.backend import register_op
+from culmen.ops.activations.reference import act_fwd_ref, glu_fwd_ref
+from culmen.ops.backend import compile_fusion_enabled, register_op
 from culmen.ops.common.function import raw_apply
 
 register_op("act_fwd", "activations", "act(x + bias): none/relu/sigmoid/gelu/gelu_tanh/sqrelu/silu")
@@ -175,6 +180,11 @@ def bias_act(x: Tensor, bias: Tensor | None = None, activation: str = "gelu") ->
     reduced in the same kernel pass as ``dx`` (fp32 accumulation).
     """
     if torch.compiler.is_compiling():
+        if compile_fusion_enabled():  # plain PyTorch, which Inductor fuses with its neighbours
+            check_tensor("x", x)
+            if bias is not None:
+                check_bias(x, bias)
+            return act_fwd_ref(x, bias, check_activation(activation))
         return act_fwd_op(x, bias, activation)
     plan = act_plan(x, bias, activation)
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
@@ -194,6 +204,11 @@ def gated_act(x: Tensor, u: Tensor, activation: str = "silu") -> Tensor:
     Returns a contiguous tensor in ``x``'s dtype; math in fp32.
     """
     if torch.compiler.is_compiling():
+        if compile_fusion_enabled():
+            check_tensor("x", x)
+            check_tensor("u", u)
+            check_same("u", u, x)
+            return glu_fwd_ref(x, u, check_activation(activation, GATED_ACTIVATIONS))
         return glu_fwd_op(x, u, activation)
     try:
         key = (x.shape, x.stride(), x.dtype, x.device, u.shape, u.stride(), u.dtype, u.device, activation)

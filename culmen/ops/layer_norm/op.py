@@ -6,8 +6,10 @@ traces. It normalizes over the last dim.
 The call path (DESIGN.md): an eager call builds a key from its signature and looks up a cached
 ``NormPlan`` (validation ran when the plan was built); with autograd recording it goes through
 ``_LayerNormFn`` (a plain ``autograd.Function``), otherwise straight to the plan's forward. Under
-``torch.compile`` the ops are ``triton_op``s whose bodies launch through ``wrap_triton``, so Inductor
-launches the kernels itself.
+``torch.compile`` a call without dropout traces the plain-PyTorch formula of ``export.py`` (fp32 statistics
+and affine step, as the kernels), which Inductor fuses with the surrounding ops, unless
+``culmen.set_compile_fusion(False)``; with dropout, or with the switch off, the ops are ``triton_op``s whose
+bodies launch through ``wrap_triton``, so Inductor launches the kernels itself.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from culmen.ops.backend import register_op
+from culmen.ops.backend import compile_fusion_enabled, register_op
 from culmen.ops.common.function import raw_apply
 from culmen.ops.common.launch import traceable_kernels
 from culmen.ops.layer_norm.export import ONNX_TS, layer_norm_export
@@ -180,7 +182,9 @@ def layer_norm(
     Statistics are fp32; returns a ``LayerNormOutput``. Any layout of ``x`` works; outputs are contiguous.
     """
     if torch.compiler.is_compiling():
-        if torch.onnx.is_in_onnx_export():  # torch.onnx.export(dynamo=True): plain ops (export.py)
+        # torch.onnx.export(dynamo=True), and torch.compile with the fusion switch on (no dropout: its masks
+        # come from culmen's Philox streams): plain ops (export.py), which Inductor fuses with their neighbours
+        if torch.onnx.is_in_onnx_export() or (compile_fusion_enabled() and dropout_p == 0.0):
             return LayerNormOutput(*layer_norm_export(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p,
                                                       rowscale, is_rms_norm, zero_centered_weight, residual_in_fp32,
                                                       out_dtype, return_residual, return_dropout_mask))

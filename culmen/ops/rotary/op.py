@@ -5,8 +5,10 @@ layers call it), its eager autograd, and the ``torch.library`` ops ``culmen::rot
 The call path (DESIGN.md): an eager call builds a key from its signature and looks up a cached
 ``RotaryPlan`` (validation ran when the plan was built); with autograd recording it goes through
 ``_RotaryFn`` (a plain ``autograd.Function``), otherwise straight to the plan. Under ``torch.compile``
-the ops are ``triton_op``s whose bodies launch through ``wrap_triton``, so Inductor launches the kernel
-itself.
+a dense rotation traces as its PyTorch formula (``reference.rotary_dense_ref``), which Inductor fuses, unless
+``culmen.set_compile_fusion(False)``; the other forms (packed sequences, the 2-D form, separate K tables, Apex's
+rounded products, other output layouts) are ``triton_op``s whose bodies launch through ``wrap_triton``, so
+Inductor launches the kernel itself.
 
 The backward of a rotation is the transposed rotation (``conjugate``), the same kernel. It always
 writes a fresh gradient tensor, also for in-place forwards: flash_attn rotates the incoming gradient
@@ -18,9 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.backend import register_op
+from culmen.ops.backend import compile_fusion_enabled, register_op
 from culmen.ops.common.launch import traceable_kernels
 from culmen.ops.rotary.launch import LAYOUTS, PLANS, RotaryPlan
+from culmen.ops.rotary.reference import rotary_dense_ref
 
 register_op("rotary", "position", "rotary embedding (NeoX/GPT-J, partial, offsets, packed, 2-D, Q+K), out of place")
 register_op("rotary_", "position", "rotary embedding in place (no-grad / inference form of culmen::rotary)")
@@ -234,11 +237,15 @@ torch.library.register_autograd("culmen::rotary", _compiled_backward, setup_cont
 
 def _rotary_compiled(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace,
                      conjugate, full_table, img_w, out_layout, seq_first, nheads_q, round_ops):
-    """``rotary`` while ``torch.compile`` traces: the ``triton_op``s (checked when they are traced)."""
+    """``rotary`` while ``torch.compile`` traces: a dense rotation as its PyTorch formula when the fusion
+    switch is on (``culmen.set_compile_fusion``), else the ``triton_op``s (checked when they are traced)."""
     if isinstance(seqlen_offsets, Tensor):
         offsets, offset = seqlen_offsets, 0
     else:
         offsets, offset = None, seqlen_offsets
+    if (compile_fusion_enabled() and cu_seqlens is None and cos2 is None and not img_w and not round_ops
+            and out_layout == "like"):
+        return _rotary_formula(x, cos, sin, offsets, offset, interleaved, inplace, conjugate, full_table, seq_first)
     args = (cos, sin, cos2, sin2, offsets, cu_seqlens, offset, 0 if max_seqlen is None else max_seqlen,
             bool(interleaved), bool(conjugate), bool(full_table), bool(round_ops), int(img_w))
     nq = 0 if nheads_q is None else nheads_q
@@ -257,3 +264,31 @@ def _rotary_compiled(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_se
         return out
     rotary_inplace_op(x, *args, bool(seq_first), nq)
     return x
+
+
+def _rotary_formula(x, cos, sin, offsets, offset, interleaved, inplace, conjugate, full_table, seq_first):
+    """A dense ``rotary`` traced as plain PyTorch (``reference.rotary_dense_ref``), which Inductor fuses with
+    the ops around it: for a packed qkv it writes the rotated Q and K with the projection's output instead of
+    copying the whole qkv around an opaque in-place op. Checks what the kernel's plan would (simple shape
+    comparisons Dynamo traces without a graph break)."""
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() not in (4, 5):
+        raise TypeError("x must be a floating-point (batch, seqlen, [2,] nheads, headdim) tensor")
+    if cos.dim() != 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be 2-D (positions, columns) of one shape, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    W = cos.shape[1]
+    rd = W if full_table else 2 * W
+    if rd % 2 or rd > x.shape[-1]:
+        raise ValueError(f"rotary_dim ({rd}) must be even and <= headdim ({x.shape[-1]})")
+    S = x.shape[0 if seq_first else 1]
+    if offsets is None and (offset < 0 or offset + S > cos.shape[0]):
+        raise ValueError(f"positions seqlen_offsets + seqlen ({offset} + {S}) must lie within the {cos.shape[0]} rows "
+                         f"of cos/sin")
+    y = rotary_dense_ref(x, cos, sin, offsets, offset, interleaved, conjugate, full_table, seq_first)
+    if not inplace:
+        return y
+    if torch.is_grad_enabled() and x.requires_grad and not _dirty_ok(x):
+        with torch.no_grad():  # a leaf (or a view of one): rotated in its memory, the gradient flows through y
+            x.copy_(y)
+        return y
+    return x.copy_(y)

@@ -65,6 +65,13 @@ def _rotate(xr: Tensor, c: Tensor, s: Tensor, ok: Tensor, interleaved: bool, ful
     s = expand_table(s, interleaved, full_table)[:, None, :]
     c = torch.where(ok[:, None, None], c, 1.0)
     s = torch.where(ok[:, None, None], s, 0.0)
+    return _rotate_pairs(xr, c, s, interleaved, conjugate, round_dtype)
+
+
+def _rotate_pairs(xr: Tensor, c: Tensor, s: Tensor, interleaved: bool, conjugate: bool,
+                  round_dtype: torch.dtype | None = None) -> Tensor:
+    """The rotation of ``xr`` ``(..., 2*half)`` by tables ``c``/``s`` with one value per element, broadcastable
+    to ``xr``."""
     if interleaved:
         x_lo, x_hi = xr[..., ::2], xr[..., 1::2]
         c_lo, c_hi, s_lo, s_hi = c[..., ::2], c[..., 1::2], s[..., ::2], s[..., 1::2]
@@ -82,6 +89,37 @@ def _rotate(xr: Tensor, c: Tensor, s: Tensor, ok: Tensor, interleaved: bool, ful
     if interleaved:
         return torch.stack((y_lo, y_hi), dim=-1).flatten(-2)
     return torch.cat((y_lo, y_hi), dim=-1)
+
+
+def rotary_dense_ref(x: Tensor, cos: Tensor, sin: Tensor, offsets: Tensor | None, offset: int, interleaved: bool,
+                     conjugate: bool, full_table: bool, seq_first: bool) -> Tensor:
+    """The kernel's rotation of a dense ``x`` as differentiable, traceable PyTorch (what ``torch.compile``
+    traces with ``culmen.set_compile_fusion(True)``, so Inductor fuses it): math in fp32 (fp64 for fp64), the
+    result in ``x``'s dtype, the columns past the rotary dim passed through.
+
+    Shapes: ``x`` ``(B, S, ..., D)`` (``(S, B, ..., D)`` with ``seq_first``); ``cos``/``sin`` ``(rows, W)``;
+    ``offsets`` ``(B,)`` int (positions outside the tables pass through, as in the kernel) or ``None`` (then
+    ``offset``, which the caller checked against the tables)."""
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    S = x.shape[0 if seq_first else 1]
+    pos = torch.arange(S, device=x.device)
+    c, s = cos.to(cdt), sin.to(cdt)
+    if offsets is not None:
+        off = offsets.to(device=x.device, dtype=torch.int64)
+        pos = pos[:, None] + off[None, :] if seq_first else off[:, None] + pos[None, :]
+        c, ok = _gather(c, pos)
+        s, _ = _gather(s, pos)
+        c = torch.where(ok[..., None], c, 1.0)
+        s = torch.where(ok[..., None], s, 0.0)
+        lead = x.dim() - 3
+    else:
+        c, s = c[offset:offset + S], s[offset:offset + S]
+        lead = x.dim() - (2 if seq_first else 3)
+    c, s = (expand_table(t, interleaved, full_table) for t in (c, s))
+    rd = c.shape[-1]
+    c, s = (t.reshape(*t.shape[:-1], *([1] * lead), rd) for t in (c, s))
+    y = _rotate_pairs(x[..., :rd].to(cdt), c, s, interleaved, conjugate).to(x.dtype)
+    return y if rd == x.shape[-1] else torch.cat((y, x[..., rd:]), dim=-1)
 
 
 def _token_positions(x: Tensor, seqlen_offsets: Tensor | None, cu_seqlens: Tensor | None, offset: int,
