@@ -386,3 +386,49 @@ def test_opcheck(backend):
     torch.library.opcheck(ops.act_bwd.default, (g, x, None, "relu", True, False, BF16, False), test_utils=checks)
     torch.library.opcheck(ops.glu_fwd.default, (base[:, :40], base[:, 40:], "silu"), test_utils=checks)
     torch.library.opcheck(ops.glu_bwd.default, (g, base[:, :40], base[:, 40:], "gelu"), test_utils=checks)
+
+
+def _glu_grad_case(case: str):
+    """``gated_act(x, u)`` on two projections of ``w``; returns ``(w.grad, [x's storage == dx's storage per
+    backward])``. ``hold``: the caller keeps ``x``; ``shared``: another node saves ``x`` too; ``retain``: two
+    backwards through one graph; ``packed``: the halves of one projection."""
+    torch.manual_seed(3)
+    w = randn((6, 40), F32, requires_grad=True)
+    g = randn((6, 40), F32)
+    h = w * 1.5
+    if case == "packed":
+        x, u = torch.cat((h * 2.0, h * 3.0), -1).chunk(2, -1)
+    else:
+        x, u = h * 2.0, h * 3.0
+    ptr, reused = x.data_ptr(), []
+    watch = x if case != "packed" else x._base
+    watch.register_hook(lambda gx: reused.append(gx.data_ptr() == ptr))
+    loss = (gated_act(x, u, "silu") * g).sum()
+    if case == "shared":
+        loss = loss + (x * w).sum()  # MulBackward saves x as well
+    held = x if case == "hold" else None
+    del x, u, watch, h
+    loss.backward(retain_graph=case == "retain")
+    if case == "retain":
+        loss.backward()
+    assert held is None or held.data_ptr() == ptr
+    return w.grad, reused
+
+
+@pytest.mark.parametrize("case", ["free", "packed", "hold", "shared", "retain"])
+def test_glu_backward_writes_into_free_saved_inputs(triton_backend, case):
+    """The backward writes dx / du into x / u (and the packed gradient into the projection) exactly when nothing
+    else can see them, and the gradients equal those of the fresh-buffer backward in every case."""
+    grad, reused = _glu_grad_case(case)
+    expected = {"free": [True], "packed": [True], "hold": [False], "shared": [False], "retain": [False, True]}
+    assert reused == expected[case]
+    from culmen.ops.common import function
+
+    saved = function._FREE
+    function._FREE = (-1, -1, -1)  # nothing is ever free: the fresh-buffer backward
+    try:
+        ref, fresh = _glu_grad_case(case)
+    finally:
+        function._FREE = saved
+    assert not any(fresh)
+    torch.testing.assert_close(grad, ref, rtol=0, atol=0)

@@ -450,3 +450,41 @@ def test_torch_compile_inductor(dynamic):
             torch.testing.assert_close(c, e, rtol=3e-2, atol=atol, msg=lambda m, i=i, M=M: f"result {i}, M={M}: {m}")
     if dynamic:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 1
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_glu_backward_reuses_free_projections_on_cuda(hold):
+    """On CUDA tensors (counts calibrated on a CPU probe) the backward writes dx into the gate projection
+    exactly when nothing else holds it, with the fresh-buffer backward's gradients, and it lowers the peak."""
+    from culmen.ops.common import function
+
+    def run():
+        torch.manual_seed(5)
+        w = torch.randn(4096, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(4096, 1024, device=DEV, dtype=torch.bfloat16)
+        x, u = w * 1.5, w * 0.5
+        ptr, seen = x.data_ptr(), []
+        x.register_hook(lambda gx: seen.append(gx.data_ptr() == ptr))
+        y = gated_act(x, u, "silu")
+        held = x if hold else None
+        del x, u
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        y.backward(g)
+        torch.cuda.synchronize()
+        assert held is None or held.data_ptr() == ptr
+        return w.grad, seen, torch.cuda.max_memory_allocated() - start
+
+    grad, seen, peak = run()
+    assert seen == [not hold]
+    saved = function._FREE
+    function._FREE = (-1, -1, -1)
+    try:
+        ref, fresh, peak_fresh = run()
+    finally:
+        function._FREE = saved
+    assert fresh == [False]
+    torch.testing.assert_close(grad, ref, rtol=0, atol=0)
+    if not hold:
+        assert peak <= peak_fresh - 4096 * 1024 * 2  # at least one (4096, 1024) bf16 buffer less at the peak

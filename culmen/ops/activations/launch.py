@@ -42,6 +42,7 @@ from culmen.ops.activations.kernels import (
 )
 from culmen.ops.activations.reference import act_bwd_ref, act_fwd_ref, glu_bwd_ref, glu_fwd_ref
 from culmen.ops.backend import choose_backend, num_programs_hint
+from culmen.ops.common.function import calibrate_saved_memory
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, row_stride, stream_getter, traceable_kernels
 from culmen.ops.common.plans import PlanCache, clear_plans
 
@@ -487,11 +488,14 @@ class GluPlan:
     (row stride ``2N``); the caller checks per call that they really are (``packed_order``), and then
     ``forward_packed`` / ``backward_packed`` read the whole tensor through one pointer and write its
     gradient as one ``(..., 2N)`` buffer, which saves the concatenation autograd does for ``chunk``.
+
+    ``reuse_saved``: ``x`` and ``u`` are contiguous, so a backward whose saved ``x`` / ``u`` nothing else holds
+    (``common.function.saved_memory_free``) may write ``dx`` / ``du`` into them (``backward``'s ``out``).
     """
 
     __slots__ = ("act", "shape", "dtype", "u_dtype", "device", "use_kernel", "copies", "N", "fwd", "fwd_tail",
                  "bwd", "bwd_tail", "stream", "like_x", "like_u", "packable", "base_shape", "half_bytes", "_packed",
-                 "geom")
+                 "geom", "reuse_saved")
 
     def __init__(self, x: Tensor, u: Tensor, act: str, traced: bool = False) -> None:
         check_tensor("x", x)
@@ -504,6 +508,7 @@ class GluPlan:
         self.packable = False
         self._packed: dict = {}
         self.bwd = None
+        self.reuse_saved = False
         if not self.use_kernel:
             return
         self.stream = stream_getter(x.device)
@@ -527,6 +532,9 @@ class GluPlan:
         if self.packable:
             self.base_shape = torch.Size((*x.shape[:-1], 2 * N))
             self.half_bytes = N * x.element_size()
+        self.reuse_saved = not traced and not any(self.copies) and x.is_contiguous() and u.is_contiguous()
+        if self.reuse_saved or self.packable:
+            calibrate_saved_memory()
 
     def _outs(self, x: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
         dx = torch.empty_like(x) if self.like_x else torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -549,13 +557,15 @@ class GluPlan:
             self.fwd(self.stream(), (x.data_ptr() | u.data_ptr()) & 15 == 0, x, u, y, *self.fwd_tail)
         return y
 
-    def backward(self, dy: Tensor, x: Tensor, u: Tensor, traced: bool = False) -> tuple[Tensor, Tensor]:
-        """``(dx, du)`` of ``act(x) * u``: contiguous, in the dtypes of ``x`` and ``u``."""
+    def backward(self, dy: Tensor, x: Tensor, u: Tensor, traced: bool = False,
+                 out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """``(dx, du)`` of ``act(x) * u``: contiguous, in the dtypes of ``x`` and ``u``; written into ``out``
+        when given (``reuse_saved`` plans: ``x`` / ``u`` themselves, each element read before it is written)."""
         if not self.use_kernel:
             return glu_bwd_ref(dy, x, u, self.act)
         if not dy.is_contiguous():
             dy = dy.contiguous()
-        dx, du = self._outs(x, u)
+        dx, du = self._outs(x, u) if out is None else out
         cx, cu = self.copies
         if cx:
             x = _rows(x, self.N)
@@ -601,11 +611,12 @@ class GluPlan:
         fwd(self.stream(), base.data_ptr() & 15 == 0, base, base, y, *tail)
         return y
 
-    def backward_packed(self, dy: Tensor, base: Tensor, order: int) -> Tensor:
-        """The gradient of ``base`` (contiguous, its shape): ``dx`` and ``du`` in their halves."""
+    def backward_packed(self, dy: Tensor, base: Tensor, order: int, out: Tensor | None = None) -> Tensor:
+        """The gradient of ``base`` (contiguous, its shape): ``dx`` and ``du`` in their halves (in ``out`` when
+        given: ``base`` itself when nothing else holds it)."""
         _, _, bwd, tail = self._packed.get(order) or self._plan_packed(order)
         if not dy.is_contiguous():
             dy = dy.contiguous()
-        d = torch.empty_like(base)
+        d = torch.empty_like(base) if out is None else out
         bwd(self.stream(), (dy.data_ptr() | base.data_ptr()) & 15 == 0, dy, base, base, d, d, *tail)
         return d

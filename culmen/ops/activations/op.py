@@ -49,7 +49,7 @@ from culmen.ops.activations.launch import (
 )
 from culmen.ops.activations.reference import act_fwd_ref, glu_fwd_ref
 from culmen.ops.backend import compile_fusion_enabled, register_op
-from culmen.ops.common.function import raw_apply
+from culmen.ops.common.function import raw_apply, saved_memory_free
 
 register_op("act_fwd", "activations", "act(x + bias): none/relu/sigmoid/gelu/gelu_tanh/sqrelu/silu")
 register_op("act_bwd", "activations", "backward of act_fwd, bias grad fused, optional recompute of act")
@@ -62,6 +62,7 @@ __all__ = [
 ]
 
 _functorch_active = torch._C._are_functorch_transforms_active
+_bump_version = torch._C._increment_version
 
 
 # ------------------------------------------------------------------------------------- plans
@@ -141,7 +142,14 @@ class _GluFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, u = ctx.saved_tensors
-        dx, du = ctx.plan.backward(dy, x, u)
+        plan = ctx.plan
+        if plan.reuse_saved and saved_memory_free(x, u):
+            # Nothing else holds x / u (an MLP's projections): their memory takes the gradients, as Liger's
+            # SwiGLU always does; culmen only when it is safe. The version bump makes a stale use raise.
+            dx, du = plan.backward(dy, x, u, out=(x.detach(), u.detach()))
+            _bump_version((x, u))
+            return None, dx, du
+        dx, du = plan.backward(dy, x, u)
         return None, dx, du
 
 
@@ -156,7 +164,12 @@ class _GluPackedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return None, ctx.plan.backward_packed(dy, ctx.saved_tensors[0], ctx.order), None
+        base = ctx.saved_tensors[0]
+        if saved_memory_free(base):  # as _GluFn: the projection's output takes its own gradient
+            d = ctx.plan.backward_packed(dy, base, ctx.order, out=base.detach())
+            _bump_version((base,))
+            return None, d, None
+        return None, ctx.plan.backward_packed(dy, base, ctx.order), None
 
 
 _BIAS_ACT_APPLY = raw_apply(_BiasActFn)
