@@ -110,7 +110,8 @@ def cmd_bench(args: argparse.Namespace, out: TextIO | None = None) -> int:
         run_benchmarks(args.names, device=device, quick=args.quick, json_path=args.json, graph=not args.no_graph,
                        plot_path=args.plot, out=out,
                        options={**options_from_args(args),
-                                **({"model_cases": args.model_cases} if args.model_cases else {})})
+                                **({"model_cases": args.model_cases} if args.model_cases else {}),
+                                **({"model_impls": args.model_impls} if args.model_impls else {})})
     except KeyError as exc:
         print(f"culmen bench: {exc.args[0]}", file=sys.stderr)
         return 2

@@ -271,7 +271,11 @@ def bench_model_train(cfg: BenchConfig, out: TextIO) -> Iterator[SuiteResult]:
     from culmen.bench.runner import Record
 
     opts, names, o = _options(cfg)
-    impls = tuple(o["impls"].split(",")) if isinstance(o.get("impls"), str) else TRAIN_IMPLS
+    chosen = o.get("model_impls") or o.get("impls")
+    impls = tuple(chosen.split(",")) if isinstance(chosen, str) else TRAIN_IMPLS
+    bad = [i for i in impls if i not in TRAIN_IMPLS]
+    if bad:
+        raise ValueError(f"model_impls must be among {TRAIN_IMPLS}, got {bad}")
     print(f"steps={opts.steps} after warmup={opts.warmup} + host_steps={opts.host_steps}; dtype {opts.dtype}; "
           "speedup = hf_sdpa ms / ms; vs liger = hf_liger ms / ms", file=out)
     print(_TRAIN_COLS, file=out)
@@ -449,4 +453,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model_train / model_decode options")
     g.add_argument("--model-cases", metavar="LIST", help=f"model_train architectures from {','.join(ARCHS)} "
                                                          "(default gpt2,llama1b on CUDA)")
+    g.add_argument("--model-impls", metavar="LIST", help=f"model_train implementations from {','.join(TRAIN_IMPLS)} "
+                                                         "(default: all)")
 
