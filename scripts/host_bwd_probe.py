@@ -11,33 +11,15 @@ the plan's backward measured by wrapping them.
 
 from __future__ import annotations
 
-import statistics
+import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-
-def host_us(fn, n: int = 300, reps: int = 7) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(out)
-
-
-def fwd_bwd(fn, leaves, grad):
-    def run():
-        for t in leaves:
-            t.grad = None
-        fn().backward(grad)
-    return run
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_probe import fwd_bwd, host_us  # noqa: E402  (the same timing as the per-family probe)
 
 
 class _PyClone(torch.autograd.Function):
