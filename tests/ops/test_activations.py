@@ -432,3 +432,15 @@ def test_glu_backward_writes_into_free_saved_inputs(triton_backend, case):
         function._FREE = saved
     assert not any(fresh)
     torch.testing.assert_close(grad, ref, rtol=0, atol=0)
+
+
+def test_saved_memory_probe_runs_under_inference_mode(triton_backend, monkeypatch):
+    """The counts are measured when the first plan that can reuse memory is built, whatever the caller's mode
+    (here inference_mode, where a backward cannot be recorded): later training calls still reuse."""
+    from culmen.ops.common import function
+
+    monkeypatch.setattr(function, "_FREE", None)
+    with torch.inference_mode():
+        gated_act(randn((3, 56)), randn((3, 56)), "silu")  # a new signature: the plan (and the probe) is built here
+    assert function._FREE is not None and function._FREE[0] > 0
+    assert _glu_grad_case("free")[1] == [True]

@@ -90,10 +90,13 @@ def calibrate_saved_memory() -> None:
         return
     _CALIBRATING = []
     try:
-        with torch.enable_grad():
-            a = torch.ones(4, requires_grad=True)
+        # Whatever the caller's state (no_grad, inference_mode, a CUDA default device): a plain CPU backward.
+        with torch.inference_mode(False), torch.enable_grad():
+            a = torch.ones(4, device="cpu", dtype=torch.float32, requires_grad=True)
             _Probe.apply(a * 2.0, a * 3.0).sum().backward()
         x_counts, u_counts = _CALIBRATING
+    except Exception:  # never let the probe fail a user's call: then nothing is reused
+        x_counts, u_counts = (-1, -1, -1), None
     finally:
         _CALIBRATING = None
     # Both temporaries must look alike; otherwise nothing is ever reused (an impossible count).
