@@ -41,7 +41,7 @@ import torch
 
 from culmen.bench.registry import BenchConfig, SuiteResult, register_suite
 from culmen.bench.runner import short_error
-from culmen.bench.train_step import ModelRun, TrainOptions, _release, _sync, measure_training
+from culmen.bench.train_step import ModelRun, TrainOptions, TrainOptionsError, _release, _sync, measure_training
 
 TRAIN_IMPLS = ("hf_sdpa", "hf_culmen", "fa_gpt", "hf_liger")
 DECODE_IMPLS = ("hf_dynamic", "fa_gpt_cg", "fa_gpt", "hf_static_compile")
@@ -247,7 +247,7 @@ def _options(cfg: BenchConfig) -> tuple[TrainOptions, tuple[str, ...], dict[str,
     names = tuple(names.split(",")) if isinstance(names, str) else tuple(names)
     bad = [n for n in names if n not in ARCHS]
     if bad:
-        raise ValueError(f"model_cases must be among {tuple(ARCHS)}, got {bad}")
+        raise TrainOptionsError(f"model_cases must be among {tuple(ARCHS)}, got {bad}")
     return opts, names, o
 
 
@@ -275,7 +275,7 @@ def bench_model_train(cfg: BenchConfig, out: TextIO) -> Iterator[SuiteResult]:
     impls = tuple(chosen.split(",")) if isinstance(chosen, str) else TRAIN_IMPLS
     bad = [i for i in impls if i not in TRAIN_IMPLS]
     if bad:
-        raise ValueError(f"model_impls must be among {TRAIN_IMPLS}, got {bad}")
+        raise TrainOptionsError(f"model_impls must be among {TRAIN_IMPLS}, got {bad}")
     print(f"steps={opts.steps} after warmup={opts.warmup} + host_steps={opts.host_steps}; dtype {opts.dtype}; "
           "speedup = hf_sdpa ms / ms; vs liger = hf_liger ms / ms", file=out)
     print(_TRAIN_COLS, file=out)

@@ -131,6 +131,20 @@ def test_train_step_options(tmp_path, capsys):
     assert "sizes must be among" in capsys.readouterr().err
 
 
+def test_model_train_impls_and_cases_options(tmp_path, capsys):
+    """``--model-impls`` / ``--model-cases`` choose what ``model_train`` runs; a bad name is a usage error."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "mt.json"
+    assert main(["bench", "model_train", "--quick", "--device", "cpu", "--model-cases", "tiny-llama",
+                 "--model-impls", "hf_sdpa,fa_gpt", "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["model_train"]
+    assert row["case"] == "tiny-llama" and set(row["runs"]) == {"hf_sdpa", "fa_gpt"}
+    assert all(r["error"] is None and r["ms"] > 0 for r in row["runs"].values())
+    capsys.readouterr()
+    assert main(["bench", "model_train", "--quick", "--device", "cpu", "--model-impls", "hf_flash"]) == 2
+    assert "model_impls must be among" in capsys.readouterr().err
+
+
 def test_train_step_is_opt_in(capsys):
     from culmen.bench import load_benchmarks, select_benchmarks
 
