@@ -137,3 +137,13 @@ def test_rotary_formula_checks_offsets():
 def test_switch_validates():
     with pytest.raises(TypeError, match="set_compile_fusion expects a bool"):
         culmen.set_compile_fusion(1)
+
+
+def test_rotary_formula_checks_shapes():
+    """Bad inputs raise the eager call's error types under the traced formula too."""
+    cos, sin = _tables(8, 4)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="x must be"):
+        torch.compile(lambda t: rotary(t, cos, sin), fullgraph=True, backend="aot_eager")(randn((3, 2, 8)))
+    with pytest.raises(Exception, match="rotary_dim"):
+        torch.compile(lambda t: rotary(t, cos, sin), fullgraph=True, backend="aot_eager")(randn((1, 3, 2, 6)))

@@ -271,8 +271,12 @@ def _rotary_formula(x, cos, sin, offsets, offset, interleaved, inplace, conjugat
     the ops around it: for a packed qkv it writes the rotated Q and K with the projection's output instead of
     copying the whole qkv around an opaque in-place op. Checks what the kernel's plan would (simple shape
     comparisons Dynamo traces without a graph break)."""
-    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() not in (4, 5):
-        raise TypeError("x must be a floating-point (batch, seqlen, [2,] nheads, headdim) tensor")
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError("x must be a floating-point tensor (float16/bfloat16/float32/float64)")
+    if x.dim() != 4 and not (x.dim() == 5 and x.shape[2] == 2 and not seq_first):
+        dims = "seqlen, batch" if seq_first else "batch, seqlen"
+        raise ValueError(f"x must be ({dims}, nheads, headdim) or (batch, seqlen, 2, nheads, headdim), got shape "
+                         f"{tuple(x.shape)}")
     if cos.dim() != 2 or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must be 2-D (positions, columns) of one shape, got {tuple(cos.shape)} and "
                          f"{tuple(sin.shape)}")
