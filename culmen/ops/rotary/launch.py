@@ -94,6 +94,24 @@ def _check_index(name: str, t: Tensor, n: int, x: Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
 
 
+def rotary_dim_of(W: int, full_table: bool, D: int) -> int:
+    """The columns a ``(rows, W)`` cos/sin table rotates (``W`` with Apex's full tables, else ``2 W``), checked
+    against the head dim ``D``."""
+    if full_table and W % 2:
+        raise ValueError(f"the rotary dim (cos.shape[1] = {W}) must be even")
+    rotary_dim = W if full_table else 2 * W
+    if rotary_dim > D:
+        raise ValueError(f"rotary_dim ({rotary_dim}) must be <= headdim ({D})")
+    return rotary_dim
+
+
+def check_offset_rows(offset: int, S: int, rows: int) -> None:
+    """Positions ``offset .. offset + S`` must be rows of the tables."""
+    if offset < 0 or offset + S > rows:
+        raise ValueError(f"positions seqlen_offsets + seqlen ({offset} + {S}) must lie within the {rows} rows of "
+                         f"cos/sin")
+
+
 def _contiguous_strides(shape) -> list:
     """Row-major strides of ``shape`` (as ``torch.empty`` gives them: empty dims count as 1)."""
     out, acc = [], 1
@@ -169,11 +187,7 @@ class RotaryPlan:
         D = _static(x.shape[-1])
         W = _static(cos.shape[-1])
         full_table = bool(full_table)
-        if full_table and W % 2:
-            raise ValueError(f"the rotary dim (cos.shape[1] = {W}) must be even")
-        rotary_dim = W if full_table else 2 * W
-        if rotary_dim > D:
-            raise ValueError(f"rotary_dim ({rotary_dim}) must be <= headdim ({D})")
+        rotary_dim = rotary_dim_of(W, full_table, D)
         offs_t = seqlen_offsets if isinstance(seqlen_offsets, Tensor) else None
         if offs_t is not None:
             if offs_t.dtype not in _INTS:
@@ -261,9 +275,7 @@ class RotaryPlan:
         return cos, sin, cos2, sin2, offs, cu
 
     def check_offset(self, offset: int) -> None:
-        if offset < 0 or offset + self.S > self.rows:
-            raise ValueError(f"positions seqlen_offsets + seqlen ({offset} + {self.S}) must lie within the "
-                             f"{self.rows} rows of cos/sin")
+        check_offset_rows(offset, self.S, self.rows)
 
     def _strides(self, t: Tensor) -> tuple:
         """``(batch, seq, group, head, dim)`` strides of x or a tensor laid out like it, as the kernel sees it."""

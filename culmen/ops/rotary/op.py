@@ -22,7 +22,7 @@ from torch import Tensor
 
 from culmen.ops.backend import compile_fusion_enabled, register_op
 from culmen.ops.common.launch import traceable_kernels
-from culmen.ops.rotary.launch import LAYOUTS, PLANS, RotaryPlan
+from culmen.ops.rotary.launch import LAYOUTS, PLANS, RotaryPlan, check_offset_rows, rotary_dim_of
 from culmen.ops.rotary.reference import rotary_dense_ref
 
 register_op("rotary", "position", "rotary embedding (NeoX/GPT-J, partial, offsets, packed, 2-D, Q+K), out of place")
@@ -269,8 +269,8 @@ def _rotary_compiled(x, cos, sin, cos2, sin2, seqlen_offsets, cu_seqlens, max_se
 def _rotary_formula(x, cos, sin, offsets, offset, interleaved, inplace, conjugate, full_table, seq_first):
     """A dense ``rotary`` traced as plain PyTorch (``reference.rotary_dense_ref``), which Inductor fuses with
     the ops around it: for a packed qkv it writes the rotated Q and K with the projection's output instead of
-    copying the whole qkv around an opaque in-place op. Checks what the kernel's plan would (simple shape
-    comparisons Dynamo traces without a graph break)."""
+    copying the whole qkv around an opaque in-place op. The shape checks are the plan's own (``rotary_dim_of``,
+    ``check_offset_rows``: plain comparisons Dynamo traces without a graph break)."""
     if not isinstance(x, Tensor) or not x.is_floating_point():
         raise TypeError("x must be a floating-point tensor (float16/bfloat16/float32/float64)")
     if x.dim() != 4 and not (x.dim() == 5 and x.shape[2] == 2 and not seq_first):
@@ -280,14 +280,9 @@ def _rotary_formula(x, cos, sin, offsets, offset, interleaved, inplace, conjugat
     if cos.dim() != 2 or sin.shape != cos.shape:
         raise ValueError(f"cos and sin must be 2-D (positions, columns) of one shape, got {tuple(cos.shape)} and "
                          f"{tuple(sin.shape)}")
-    W = cos.shape[1]
-    rd = W if full_table else 2 * W
-    if rd % 2 or rd > x.shape[-1]:
-        raise ValueError(f"rotary_dim ({rd}) must be even and <= headdim ({x.shape[-1]})")
-    S = x.shape[0 if seq_first else 1]
-    if offsets is None and (offset < 0 or offset + S > cos.shape[0]):
-        raise ValueError(f"positions seqlen_offsets + seqlen ({offset} + {S}) must lie within the {cos.shape[0]} rows "
-                         f"of cos/sin")
+    rotary_dim_of(cos.shape[1], full_table, x.shape[-1])
+    if offsets is None:
+        check_offset_rows(offset, x.shape[0 if seq_first else 1], cos.shape[0])
     y = rotary_dense_ref(x, cos, sin, offsets, offset, interleaved, conjugate, full_table, seq_first)
     if not inplace:
         return y
