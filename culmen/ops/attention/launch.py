@@ -20,7 +20,7 @@ import os
 import torch
 from torch import Tensor
 
-from culmen.ops.attention import checks
+from culmen.ops.attention import checks, launch_ws
 from culmen.ops.attention.combine import _combine_kernel, combine_blocks
 from culmen.ops.attention.kernels import LOG2E_F, _attn_fwd_kernel
 from culmen.ops.attention.kernels_bwd import (
@@ -331,6 +331,7 @@ class AttnPlan:
         self._fwd: dict = {}
         self._bwd: dict = {}
         self.grads_direct = False  # backward(grads=) writes into them (set by _plan_kernels)
+        self.ws = None  # the Gluon forward's launcher when it takes this signature (set by _plan_kernels)
         if self.use_kernel:
             self._plan_kernels(q, k, v, alibi, traced)
 
@@ -423,6 +424,17 @@ class AttnPlan:
         # 16-byte aligned when d % 4 == 0; TMA boxes span at most 256 elements per dim.
         self.tma_dq = (self.atomic_ok and TUNING["tma_dq"] and not traced and self.D % 4 == 0
                        and self.block_d <= 256 and _tma_reduce_available(q.device))
+        # The warp-specialized Gluon forward (launch_ws): plain dense softmax attention on Hopper, causal or not.
+        extras = (traced or self.kind != "dense" or self.has_dropout or self.softcap > 0.0 or self.has_alibi
+                  or self.qv or self.fp8 or self.split_v or self.chunk or self.k_range or self.k_add
+                  or self.n_splits > 1 or self.page or self.out_strides is not None or self.descale
+                  or self.left >= 0 or (self.window_size[1] >= 0 and not self.causal))
+        if not extras and on_gpu:
+            tile = launch_ws.ws_config(q, k, v, causal=self.causal, extras=False, on_gpu=True,
+                                       hopper=_nvidia_hopper(q.device))
+            if tile is not None:
+                self.ws = launch_ws.WsForward(q.shape, k.shape, q.dtype, q.device, self.causal, tile,
+                                              self.scale * LOG2E_F, (q.stride(1), k.stride(1), v.stride(1)))
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
         """The forward's ``Launch`` (built on first use)."""
@@ -496,6 +508,14 @@ class AttnPlan:
                 aligned = _aligned(q, k, v, alibi, cu_q, cu_k, k_start, k_end, qd, kd, vd, qv)
             else:
                 aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0
+        if self.ws is not None and aligned:
+            _ensure_allocator(self.device)  # the kernel builds its TMA descriptors on the device
+            if lse is None:
+                lse = torch.empty(self.lse_shape, dtype=_F32, device=self.device)
+                self.ws(self.stream(), q, k, v, out, lse)
+                return out, None, None
+            self.ws(self.stream(), q, k, v, out, lse)
+            return out, lse, None
         if self.tma and aligned:
             _ensure_allocator(self.device)
             la = self.fwd_launch(store_lse, True)

@@ -1,0 +1,291 @@
+"""Warp-specialized FlashAttention forward for Hopper, written in Gluon (Triton's explicit-layout dialect).
+
+Why a second forward: in ``@triton.jit`` each program's warpgroup runs its two GEMMs and its softmax back
+to back (``bench/notes/attention.md`` v4-v9), and Triton 3.6's automatic warp specialization gained nothing.
+Gluon (``triton.experimental.gluon``, shipped in the Triton wheel, no build step) states what FA3 does by
+hand: one producer warp issues TMA loads of K and V into a ring of shared-memory stages guarded by
+mbarriers, and two consumer warpgroups (64 query rows each, 240 registers each after ``setmaxnreg``)
+run asynchronous ``wgmma``s. Each consumer overlaps the softmax of key block ``j`` with the ``P @ V``
+GEMM of block ``j - 1`` (FA3's intra-warpgroup overlap), and the two warpgroups drift so one's softmax
+runs under the other's GEMMs.
+
+Scope (``launch.ws_eligible`` decides, everything else runs the Triton kernel): dense BSHD, bf16/fp16,
+head dim 64 or 128 (``D == DV``), no dropout, window, softcap, ALiBi, qv or KV-cache ranges; causal only
+with ``sq <= sk`` (every row sees key 0, so no row is empty). Same conventions as ``kernels.py``: scores
+in base 2 with ``softmax_scale * log2(e)`` folded in, the causal mask bottom-right aligned, ``lse`` fp32
+natural log ``(B, H, sq)``, GQA by ``h // GROUP``.
+
+Memory safety: Q, K, V and O are addressed only through per-program TMA descriptors of shape
+``(sq or sk, D)`` at ``(b, h)``'s base, so rows past a sequence read as zero and are never written; the
+lse store is masked by ``row < sq``.
+"""
+
+from __future__ import annotations
+
+try:  # Gluon ships with Triton >= 3.5 (NVIDIA); absent elsewhere, and then this kernel is never chosen.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - depends on the Triton build
+    gluon = None
+
+AVAILABLE = gluon is not None
+
+if AVAILABLE:
+    # Triton 3.9 renamed the TMA load (3.6: async_copy_global_to_shared).
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def _ws_tile(t, NUM_M, H, GROUP, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 n_tiles):
+        """``(b, h, kv head, first query row, key blocks)`` of tile ``t``; causal tiles heaviest first."""
+        if CAUSAL:
+            nbh = n_tiles // NUM_M
+            pid_m = NUM_M - 1 - t // nbh
+            bh = t % nbh
+        else:
+            pid_m = t % NUM_M
+            bh = t // NUM_M
+        h = bh % H
+        m0 = pid_m * BLOCK_M
+        if CAUSAL:
+            n_blocks = gl.minimum(gl.cdiv(sk, BLOCK_N), gl.cdiv(m0 + BLOCK_M + sk - sq, BLOCK_N))
+        else:
+            n_blocks = gl.cdiv(sk, BLOCK_N)
+        return bh // H, h, h // GROUP, m0, n_blocks
+
+    @gluon.jit
+    def _ws_loader(args, WG: gl.constexpr):
+        """Producer (one warp): per tile, Q once the consumers released the last tile's, then K and V of
+        every key block into the stage ring (its counters run on across tiles)."""
+        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
+         o_ptr, lse_ptr, sos, slb, slh, H, GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
+         CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        D: gl.constexpr = k_bufs.type.shape[2]
+        NB: gl.constexpr = k_bufs.type.shape[0]
+        NUM_Q: gl.constexpr = q_smem.type.shape[0]
+        kv_it = 0
+        tile_i = 0
+        pid = gl.program_id(0)
+        end = n_tiles if PERSISTENT else pid + 1
+        for t in range(pid, end, gl.num_programs(0)):
+            b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N, n_tiles)
+            # barriers start with phase 1 complete, so the first tile's waits pass at once
+            mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+            mbarrier.expect(q_ready, NUM_Q * q_desc.block_type.nbytes)
+            for w in gl.static_range(NUM_Q):
+                _tma_load(q_desc, [b * sq + m0 + w * 64, h * D], q_ready, q_smem.index(w))
+            for j in range(n_blocks):
+                it = kv_it + j
+                s = it % NB
+                mbarrier.wait(empty.index(s), ((it // NB) & 1) ^ 1)
+                kb = k_ready.index(s)
+                mbarrier.expect(kb, k_desc.block_type.nbytes)
+                _tma_load(k_desc, [b * sk + j * BLOCK_N, hk * D], kb, k_bufs.index(s))
+                vb = v_ready.index(s)
+                mbarrier.expect(vb, v_desc.block_type.nbytes)
+                _tma_load(v_desc, [b * sk + j * BLOCK_N, hk * D], vb, v_bufs.index(s))
+            kv_it += n_blocks
+            tile_i += 1
+
+    @gluon.jit
+    def _ws_mask(s, j, r0, sq, sk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+        """-inf where key ``j * BLOCK_N + col`` is past ``sk`` or (causal) after row ``r0 + row``'s diagonal.
+        (The index vectors are made here, not hoisted: kept live across the loops they cost ~40 registers.)"""
+        rows = gl.arange(0, s.type.shape[0], layout=gl.SliceLayout(1, s.type.layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        n = gl.expand_dims(j * BLOCK_N + cols, 0)
+        if CAUSAL:
+            keep = (n < sk) & (n <= gl.expand_dims(r0 + rows + (sk - sq), 1))
+        else:
+            keep = (n < sk) & gl.expand_dims(rows >= 0, 1)
+        return gl.where(keep, s, float("-inf"))
+
+    @gluon.jit
+    def _ws_turn_wait(turn, slot, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: consumer ``WG`` issues its GEMMs of ``slot`` only after the previous warpgroup issued
+        its own (round robin), so one warpgroup's softmax runs while the next one's GEMMs occupy the tensor
+        cores. Barriers start with phase 1 complete: warpgroup 0's first wait passes at once."""
+        if PINGPONG:
+            par = slot & 1
+            if WG == 0:
+                par = par ^ 1
+            mbarrier.wait(turn.index(WG), par)
+
+    @gluon.jit
+    def _ws_turn_pass(turn, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
+
+    @gluon.jit
+    def _ws_step(q, k_bufs, v_bufs, k_ready, v_ready, empty, q_empty, turn, acc, p_op, m_i, l_i, j, kv_it, slot,
+                 n_blocks, r0, sq, sk, qk_scale, full, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                 row_o: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+        """Key block ``j >= 1`` of a tile: issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}``, then run the
+        softmax of ``S_j`` while ``P V`` is still on the tensor cores (FA3's intra-warpgroup overlap)."""
+        NB: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        it = kv_it + j
+        st = it % NB
+        pst = (it - 1) % NB
+        mbarrier.wait(k_ready.index(st), (it // NB) & 1)
+        mbarrier.wait(v_ready.index(pst), ((it - 1) // NB) & 1)
+        _ws_turn_wait(turn, slot + j, WG, PINGPONG)
+        # (zeros made at each use: a hoisted zero tile stays live across the loops, 64 registers at d128)
+        zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_bufs.index(pst), acc, is_async=True)
+        _ws_turn_pass(turn, WG, NUM_WG, PINGPONG)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        # Q is released right after its last read, so the next tile's Q loads under this one's tail
+        mbarrier.arrive(q_empty, count=1, pred=j == n_blocks - 1)
+        if j >= full:  # the diagonal and sequence-end blocks
+            s = _ws_mask(s, j, r0, sq, sk, CAUSAL, BLOCK_N)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        # carried to the next block as bf16 MMA operand (32 registers, not 64 of fp32)
+        p_next = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(empty.index(pst), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        return acc, p_next, m_new, l_i
+
+    @gluon.jit
+    def _ws_consumer(args, WG: gl.constexpr):
+        """Consumer warpgroup ``WG``: query rows ``m0 + 64 * WG ..`` of each of the program's tiles against every
+        key block, then the epilogue (output and lse stored straight from registers, masked to the sequence)."""
+        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
+         o_ptr, lse_ptr, sos, slb, slh, H, GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
+         CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
+        NB: gl.constexpr = k_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+        D: gl.constexpr = k_bufs.type.shape[2]
+        ROWS: gl.constexpr = 64
+        dtype: gl.constexpr = k_bufs.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        q = q_smem.index(WG)
+        kv_it = 0
+        slot = 0
+        tile_i = 0
+        pid = gl.program_id(0)
+        end = n_tiles if PERSISTENT else pid + 1
+        for t in range(pid, end, gl.num_programs(0)):
+            b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N, n_tiles)
+            r0 = m0 + WG * ROWS
+            # key blocks that need no mask: inside sk and (causal) left of this warpgroup's first diagonal
+            full = sk // BLOCK_N
+            if CAUSAL:
+                full = gl.minimum(full, (r0 + sk - sq + 1) // BLOCK_N)
+            acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+            mbarrier.wait(q_ready, tile_i & 1)
+            st = kv_it % NB
+            mbarrier.wait(k_ready.index(st), (kv_it // NB) & 1)
+            _ws_turn_wait(turn, slot, WG, PINGPONG)
+            zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+            s = warpgroup_mma(q, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            _ws_turn_pass(turn, WG, NUM_WG, PINGPONG)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            # Q is released right after its last read, so the next tile's Q loads under this one's tail
+            mbarrier.arrive(q_empty, count=1, pred=n_blocks == 1)
+            if full < 1:
+                s = _ws_mask(s, 0, r0, sq, sk, CAUSAL, BLOCK_N)
+            m_i = gl.max(s, axis=1) * qk_scale
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+            l_i = gl.sum(p, axis=1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, n_blocks):
+                acc, p_op, m_i, l_i = _ws_step(q, k_bufs, v_bufs, k_ready, v_ready, empty, q_empty, turn, acc,
+                                               p_op, m_i, l_i, j, kv_it, slot, n_blocks, r0, sq, sk, qk_scale, full,
+                                            s_layout, p_layout, row_o, WG, NUM_WG, PINGPONG, CAUSAL)
+            it = kv_it + n_blocks - 1
+            last = it % NB
+            mbarrier.wait(v_ready.index(last), (it // NB) & 1)
+            _ws_turn_wait(turn, slot + n_blocks, WG, PINGPONG)
+            acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+            _ws_turn_pass(turn, WG, NUM_WG, PINGPONG)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(empty.index(last), count=1)
+            kv_it += n_blocks
+            slot += n_blocks + 1
+            tile_i += 1
+
+            acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+            b64 = b.to(gl.int64)
+            rows = gl.arange(0, ROWS, layout=row_s)
+            o_rows = gl.arange(0, ROWS, layout=row_o)
+            o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            gl.store(lse_ptr + b64 * slb + h.to(gl.int64) * slh + r0 + rows, lse, mask=r0 + rows < sq)
+            orow = r0 + o_rows
+            optr = (o_ptr + gl.expand_dims((b64 * sq + orow) * sos, 1)
+                    + gl.expand_dims(h.to(gl.int64) * D + o_cols, 0))
+            gl.store(optr, acc.to(dtype), mask=gl.expand_dims(orow < sq, 1))
+
+    @gluon.jit(do_not_specialize=["sqs", "sks", "svs", "sos", "slb", "slh", "B", "H", "GROUP", "sq", "sk", "NUM_M"])
+    def _attn_fwd_ws_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sqs, sks, svs, sos, slb, slh,
+                            B, H, GROUP, sq, sk, NUM_M, qk_scale,
+                            CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
+                            PERSISTENT: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            q_layout: gl.constexpr, kv_layout: gl.constexpr):
+        """Persistent: program ``p`` runs tiles ``p, p + grid, ..`` of ``NUM_M * B * H`` (``64 * NUM_WG``
+        query rows of one (batch, head) each). Q/K/V are read through one 2-D TMA descriptor each over
+        ``(batch * seqlen, heads * HEAD_D)`` (row strides ``sqs``/``sks``/``svs``; the caller guarantees
+        batch stride = seqlen * row stride and head stride = HEAD_D); rows of a tile past its sequence
+        belong to the next batch or read as zero, and are masked (keys) or not stored (queries). ``o``
+        is contiguous ``(B, sq, H, HEAD_D)``, ``lse`` ``(B, H, sq)`` with strides ``slb``, ``slh``.
+        Launched with 4 warps (consumer 0) plus ``NUM_WG - 1`` consumers and a one-warp loader."""
+        HK = H // GROUP
+        q_desc = tma.make_tensor_descriptor(q_ptr, [B * sq, H * HEAD_D], [sqs, 1], [64, HEAD_D], q_layout)
+        k_desc = tma.make_tensor_descriptor(k_ptr, [B * sk, HK * HEAD_D], [sks, 1], [BLOCK_N, HEAD_D], kv_layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D], kv_layout)
+        n_tiles = NUM_M * B * H
+        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NUM_WG, 64, HEAD_D], q_layout)
+        k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+        v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=NUM_WG)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
+        for i in gl.static_range(NUM_WG):
+            mbarrier.init(turn.index(i), count=1)
+        args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
+                o_ptr, lse_ptr, sos, slb, slh, H, GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
+                CAUSAL, NUM_WG, PINGPONG, PERSISTENT)
+        if NUM_WG == 3:
+            gl.warp_specialize([
+                (_ws_consumer, (args, 0)),
+                (_ws_consumer, (args, 1)),
+                (_ws_consumer, (args, 2)),
+                (_ws_loader, (args, 0)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (args, 0)),
+                (_ws_consumer, (args, 1)),
+                (_ws_loader, (args, 0)),
+            ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

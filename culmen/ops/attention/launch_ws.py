@@ -1,0 +1,118 @@
+"""Plans of the warp-specialized Gluon forward (``kernels_ws.py``): which calls it takes, and its launch.
+
+``ws_config(...)`` returns the tile config for a call the Gluon kernel handles, else ``None`` (the Triton
+forward runs). ``ws_launch(...)`` builds the bound ``Launch`` (cached per config). ``WS_TUNING`` holds the
+switch and the per-head-dim tiles swept on the GPU (``bench/notes/attention.md`` v10).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from culmen.ops.attention import kernels_ws
+from culmen.ops.common.launch import Launch, cdiv
+
+# (head dim, causal) -> (BLOCK_N, STAGES, consumer warpgroups, ping-pong); BLOCK_M is 64 per consumer warpgroup.
+# Swept on an H200 (bench/notes/attention.md v10): d128 two ping-ponged warpgroups; d64 three warpgroups
+# (192 query rows) without mask, two ping-ponged with the causal mask (three spill there).
+WS_TUNING: dict = {
+    "on": True,
+    # one program per SM looping over tiles, heaviest first (else one program per tile): +3-15%
+    "persistent": True,
+    "tiles": {(64, False): (128, 3, 3, False), (64, True): (128, 3, 2, True),
+              (128, False): (128, 3, 2, True), (128, True): (128, 3, 2, True)},
+}
+# Registers per thread of a consumer / the loader, by consumer count: the kernel's warps (consumers plus the
+# loader warp rounded up to a warpgroup) share 64K registers, re-split by setmaxnreg.
+WS_REGS = {2: (240, 24), 3: (160, 32)}
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def ws_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool) -> tuple | None:
+    """``(BLOCK_N, STAGES, consumer warpgroups, ping-pong)`` when the Gluon forward takes this dense call, else
+    ``None``.
+
+    ``extras``: any feature the Gluon kernel lacks (dropout, window, softcap, ALiBi, qv, FP8, varlen, split
+    V head dim, KV-cache ranges, torch.compile tracing). Inputs must be 16-byte aligned in their row and
+    head strides (TMA), ``d`` 64 or 128, and causal calls need ``sq <= sk``."""
+    if not (WS_TUNING["on"] and kernels_ws.AVAILABLE and on_gpu and hopper) or extras:
+        return None
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or q.dim() != 4:
+        return None
+    d = q.shape[-1]
+    tile = WS_TUNING["tiles"].get((int(d), bool(causal)))
+    if tile is None or k.shape[-1] != d or v.shape[-1] != d:
+        return None
+    if causal and q.shape[1] > k.shape[1]:
+        return None
+    if 0 in q.shape[:3] or k.shape[1] == 0:  # a tile with no key block would wait forever
+        return None
+    for t in (q, k, v):
+        if not ws_layout_ok(t):
+            return None
+    return tile
+
+
+def ws_layout_ok(t) -> bool:
+    """Whether ``t`` ``(B, s, h, d)`` reads as one 2-D TMA view ``(B * s, h * d)``: unit head-dim stride, heads
+    packed (head stride ``d``), batches packed (batch stride ``s`` rows, or one batch), 16-byte aligned rows."""
+    B, s, h, d = t.shape
+    st = t.stride()
+    return (st[3] == 1 and (st[2] == d or h == 1) and (st[0] == s * st[1] or B == 1)
+            and (st[1] * t.element_size()) % 16 == 0)
+
+
+def ws_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device,
+              persistent: bool) -> Launch:
+    """A ``Launch`` of ``_attn_fwd_ws_kernel`` for one config and grid (a plan keeps its own)."""
+    from triton.experimental.gluon import language as gl
+
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    bn, stages, nwg, pingpong = tile
+    creg, lreg = WS_REGS[nwg]
+    meta = dict(PERSISTENT=persistent, CAUSAL=causal, HEAD_D=d, BLOCK_N=bn, STAGES=stages, NUM_WG=nwg,
+                PINGPONG=pingpong, CONSUMER_REGS=creg, LOADER_REGS=lreg,
+                q_layout=gl.NVMMASharedLayout.get_default_for([64, d], gdt),
+                kv_layout=gl.NVMMASharedLayout.get_default_for([bn, d], gdt))
+    return Launch(kernels_ws._attn_fwd_ws_kernel, (grid,), meta, 4, 1, device=device,
+                  options={"maxnreg": (creg * nwg + lreg) // (nwg + 1)})
+
+
+class WsForward:
+    """The Gluon forward of one call signature: ``(stream, q, k, v, out, lse)`` launches it, writing ``out``
+    (contiguous ``(B, sq, h, d)``) and ``lse`` (fp32 ``(B, h, sq)``, contiguous). Pointers must be 16-byte
+    aligned (the caller checks)."""
+
+    __slots__ = ("launch", "ints")
+
+    def __init__(self, q_shape, k_shape, dtype: torch.dtype, device, causal: bool, tile: tuple,
+                 scale_log2: float, row_strides: tuple) -> None:
+        B, sq, H, d = (int(x) for x in q_shape)
+        sk, hk = int(k_shape[1]), int(k_shape[2])
+        num_m = cdiv(sq, 64 * tile[2])
+        grid = num_m * B * H
+        persistent = WS_TUNING["persistent"]
+        if persistent:
+            grid = min(grid, _sm_count(device))
+        self.launch = ws_launch(dtype, d, causal, tile, grid, device, persistent)
+        # row strides of q, k, v, out; lse strides; sizes; the scale
+        self.ints = (*row_strides, H * d, sq * H, sq, B, H, H // hk, sq, sk, num_m, scale_log2)
+
+    def __call__(self, stream, q, k, v, out, lse) -> None:
+        self.launch(stream, True, q, k, v, out, lse, *self.ints)
+
+
+def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, stream) -> None:
+    """Run the Gluon forward once (diagnostics and tuning; plans keep a ``WsForward``)."""
+    WsForward(q.shape, k.shape, q.dtype, q.device, causal, tile, scale_log2,
+              (q.stride(1), k.stride(1), v.stride(1)))(stream, q, k, v, out, lse)
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device) -> int:
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n

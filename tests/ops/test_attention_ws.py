@@ -1,0 +1,187 @@
+"""The warp-specialized Gluon forward (``kernels_ws.py`` / ``launch_ws.py``).
+
+On CPU: which calls it takes (everything else keeps the Triton forward) and that the kernel compiles for
+sm_90 in every shipped configuration without spilling registers (Triton's bundled ptxas, no GPU needed).
+On a Hopper GPU: flash_attn's rule against a float64 oracle (output 2x, gradients 3x the error of the same
+math in the input precision), odd shapes, GQA, causal with ``sq < sk``, a packed-qkv view, the persistent
+grid with several tiles per program, and agreement with the Triton forward.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from culmen.ops.attention import flash_attn, kernels_ws, launch_ws
+from culmen.ops.attention import launch as attn_launch
+from culmen.testing import assert_close_tolerance
+from culmen.testing.attention import grads as _grads
+from culmen.testing.attention import plain
+
+BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
+
+
+def _cfg(q, k, v, causal=False, extras=False):
+    return launch_ws.ws_config(q, k, v, causal=causal, extras=extras, on_gpu=True, hopper=True)
+
+
+def _t(B, s, h, d, dtype=BF16):
+    return torch.empty(B, s, h, d, dtype=dtype)
+
+
+def test_eligible_calls_get_the_tuned_tile():
+    q, k = _t(2, 100, 8, 128), _t(2, 100, 2, 128)
+    assert _cfg(q, k, k) == launch_ws.WS_TUNING["tiles"][(128, False)]
+    assert _cfg(q, k, k, causal=True) == launch_ws.WS_TUNING["tiles"][(128, True)]
+    q64 = _t(1, 7, 4, 64, F16)
+    assert _cfg(q64, q64, q64, causal=True) == launch_ws.WS_TUNING["tiles"][(64, True)]
+    # q as the head slice of a packed (B, s, h + 2 hk, d) projection: batches and heads still packed
+    qkv = _t(2, 33, 12, 64)
+    assert _cfg(qkv[:, :, :8], qkv[:, :, 8:10], qkv[:, :, 10:]) is not None
+
+
+@pytest.mark.parametrize("case", ["fp32", "d96", "dv", "causal_sq_gt_sk", "extras", "cpu", "off", "heads_strided",
+                                  "batch_strided", "transposed", "empty", "mixed_dtype"])
+def test_ineligible_calls_keep_the_triton_forward(case, monkeypatch):
+    q = k = v = _t(2, 64, 4, 64)
+    kw = dict(causal=False, extras=False, on_gpu=True, hopper=True)
+    if case == "fp32":
+        q = k = v = _t(2, 64, 4, 64, torch.float32)
+    elif case == "d96":
+        q = k = v = _t(2, 64, 4, 96)
+    elif case == "dv":
+        v = _t(2, 64, 4, 128)
+    elif case == "causal_sq_gt_sk":
+        q, kw["causal"] = _t(2, 65, 4, 64), True
+    elif case == "extras":
+        kw["extras"] = True
+    elif case == "cpu":
+        kw["hopper"] = False
+    elif case == "off":
+        monkeypatch.setitem(launch_ws.WS_TUNING, "on", False)
+    elif case == "heads_strided":
+        q = _t(2, 64, 4, 128)[..., :64]
+    elif case == "batch_strided":
+        q = _t(3, 64, 4, 64)[::2]
+    elif case == "transposed":
+        q = torch.empty(2, 4, 64, 64, dtype=BF16).transpose(1, 2)
+    elif case == "empty":
+        q = _t(2, 0, 4, 64)
+    elif case == "mixed_dtype":
+        k = _t(2, 64, 4, 64, F16)
+    assert launch_ws.ws_config(q, k, v, **kw) is None
+
+
+def test_plans_on_cpu_never_take_it():
+    q = torch.randn(1, 16, 2, 64, dtype=BF16)
+    plan = attn_launch.AttnPlan("dense", q, q, q, None)
+    assert plan.ws is None
+
+
+def _compile_sm90(d: int, causal: bool, tile: tuple):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from culmen.ops.attention.launch_ws import ws_launch
+
+    la = ws_launch(BF16, d, causal, tile, 1, torch.device("cpu"), True)
+    fn = kernels_ws._attn_fwd_ws_kernel
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in la.meta:
+            sig[name], consts[(i,)] = "constexpr", la.meta[name]
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32" if name == "lse_ptr" else "*bf16"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+    return triton_compile(GluonASTSource(fn, sig, consts, attrs), GPUTarget("cuda", 90, 32),
+                          {"num_warps": 4, "maxnreg": la.options["maxnreg"]})
+
+
+def triton_compile(src, target, options):
+    import triton
+
+    return triton.compile(src, target=target, options=options)
+
+
+@pytest.mark.skipif(not kernels_ws.AVAILABLE, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
+def test_kernel_compiles_for_sm90(d, causal):
+    import triton
+
+    k = _compile_sm90(d, causal, launch_ws.WS_TUNING["tiles"][(d, causal)])
+    ptx = k.asm["ptx"]
+    # producer/consumer partitions with re-split registers, asynchronous wgmma, TMA loads
+    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert k.metadata.shared <= 232448  # fits Hopper's 227 KiB of shared memory per block
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(tool):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        assert "REG:" in res
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _hopper():
+    return torch.cuda.is_available() and attn_launch._nvidia_hopper(torch.device("cuda"))
+
+
+CASES = [  # B, sq, sk, h, hk, d, causal
+    (2, 1000, 1000, 4, 4, 128, False), (2, 1000, 1000, 4, 4, 128, True), (1, 777, 1531, 8, 2, 128, True),
+    (3, 300, 300, 2, 1, 64, True), (1, 129, 65, 2, 2, 64, False), (2, 2048, 2048, 8, 2, 64, True),
+    (1, 1, 4000, 4, 4, 128, True), (40, 512, 512, 8, 8, 64, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_ws_forward_and_grads_within_flash_attn_rule(case, dtype, fresh_plans):
+    if not _hopper():
+        pytest.skip("the Gluon forward runs on Hopper-class NVIDIA GPUs")
+    B, sq, sk, h, hk, d, causal = case
+    torch.manual_seed(sq * 7 + sk + d)
+    qkv = torch.randn(B, sq, h + 2 * hk, d, device="cuda", dtype=dtype)
+    q = qkv[:, :, :h].detach().requires_grad_()  # a strided leaf view: the Gluon kernel reads it in place
+    k = torch.randn(B, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(B, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal)
+    assert plan.ws is not None
+    out, lse, _ = flash_attn(q, k, v, 0.0, causal=causal)
+    dout = torch.randn_like(out)
+    g = _grads(out, dout, (q, k, v))
+    hi = plain(q, k, v, F64, causal=causal)
+    hi_g = _grads(hi, dout.double(), (q, k, v))
+    lo = plain(q, k, v, dtype, causal=causal)
+    lo_g = _grads(lo, dout, (q, k, v))
+    assert_close_tolerance(out, hi.detach(), lo.detach(), factor=2.0, name="out")
+    for name, a, b, c in zip("qkv", g, hi_g, lo_g):
+        assert_close_tolerance(a, b, c, factor=3.0, name=f"d{name}")
+    # lse against float64 logsumexp of the scaled scores
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double().repeat_interleave(h // hk, 2)) * d ** -0.5
+    if causal:
+        i = torch.arange(sq, device="cuda")[:, None]
+        s = s.masked_fill(torch.arange(sk, device="cuda")[None] > i + sk - sq, float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False])
+def test_ws_matches_triton_forward(persistent, fresh_plans, monkeypatch):
+    if not _hopper():
+        pytest.skip("the Gluon forward runs on Hopper-class NVIDIA GPUs")
+    monkeypatch.setitem(launch_ws.WS_TUNING, "persistent", persistent)
+    q, k, v = (torch.randn(4, 1037, 8, 128, device="cuda", dtype=BF16) for _ in range(3))
+    o_ws, l_ws, _ = flash_attn(q, k, v, 0.0, causal=True)
+    monkeypatch.setitem(launch_ws.WS_TUNING, "on", False)
+    attn_launch.clear_plans()
+    o_tr, l_tr, _ = flash_attn(q, k, v, 0.0, causal=True)
+    torch.testing.assert_close(o_ws, o_tr, atol=2e-2, rtol=0)
+    torch.testing.assert_close(l_ws, l_tr, atol=1e-4, rtol=0)
