@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
+import sys
 
 import pytest
 import torch
@@ -82,53 +82,35 @@ def test_plans_on_cpu_never_take_it():
     assert plan.ws is None
 
 
-def _compile_sm90(d: int, causal: bool, tile: tuple):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from culmen.ops.attention.launch_ws import ws_launch
-
-    la = ws_launch(BF16, d, causal, tile, 1, torch.device("cpu"), True)
-    fn = kernels_ws._attn_fwd_ws_kernel
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in la.meta:
-            sig[name], consts[(i,)] = "constexpr", la.meta[name]
-        elif name.endswith("_ptr"):
-            sig[name] = "*fp32" if name == "lse_ptr" else "*bf16"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
-    return triton_compile(GluonASTSource(fn, sig, consts, attrs), GPUTarget("cuda", 90, 32),
-                          {"num_warps": 4, "maxnreg": la.options["maxnreg"]})
-
-
-def triton_compile(src, target, options):
-    import triton
-
-    return triton.compile(src, target=target, options=options)
-
-
 @pytest.mark.skipif(not kernels_ws.AVAILABLE, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
-def test_kernel_compiles_for_sm90(d, causal):
-    import triton
-
-    k = _compile_sm90(d, causal, launch_ws.WS_TUNING["tiles"][(d, causal)])
-    ptx = k.asm["ptx"]
-    # producer/consumer partitions with re-split registers, asynchronous wgmma, TMA loads
-    assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-    assert k.metadata.shared <= 232448  # fits Hopper's 227 KiB of shared memory per block
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if os.path.exists(tool):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        assert "REG:" in res
+def test_kernel_compiles_for_sm90_without_spills():
+    """Every shipped config through ``scripts/ws_regs.py`` (a subprocess: Gluon does not compile under the
+    interpreter the CPU tests run in)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ws_regs.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("d=")]
+    assert len(lines) == len(launch_ws.WS_TUNING["tiles"]), res.stdout
+    for ln in lines:
+        f = dict(kv.split("=") for kv in ln.split())
+        # producer/consumer partitions with re-split registers, asynchronous wgmma, TMA loads
+        assert f["ptx"] == "setmaxnreg,wgmma,tma", ln
+        assert int(f["shared"]) <= 232448, ln  # Hopper's 227 KiB of shared memory per block
+        # a consumer warpgroup spilling in its key loop ran 2x slower; the shipped tiles spill at most 72 bytes
+        assert 0 <= int(f["stack"]) <= 256, ln
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+@pytest.fixture
+def fresh_plans():
+    from culmen.ops.common.plans import clear_plans
+
+    clear_plans()
+    yield
+    clear_plans()
+
+
 def _hopper():
     return torch.cuda.is_available() and attn_launch._nvidia_hopper(torch.device("cuda"))
 

@@ -3,21 +3,24 @@
 Why a second forward: in ``@triton.jit`` each program's warpgroup runs its two GEMMs and its softmax back
 to back (``bench/notes/attention.md`` v4-v9), and Triton 3.6's automatic warp specialization gained nothing.
 Gluon (``triton.experimental.gluon``, shipped in the Triton wheel, no build step) states what FA3 does by
-hand: one producer warp issues TMA loads of K and V into a ring of shared-memory stages guarded by
-mbarriers, and two consumer warpgroups (64 query rows each, 240 registers each after ``setmaxnreg``)
-run asynchronous ``wgmma``s. Each consumer overlaps the softmax of key block ``j`` with the ``P @ V``
-GEMM of block ``j - 1`` (FA3's intra-warpgroup overlap), and the two warpgroups drift so one's softmax
-runs under the other's GEMMs.
+hand: one producer warp issues TMA loads of Q and of K/V into a ring of shared-memory stages guarded by
+mbarriers, and two or three consumer warpgroups (64 query rows each; ``setmaxnreg`` gives them 240 or 160
+registers and the loader 24 or 32) run asynchronous ``wgmma``s. Each consumer issues ``S_j = Q K_j^T`` and
+``O += P_{j-1} V_{j-1}`` together and runs the softmax of ``S_j`` while ``P V`` is on the tensor cores (FA3's
+intra-warpgroup overlap); with ``PINGPONG`` the consumers take turns issuing (round robin through mbarriers),
+so one's softmax runs under the others' GEMMs. ``PERSISTENT``: one program per SM walks the tiles heaviest
+first, and the loader fetches the next tile's Q and K/V while the consumers finish the current one.
 
-Scope (``launch.ws_eligible`` decides, everything else runs the Triton kernel): dense BSHD, bf16/fp16,
-head dim 64 or 128 (``D == DV``), no dropout, window, softcap, ALiBi, qv or KV-cache ranges; causal only
-with ``sq <= sk`` (every row sees key 0, so no row is empty). Same conventions as ``kernels.py``: scores
-in base 2 with ``softmax_scale * log2(e)`` folded in, the causal mask bottom-right aligned, ``lse`` fp32
-natural log ``(B, H, sq)``, GQA by ``h // GROUP``.
+Scope (``launch_ws.ws_config`` decides; everything else runs the Triton kernel): dense BSHD, bf16/fp16, head
+dim 64 or 128 (``D == DV``), no dropout, window, softcap, ALiBi, qv, FP8 or KV-cache ranges; causal only with
+``sq <= sk`` (every row sees key 0, so no row is empty); batches and heads packed in memory (a contiguous
+tensor or a head slice of a packed qkv). Same conventions as ``kernels.py``: scores in base 2 with
+``softmax_scale * log2(e)`` folded in, the causal mask bottom-right aligned, ``lse`` fp32 natural log
+``(B, H, sq)``, GQA by ``h // GROUP``.
 
-Memory safety: Q, K, V and O are addressed only through per-program TMA descriptors of shape
-``(sq or sk, D)`` at ``(b, h)``'s base, so rows past a sequence read as zero and are never written; the
-lse store is masked by ``row < sq``.
+Memory safety: Q, K and V are read only through TMA descriptors over ``(B * s, heads * D)``, which zero-fill
+past the tensor's end; rows of a tile past its own sequence come from the next batch and are masked (keys,
+``-inf``) or never stored (queries: the output and lse stores are masked by ``row < sq``).
 """
 
 from __future__ import annotations
