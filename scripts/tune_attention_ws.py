@@ -23,19 +23,11 @@ from culmen.ops.attention import launch, launch_ws  # noqa: E402
 
 
 def _ref(q, k, v, causal, scale):
-    B, sq, H, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
-    kf = kf.repeat_interleave(H // hk, 1)
-    vf = vf.repeat_interleave(H // hk, 1)
-    s = qf @ kf.transpose(-1, -2) * scale
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    o = torch.softmax(s, -1) @ vf
-    return o.transpose(1, 2), lse
+    """Output and lse of culmen's reference path in float64."""
+    from culmen.ops.attention.reference import attention_fwd_ref
+
+    o, lse, _ = attention_fwd_ref(q.double(), k.double(), v.double(), softmax_scale=scale, causal=causal)
+    return o, lse
 
 
 def _ws(q, k, v, causal, tile, scale):

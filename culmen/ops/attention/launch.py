@@ -429,12 +429,11 @@ class AttnPlan:
                   or self.qv or self.fp8 or self.split_v or self.chunk or self.k_range or self.k_add
                   or self.n_splits > 1 or self.page or self.out_strides is not None or self.descale
                   or self.left >= 0 or (self.window_size[1] >= 0 and not self.causal))
-        if not extras and on_gpu:
-            tile = launch_ws.ws_config(q, k, v, causal=self.causal, extras=False, on_gpu=True,
-                                       hopper=_nvidia_hopper(q.device))
-            if tile is not None:
-                self.ws = launch_ws.WsForward(q.shape, k.shape, q.dtype, q.device, self.causal, tile,
-                                              self.scale * LOG2E_F, (q.stride(1), k.stride(1), v.stride(1)))
+        tile = launch_ws.ws_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu,
+                                   hopper=on_gpu and _nvidia_hopper(q.device))
+        if tile is not None:
+            self.ws = launch_ws.WsForward(q.shape, k.shape, q.dtype, q.device, self.causal, tile,
+                                          self.scale * LOG2E_F, (q.stride(1), k.stride(1), v.stride(1)))
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
         """The forward's ``Launch`` (built on first use)."""
@@ -510,11 +509,9 @@ class AttnPlan:
                 aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0
         if self.ws is not None and aligned:
             _ensure_allocator(self.device)  # the kernel builds its TMA descriptors on the device
-            if lse is None:
-                lse = torch.empty(self.lse_shape, dtype=_F32, device=self.device)
-                self.ws(self.stream(), q, k, v, out, lse)
-                return out, None, None
-            self.ws(self.stream(), q, k, v, out, lse)
+            # (it always writes lse: a scratch one when the caller did not ask for it)
+            self.ws(self.stream(), q, k, v, out,
+                    lse if lse is not None else torch.empty(self.lse_shape, dtype=_F32, device=self.device))
             return out, lse, None
         if self.tma and aligned:
             _ensure_allocator(self.device)

@@ -1,8 +1,9 @@
 """Plans of the warp-specialized Gluon forward (``kernels_ws.py``): which calls it takes, and its launch.
 
 ``ws_config(...)`` returns the tile config for a call the Gluon kernel handles, else ``None`` (the Triton
-forward runs). ``ws_launch(...)`` builds the bound ``Launch`` (cached per config). ``WS_TUNING`` holds the
-switch and the per-head-dim tiles swept on the GPU (``bench/notes/attention.md`` v10).
+forward runs). ``WsForward`` is a plan's launcher (its ``Launch`` from ``ws_launch`` and the integer arguments).
+``WS_TUNING`` holds the switches and the per-(head dim, causal) tiles swept on the GPU
+(``bench/notes/attention.md`` v10).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from culmen.ops.attention import kernels_ws
+from culmen.ops.backend import num_programs_hint
 from culmen.ops.common.launch import Launch, cdiv
 
 # (head dim, causal) -> (BLOCK_N, STAGES, consumer warpgroups, ping-pong); BLOCK_M is 64 per consumer warpgroup.
@@ -94,7 +96,7 @@ class WsForward:
         grid = num_m * B * H
         persistent = WS_TUNING["persistent"]
         if persistent:
-            grid = min(grid, _sm_count(device))
+            grid = min(grid, num_programs_hint(torch.device(device)))
         self.launch = ws_launch(dtype, d, causal, tile, grid, device, persistent)
         # row strides of q, k, v, out; lse strides; sizes; the scale
         self.ints = (*row_strides, H * d, sq * H, sq, B, H, H // hk, sq, sk, num_m, scale_log2)
@@ -108,12 +110,3 @@ def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, 
     WsForward(q.shape, k.shape, q.dtype, q.device, causal, tile, scale_log2,
               (q.stride(1), k.stride(1), v.stride(1)))(stream, q, k, v, out, lse)
 
-
-_SMS: dict = {}
-
-
-def _sm_count(device) -> int:
-    n = _SMS.get(device)
-    if n is None:
-        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return n
