@@ -332,6 +332,7 @@ class AttnPlan:
         self._bwd: dict = {}
         self.grads_direct = False  # backward(grads=) writes into them (set by _plan_kernels)
         self.ws = None  # the Gluon forward's launcher when it takes this signature (set by _plan_kernels)
+        self.ws_bwd = None  # the Gluon backward's tile when it takes this signature (set by _plan_kernels)
         if self.use_kernel:
             self._plan_kernels(q, k, v, alibi, traced)
 
@@ -434,6 +435,11 @@ class AttnPlan:
         if tile is not None:
             self.ws = launch_ws.WsForward(q.shape, k.shape, q.dtype, q.device, self.causal, tile,
                                           self.scale * LOG2E_F, (q.stride(1), k.stride(1), v.stride(1)))
+        # The Gluon backward adds dQ with atomics: only where deterministic results were not asked for (the
+        # flash_attn argument here, torch's / culmen's switch per call).
+        if not self.deterministic:
+            self.ws_bwd = launch_ws.ws_bwd_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu,
+                                                  hopper=on_gpu and _nvidia_hopper(q.device))
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
         """The forward's ``Launch`` (built on first use)."""
@@ -643,6 +649,12 @@ class AttnPlan:
                       dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
                            SU=su), warps, stages, device=dev, options=_bwd_options("dq", self.block_w, gpu, dt))
         b.dq_ints = (*qkvd, *u(dqs), *common, H, H // self.HK, *self.sizes, self.D, num_m, *self.scal)
+        b.ws = None
+        do_read = dout.contiguous() if b.copy_do else dout  # what the kernels will read
+        if self.ws_bwd is not None and launch_ws.ws_layout_ok(do_read):
+            b.ws = launch_ws.WsBackward(self.q_shape, self.k_shape, self.dtype, dev, self.causal, self.ws_bwd,
+                                        self.scale, (self.qs[1], self.ks[1], self.vs[1], do_read.stride(1)),
+                                        (self.slb, self.slh))
         return b
 
     def backward(self, dout, q, k, v, out, lse, alibi, rng, cu_q=None, cu_k=None, traced: bool = False, qv=None,
@@ -704,6 +716,11 @@ class AttnPlan:
             ok = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr()) & 15 == 0
         if grads is not None and not traced:
             ok = ok and (dq.data_ptr() | dk.data_ptr() | dv.data_ptr()) & 15 == 0
+        if b.ws is not None and ok and not traced and not deterministic_enabled():
+            _ensure_allocator(dev)  # the kernel builds its TMA descriptors on the device
+            b.pre(stream, ok, out, dout, delta, cu_q, *b.pre_ints)
+            b.ws(stream, q, k, v, dout, lse, delta, dq, dk, dv)
+            return dq, dk, dv
         launches = ((b.pre, (out, dout, delta, cu_q, *b.pre_ints), ()),
                     (b.dkdv[atomic], (q, k, v, dout, lse, delta, dk, dv, dq_acc, alibi, rng, cu_q, cu_k, qv,
                                       *b.dkdv_ints[atomic]), (dk, dv)))
@@ -777,7 +794,7 @@ def dequantize_fp8(q, k, v, descales, cu_q=None, cu_k=None):
 
 
 class _BwdPlan:
-    __slots__ = ("copy_do", "pre", "pre_ints", "dkdv", "dkdv_ints", "dq", "dq_ints")
+    __slots__ = ("copy_do", "pre", "pre_ints", "dkdv", "dkdv_ints", "dq", "dq_ints", "ws")
 
 
 def _as_int(n):

@@ -110,3 +110,67 @@ def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, 
     WsForward(q.shape, k.shape, q.dtype, q.device, causal, tile, scale_log2,
               (q.stride(1), k.stride(1), v.stride(1)))(stream, q, k, v, out, lse)
 
+
+
+# ------------------------------------------------------------------------------------------------ backward
+# head dim -> (BLOCK_M, STAGES, DQ_SPLIT) of the Gluon backward (kernels_ws_bwd): two consumer warpgroups of 64
+# keys each (BLOCK_N 128); DQ_SPLIT 0 splits each dQ tile's columns over them, 1 has them take turns.
+WS_BWD_TUNING: dict = {
+    "on": True,
+    "tiles": {64: (64, 2, 1), 128: (64, 2, 0)},
+}
+WS_BWD_REGS = (240, 24)
+
+
+def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool) -> tuple | None:
+    """``(BLOCK_M, STAGES, DQ_SPLIT)`` when the Gluon backward takes this dense call (the forward's conditions,
+    ``ws_config``), else ``None``. The caller also needs dout TMA-readable and non-deterministic mode."""
+    if not WS_BWD_TUNING["on"] or ws_config(q, k, v, causal=causal, extras=extras, on_gpu=on_gpu,
+                                            hopper=hopper) is None:
+        return None
+    return WS_BWD_TUNING["tiles"].get(int(q.shape[-1]))
+
+
+def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device) -> Launch:
+    """A ``Launch`` of ``_attn_bwd_ws_kernel`` for one config and grid."""
+    from triton.experimental.gluon import language as gl
+
+    from culmen.ops.attention import kernels_ws_bwd
+
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    bm, stages, split = tile
+    creg, lreg = WS_BWD_REGS
+    meta = dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=bm, STAGES=stages, NUM_WG=2, DQ_SPLIT=split,
+                CONSUMER_REGS=creg, LOADER_REGS=lreg,
+                q_layout=gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
+                kv_layout=gl.NVMMASharedLayout.get_default_for([128, d], gdt),
+                ds_layout=gl.NVMMASharedLayout.get_default_for([bm, 128], gdt))
+    return Launch(kernels_ws_bwd._attn_bwd_ws_kernel, (grid,), meta, 4, 1, device=device,
+                  options={"maxnreg": (creg * 2 + lreg) // 3})
+
+
+class WsBackward:
+    """The Gluon backward of one call signature: ``(stream, q, k, v, dout, lse, delta, dq, dk, dv)`` writes dQ,
+    dK, dV (any strides; dK/dV's heads and batches by their strides, dQ by a copy from the fp32 accumulator).
+    ``delta`` is ``rowsum(dout * out)`` fp32 ``(B, H, sq)`` laid out like ``lse``."""
+
+    __slots__ = ("launch", "ints", "acc_shape", "sq")
+
+    def __init__(self, q_shape, k_shape, dtype: torch.dtype, device, causal: bool, tile: tuple, scale: float,
+                 row_strides: tuple, lse_strides: tuple) -> None:
+        B, sq, H, d = (int(x) for x in q_shape)
+        sk, hk = int(k_shape[1]), int(k_shape[2])
+        num_n = cdiv(sk, 128)
+        self.launch = ws_bwd_launch(dtype, d, causal, tile, num_n * B * hk, device)
+        # row strides of q, k, v, dout; lse strides; sizes; scales (dk/dv strides come per call)
+        self.ints = (row_strides, lse_strides, (B, H, H // hk, sq, sk, num_n, scale * 1.4426950408889634, scale))
+        self.acc_shape = (B, H, cdiv(sq, tile[0]) * tile[0], d)
+        self.sq = sq
+
+    def __call__(self, stream, q, k, v, dout, lse, delta, dq, dk, dv) -> None:
+        rows, lse_st, sizes = self.ints
+        acc = torch.zeros(self.acc_shape, dtype=torch.float32, device=q.device)
+        self.launch(stream, True, q, k, v, dout, dk, dv, acc, lse, delta, *rows,
+                    dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                    *lse_st, *sizes)
+        dq.copy_(acc[:, :, :self.sq].transpose(1, 2))

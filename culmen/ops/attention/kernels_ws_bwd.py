@@ -1,0 +1,264 @@
+"""Warp-specialized FlashAttention backward for Hopper, written in Gluon (the forward's companion,
+``kernels_ws.py``).
+
+Why: the Triton backward recomputes ``Q K^T`` and ``dO V^T`` in a second (dQ) kernel, 7 matmuls per tile
+against FA2/FA3's 5, because every 5-matmul variant was slower while one warpgroup ran its GEMMs and softmax
+back to back (``bench/notes/attention.md`` v3, v6, v8). Here one program owns a block of ``64 * NUM_WG`` keys
+of one (batch, KV head); a one-warp TMA loader streams ``Q`` and ``dO`` blocks of every query head of the
+group into a stage ring, and each consumer warpgroup, for its 64 keys, runs
+
+    S^T = K Q^T,  dP^T = V dO^T           (both issued at once; the softmax of S^T runs under dP^T)
+    P^T = exp2(S^T * scale * log2 e - lse * log2 e),  dS^T = P^T (dP^T - delta) * scale
+    dV += P^T dO,  dK += dS^T Q           (register A operands, accumulated in fp32 across the loop)
+    dQ_part = dS K                        (dS^T of all warpgroups shared through shared memory)
+
+and adds its share of ``dQ_part`` into an fp32 ``dq_acc`` with vectorized atomics (Gluon in Triton 3.6 has
+no TMA reduce-add). ``DQ_SPLIT``: 0 splits each dQ tile's columns over the warpgroups (``D / NUM_WG`` each,
+the head dim must split into 64-column halves of the 128-byte swizzle), 1 lets the warpgroups take turns
+(warpgroup ``i % NUM_WG`` computes all of block ``i``'s dQ). The dS^T buffer is double-buffered and guarded
+by one mbarrier per buffer that every warpgroup arrives on after its store (a warpgroup that passed
+iteration ``i + 1``'s barrier knows every other finished iteration ``i - 1``'s dQ, the buffer's last reader).
+
+Not deterministic (atomic order): the launcher takes this kernel only when deterministic algorithms are off.
+Scope as the forward's (``launch_ws.ws_bwd_config``): dense bf16/fp16, ``D`` 64 or 128, no extras, causal only
+with ``sq <= sk``. Memory safety: Q, dO, K, V are read through TMA descriptors over ``(B * s, heads * D)``
+(zero past the end); query rows past ``sq`` (the next batch's) get ``lse = +inf`` so their P and dS are 0,
+key rows past ``sk`` are masked to P = 0, and every global store / atomic is masked to its sequence.
+"""
+
+from __future__ import annotations
+
+from culmen.ops.attention.kernels_ws import AVAILABLE
+
+if AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from culmen.ops.attention.kernels_ws import _tma_load
+
+    @gluon.jit
+    def _bwd_tile(NUM_N, B, HK, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``(b, kv head, first key, first query block, query blocks per head)`` of this program; causal
+        programs of the first key blocks (which see the most query blocks) run first."""
+        pid = gl.program_id(0)
+        if CAUSAL:
+            pid_n = pid // (B * HK)
+            bh = pid % (B * HK)
+        else:
+            pid_n = pid % NUM_N
+            bh = pid // NUM_N
+        n0 = pid_n * BLOCK_N
+        num_m = gl.cdiv(sq, BLOCK_M)
+        m_lo = 0
+        if CAUSAL:  # query row r sees key n when n <= r + sk - sq
+            m_lo = gl.maximum(n0 - (sk - sq), 0) // BLOCK_M
+        return bh // HK, bh % HK, n0, m_lo, num_m - m_lo
+
+    @gluon.jit
+    def _bwd_loader(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_SPLIT: gl.constexpr):
+        """Producer (one warp): K and V of the program's key block once, then Q and dO of every (head of the
+        group, query block) into the stage ring."""
+        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, kv_ready, q_ready,
+         do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh,
+         slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
+        BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+        D: gl.constexpr = k_smem.type.shape[1]
+        NS: gl.constexpr = q_bufs.type.shape[0]
+        BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+        b, hk, n0, m_lo, cnt = _bwd_tile(NUM_N, B, HK, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
+        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b * sk + n0, hk * D], kv_ready, k_smem)
+        _tma_load(v_desc, [b * sk + n0, hk * D], kv_ready, v_smem)
+        for i in range(GROUP * cnt):
+            h = hk * GROUP + i // cnt
+            m0 = (m_lo + i % cnt) * BLOCK_M
+            s = i % NS
+            mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+            qb = q_ready.index(s)
+            mbarrier.expect(qb, q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b * sq + m0, h * D], qb, q_bufs.index(s))
+            db = do_ready.index(s)
+            mbarrier.expect(db, do_desc.block_type.nbytes)
+            _tma_load(do_desc, [b * sq + m0, h * D], db, do_bufs.index(s))
+
+    @gluon.jit
+    def _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL: gl.constexpr):
+        """``-inf`` where key ``n_lo + col`` is past ``sk`` or (causal) after query ``m0 + row``'s diagonal."""
+        rows = gl.arange(0, s.type.shape[0], layout=gl.SliceLayout(1, s.type.layout))
+        cols = gl.arange(0, s.type.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        n = gl.expand_dims(n_lo + cols, 0)
+        if CAUSAL:
+            keep = (n < sk) & (n <= gl.expand_dims(m0 + rows + (sk - sq), 1))
+        else:
+            keep = (n < sk) & gl.expand_dims(rows >= 0, 1)
+        return gl.where(keep, s, float("-inf"))
+
+    @gluon.jit
+    def _bwd_dq_add(dq, tile_ptr, ROW: gl.constexpr):
+        """Add ``dq`` into its fp32 tile of ``dq_acc`` ``(B, H, rows padded to BLOCK_M, D)`` (rows ``ROW`` apart:
+        every address is the tile's base plus a constant, so the atomics take no address registers and need no
+        mask; padding rows receive zeros)."""
+        rows = gl.arange(0, dq.type.shape[0], layout=gl.SliceLayout(1, dq.type.layout))
+        cols = gl.arange(0, dq.type.shape[1], layout=gl.SliceLayout(0, dq.type.layout))
+        gl.atomic_add(tile_ptr + gl.expand_dims(rows * ROW, 1) + gl.expand_dims(cols, 0), dq, sem="relaxed")
+
+    @gluon.jit
+    def _bwd_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr,
+                      DQ_SPLIT: gl.constexpr):
+        """Consumer warpgroup ``WG``: keys ``n0 + 64 * WG ..`` of the program's block against every query block
+        of every head of the group; dK and dV stay in registers and are stored at the end."""
+        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, kv_ready, q_ready,
+         do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh,
+         slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
+        BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+        D: gl.constexpr = k_smem.type.shape[1]
+        NS: gl.constexpr = q_bufs.type.shape[0]
+        BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+        dtype: gl.constexpr = k_smem.dtype
+        COLS: gl.constexpr = 64
+        DQ_N: gl.constexpr = D // (NUM_WG - DQ_SPLIT * (NUM_WG - 1))  # D / NUM_WG, or D when taking turns
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, COLS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, D, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_N, 16])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        LOG2E: gl.constexpr = 1.4426950408889634
+        b, hk, n0, m_lo, cnt = _bwd_tile(NUM_N, B, HK, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
+        bh0 = b * (HK * GROUP)
+        num_m = gl.cdiv(sq, BLOCK_M)
+        n_lo = n0 + WG * COLS
+        # query blocks from m_full on see all of this warpgroup's keys (causal) ...
+        m_full = 0
+        if CAUSAL:
+            m_full = gl.cdiv(gl.maximum(n_lo + COLS - 1 - (sk - sq), 0), BLOCK_M)
+        # ... unless its keys run past sk
+        tail = n_lo + COLS > sk
+        k_wg = k_smem.slice(WG * COLS, COLS).permute((1, 0))  # (D, 64): S = Q K^T's B operand
+        v_wg = v_smem.slice(WG * COLS, COLS).permute((1, 0))
+        p_wg = p_smem.slice(WG * COLS, COLS, dim=1).permute((1, 0))  # P^T (64 keys, BLOCK_M): dV's A operand
+        if DQ_SPLIT == 0:
+            k_dq = k_smem.slice(WG * DQ_N, DQ_N, dim=1)
+        else:
+            k_dq = k_smem
+        dk = gl.zeros([COLS, D], gl.float32, acc_layout)
+        dv = gl.zeros([COLS, D], gl.float32, acc_layout)
+        lse_base = lse_ptr + b.to(gl.int64) * slb
+        delta_base = delta_ptr + b.to(gl.int64) * slb
+        mbarrier.wait(kv_ready, 0)
+        for i in range(GROUP * cnt):
+            h = hk * GROUP + i // cnt
+            mb = m_lo + i % cnt
+            m0 = mb * BLOCK_M
+            st = i % NS
+            ph = (i // NS) & 1
+            q_s = q_bufs.index(st)
+            do_s = do_bufs.index(st)
+            mbarrier.wait(q_ready.index(st), ph)
+            s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
+                              is_async=True)
+            mbarrier.wait(do_ready.index(st), ph)
+            dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
+                               is_async=True)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+            in_q = rows < sq
+            # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there
+            lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if (mb < m_full) | tail:
+                s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
+            p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+            p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
+            delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
+            dp = warpgroup_mma_wait(0, deps=(dp,))
+            ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
+            buf = i % 2
+            ds_s = ds_bufs.index(buf)
+            ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
+            fence_async_shared()
+            # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
+            dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
+            mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+            if DQ_SPLIT == 0:
+                dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)
+                dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+                mbarrier.arrive(empty.index(st), count=1)
+                _bwd_dq_add(dq, dq_ptr + ((bh0 + h) * num_m + mb).to(gl.int64) * (BLOCK_M * D) + WG * DQ_N, D)
+            else:
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                mbarrier.arrive(empty.index(st), count=1)
+                if i % NUM_WG == WG:
+                    dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout),
+                                       use_acc=False)
+                    _bwd_dq_add(dq, dq_ptr + ((bh0 + h) * num_m + mb).to(gl.int64) * (BLOCK_M * D), D)
+
+        rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, acc_layout))
+        dcols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        n = n_lo + rows
+        keep = gl.expand_dims(n < sk, 1)
+        b64 = b.to(gl.int64)
+        hk64 = hk.to(gl.int64)
+        dk_off = gl.expand_dims(b64 * dkb + n.to(gl.int64) * dkn + hk64 * dkh, 1) + gl.expand_dims(dcols, 0)
+        gl.store(dk_ptr + dk_off, dk.to(dtype), mask=keep)
+        dv_off = gl.expand_dims(b64 * dvb + n.to(gl.int64) * dvn + hk64 * dvh, 1) + gl.expand_dims(dcols, 0)
+        gl.store(dv_ptr + dv_off, dv.to(dtype), mask=keep)
+
+    @gluon.jit(do_not_specialize=["sqs", "sks", "svs", "sdos", "dkb", "dkn", "dkh", "dvb", "dvn", "dvh", "slb",
+                                  "slh", "B", "H", "GROUP", "sq", "sk", "NUM_N"])
+    def _attn_bwd_ws_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr,
+                            sqs, sks, svs, sdos, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
+                            B, H, GROUP, sq, sk, NUM_N, qk_scale, sm_scale,
+                            CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr):
+        """One program per ``(key block of 64 * NUM_WG, batch, KV head)``. Q, dO ``(B, sq, H, D)`` and K, V
+        ``(B, sk, HK, D)`` are read through 2-D TMA descriptors over ``(B * s, heads * D)`` with row strides
+        ``sqs``/``sdos``/``sks``/``svs`` (batch stride = s * row stride, head stride = D: the caller checks);
+        dK / dV are stored with strides ``(dkb, dkn, dkh)`` / ``(dvb, dvn, dvh)``; ``dq_ptr`` is a zeroed
+        contiguous fp32 ``(B, sq, H, D)`` buffer; ``lse`` (natural log) and ``delta = rowsum(dO * O)`` are fp32
+        ``(B, H, sq)`` with strides ``slb``, ``slh``. ``qk_scale = softmax_scale * log2(e)``."""
+        HK = H // GROUP
+        BLOCK_N: gl.constexpr = 64 * NUM_WG
+        q_desc = tma.make_tensor_descriptor(q_ptr, [B * sq, H * HEAD_D], [sqs, 1], [BLOCK_M, HEAD_D], q_layout)
+        do_desc = tma.make_tensor_descriptor(do_ptr, [B * sq, H * HEAD_D], [sdos, 1], [BLOCK_M, HEAD_D], q_layout)
+        k_desc = tma.make_tensor_descriptor(k_ptr, [B * sk, HK * HEAD_D], [sks, 1], [BLOCK_N, HEAD_D], kv_layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D], kv_layout)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
+        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
+        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=NUM_WG)
+        args = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, kv_ready,
+                q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
+                dvb, dvn, dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
+        gl.warp_specialize([
+            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, DQ_SPLIT)),
+            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, DQ_SPLIT)),
+            (_bwd_loader, (args, 0, CAUSAL, NUM_WG, DQ_SPLIT)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
