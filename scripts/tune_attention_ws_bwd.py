@@ -33,14 +33,17 @@ class _Tile:
         self.tile = tile
 
     def __enter__(self):
-        self.saved = (launch_ws.WS_BWD_TUNING["on"], dict(launch_ws.WS_BWD_TUNING["tiles"]))
-        launch_ws.WS_BWD_TUNING["on"] = self.tile is not None
-        if self.tile is not None:
-            launch_ws.WS_BWD_TUNING["tiles"] = {64: self.tile, 128: self.tile}
+        t = launch_ws.WS_BWD_TUNING
+        self.saved = (t["on"], dict(t["tiles"]), t["ablate"])
+        t["on"] = self.tile is not None
+        if self.tile is not None:  # (BLOCK_M, STAGES, DQ_TMA[, ablate bits])
+            t["tiles"] = {64: self.tile[:3], 128: self.tile[:3]}
+            t["ablate"] = self.tile[3] if len(self.tile) > 3 else 0
         clear_plans()
 
     def __exit__(self, *exc):
-        launch_ws.WS_BWD_TUNING["on"], launch_ws.WS_BWD_TUNING["tiles"] = self.saved
+        t = launch_ws.WS_BWD_TUNING
+        t["on"], t["tiles"], t["ablate"] = self.saved
         clear_plans()
 
 
@@ -144,13 +147,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--seqlen", default="2048,8192")
-    ap.add_argument("--tiles", default="64,2,0 64,2,1")
+    ap.add_argument("--tiles", default="64,2,0 64,2,1", help="BLOCK_M,STAGES,DQ_TMA[,ablate bits] ...")
+    ap.add_argument("--check-d", default=None, help="head dims of the check (default: --d)")
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--check-only", action="store_true")
     a = ap.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split()]
     d_list = [int(x) for x in a.d.split(",")]
-    bad = check(tiles, d_list)
+    check_d = [int(x) for x in a.check_d.split(",")] if a.check_d is not None else d_list
+    bad = check([t for t in tiles if len(t) == 3 or t[3] == 0], check_d) if check_d else 0
     print(f"check: {bad} bad", flush=True)
     if not a.check_only:
         bench(tiles, d_list, [int(x) for x in a.seqlen.split(",")], a.gqa)

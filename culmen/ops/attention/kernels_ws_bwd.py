@@ -41,7 +41,19 @@ if AVAILABLE:
         warpgroup_mma_wait,
     )
 
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
     from culmen.ops.attention.kernels_ws import _tma_load
+
+    @builtin
+    def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
+        """``global[coord ..] += src`` by one TMA bulk reduce (Triton 3.6's Gluon has the op but no wrapper)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
     @gluon.jit
     def _bwd_tile(NUM_N, B, HK, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -62,11 +74,11 @@ if AVAILABLE:
         return bh // HK, bh % HK, n0, m_lo, num_m - m_lo
 
     @gluon.jit
-    def _bwd_loader(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_SPLIT: gl.constexpr):
+    def _bwd_loader(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_TMA: gl.constexpr, ABLATE: gl.constexpr):
         """Producer (one warp): K and V of the program's key block once, then Q and dO of every (head of the
         group, query block) into the stage ring."""
-        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, kv_ready, q_ready,
-         do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh,
+        (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
+         kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh,
          slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
@@ -111,11 +123,11 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr,
-                      DQ_SPLIT: gl.constexpr):
+                      DQ_TMA: gl.constexpr, ABLATE: gl.constexpr):
         """Consumer warpgroup ``WG``: keys ``n0 + 64 * WG ..`` of the program's block against every query block
         of every head of the group; dK and dV stay in registers and are stored at the end."""
-        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, kv_ready, q_ready,
-         do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh,
+        (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
+         kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh,
          slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
@@ -123,7 +135,7 @@ if AVAILABLE:
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
         dtype: gl.constexpr = k_smem.dtype
         COLS: gl.constexpr = 64
-        DQ_N: gl.constexpr = D // (NUM_WG - DQ_SPLIT * (NUM_WG - 1))  # D / NUM_WG, or D when taking turns
+        DQ_N: gl.constexpr = D // NUM_WG
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, COLS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -145,10 +157,8 @@ if AVAILABLE:
         k_wg = k_smem.slice(WG * COLS, COLS).permute((1, 0))  # (D, 64): S = Q K^T's B operand
         v_wg = v_smem.slice(WG * COLS, COLS).permute((1, 0))
         p_wg = p_smem.slice(WG * COLS, COLS, dim=1).permute((1, 0))  # P^T (64 keys, BLOCK_M): dV's A operand
-        if DQ_SPLIT == 0:
-            k_dq = k_smem.slice(WG * DQ_N, DQ_N, dim=1)
-        else:
-            k_dq = k_smem
+        k_dq = k_smem.slice(WG * DQ_N, DQ_N, dim=1)  # dQ's columns of this warpgroup: dS K[:, cols]'s B
+        dq_stage = dq_bufs.index(WG)
         dk = gl.zeros([COLS, D], gl.float32, acc_layout)
         dv = gl.zeros([COLS, D], gl.float32, acc_layout)
         lse_base = lse_ptr + b.to(gl.int64) * slb
@@ -158,6 +168,12 @@ if AVAILABLE:
             h = hk * GROUP + i // cnt
             mb = m_lo + i % cnt
             m0 = mb * BLOCK_M
+            rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+            in_q = rows < sq
+            # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before the
+            # waits so their latency hides under them.
+            lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
+            delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
             st = i % NS
             ph = (i // NS) & 1
             q_s = q_bufs.index(st)
@@ -168,16 +184,11 @@ if AVAILABLE:
             mbarrier.wait(do_ready.index(st), ph)
             dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
                                is_async=True)
-            rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-            in_q = rows < sq
-            # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there
-            lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
             s = warpgroup_mma_wait(1, deps=(s,))
             if (mb < m_full) | tail:
                 s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
             p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
-            delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
             dp = warpgroup_mma_wait(0, deps=(dp,))
             ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
             buf = i % 2
@@ -188,20 +199,26 @@ if AVAILABLE:
             mbarrier.arrive(ds_ready.index(buf), count=1)
             dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
             dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
-            mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-            if DQ_SPLIT == 0:
+            if (ABLATE & 2) == 0:
+                mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+            if (ABLATE & 1) == 0:
                 dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
                                    is_async=True)
                 dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
                 mbarrier.arrive(empty.index(st), count=1)
-                _bwd_dq_add(dq, dq_ptr + ((bh0 + h) * num_m + mb).to(gl.int64) * (BLOCK_M * D) + WG * DQ_N, D)
+                if DQ_TMA:
+                    tma.store_wait(0)  # the last reduce has read the staging tile
+                    dq_stage.store(dq)
+                    fence_async_shared()
+                    _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
+                else:
+                    _bwd_dq_add(dq, dq_ptr + ((bh0 + h) * num_m + mb).to(gl.int64) * (BLOCK_M * D) + WG * DQ_N,
+                                D)
             else:
                 dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
                 mbarrier.arrive(empty.index(st), count=1)
-                if i % NUM_WG == WG:
-                    dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout),
-                                       use_acc=False)
-                    _bwd_dq_add(dq, dq_ptr + ((bh0 + h) * num_m + mb).to(gl.int64) * (BLOCK_M * D), D)
+        if DQ_TMA:
+            tma.store_wait(0)
 
         rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, acc_layout))
         dcols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
@@ -220,9 +237,10 @@ if AVAILABLE:
                             sqs, sks, svs, sdos, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
                             B, H, GROUP, sq, sk, NUM_N, qk_scale, sm_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, DQ_SPLIT: gl.constexpr,
+                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, DQ_TMA: gl.constexpr, ABLATE: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                            q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr):
+                            q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr,
+                            dq_layout: gl.constexpr):
         """One program per ``(key block of 64 * NUM_WG, batch, KV head)``. Q, dO ``(B, sq, H, D)`` and K, V
         ``(B, sk, HK, D)`` are read through 2-D TMA descriptors over ``(B * s, heads * D)`` with row strides
         ``sqs``/``sdos``/``sks``/``svs`` (batch stride = s * row stride, head stride = D: the caller checks);
@@ -233,6 +251,9 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr = 64 * NUM_WG
         q_desc = tma.make_tensor_descriptor(q_ptr, [B * sq, H * HEAD_D], [sqs, 1], [BLOCK_M, HEAD_D], q_layout)
         do_desc = tma.make_tensor_descriptor(do_ptr, [B * sq, H * HEAD_D], [sdos, 1], [BLOCK_M, HEAD_D], q_layout)
+        s_pad = gl.cdiv(sq, BLOCK_M) * BLOCK_M
+        dq_desc = tma.make_tensor_descriptor(dq_ptr, [B * H * s_pad, HEAD_D], [HEAD_D, 1],
+                                             [BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * sk, HK * HEAD_D], [sks, 1], [BLOCK_N, HEAD_D], kv_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D], kv_layout)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -242,6 +263,9 @@ if AVAILABLE:
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+        # fp32 staging tiles of the dQ reduce (TMA path; a 1-row stand-in otherwise)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_WG, BLOCK_M if DQ_TMA else 1, HEAD_D // NUM_WG],
+                                            dq_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -254,11 +278,11 @@ if AVAILABLE:
             mbarrier.init(empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=NUM_WG)
-        args = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, kv_ready,
-                q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
+        args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs,
+                dq_bufs, kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
                 dvb, dvn, dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
         gl.warp_specialize([
-            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, DQ_SPLIT)),
-            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, DQ_SPLIT)),
-            (_bwd_loader, (args, 0, CAUSAL, NUM_WG, DQ_SPLIT)),
+            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, DQ_TMA, ABLATE)),
+            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, DQ_TMA, ABLATE)),
+            (_bwd_loader, (args, 0, CAUSAL, NUM_WG, DQ_TMA, ABLATE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
