@@ -154,7 +154,7 @@ def main() -> None:
     a = ap.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split()]
     d_list = [int(x) for x in a.d.split(",")]
-    check_d = [int(x) for x in a.check_d.split(",")] if a.check_d is not None else d_list
+    check_d = ([int(x) for x in a.check_d.split(",") if x] if a.check_d is not None else d_list)
     bad = check([t for t in tiles if len(t) == 3 or t[3] == 0], check_d) if check_d else 0
     print(f"check: {bad} bad", flush=True)
     if not a.check_only:

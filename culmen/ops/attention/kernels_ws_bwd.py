@@ -31,8 +31,10 @@ from __future__ import annotations
 from culmen.ops.attention.kernels_ws import AVAILABLE
 
 if AVAILABLE:
+    from triton._C.libtriton import ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -40,9 +42,6 @@ if AVAILABLE:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
-    from triton._C.libtriton import ir
-    from triton.experimental.gluon.language._core import builtin
 
     from culmen.ops.attention.kernels_ws import _tma_load
 
@@ -74,12 +73,13 @@ if AVAILABLE:
         return bh // HK, bh % HK, n0, m_lo, num_m - m_lo
 
     @gluon.jit
-    def _bwd_loader(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, DQ_TMA: gl.constexpr, ABLATE: gl.constexpr):
+    def _bwd_loader(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, PIPE: gl.constexpr,
+                    ABLATE: gl.constexpr):
         """Producer (one warp): K and V of the program's key block once, then Q and dO of every (head of the
         group, query block) into the stage ring."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
-         kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh,
-         slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
+         kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn,
+         dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -88,9 +88,11 @@ if AVAILABLE:
         mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [b * sk + n0, hk * D], kv_ready, k_smem)
         _tma_load(v_desc, [b * sk + n0, hk * D], kv_ready, v_smem)
-        for i in range(GROUP * cnt):
-            h = hk * GROUP + i // cnt
-            m0 = (m_lo + i % cnt) * BLOCK_M
+        n_it = GROUP * cnt
+        for i in range(n_it + 1):  # + 1: block 0 again, for the consumers' look-ahead (see PIPE)
+            j = i % n_it
+            h = hk * GROUP + j // cnt
+            m0 = (m_lo + j % cnt) * BLOCK_M
             s = i % NS
             mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
             qb = q_ready.index(s)
@@ -113,22 +115,13 @@ if AVAILABLE:
         return gl.where(keep, s, float("-inf"))
 
     @gluon.jit
-    def _bwd_dq_add(dq, tile_ptr, ROW: gl.constexpr):
-        """Add ``dq`` into its fp32 tile of ``dq_acc`` ``(B, H, rows padded to BLOCK_M, D)`` (rows ``ROW`` apart:
-        every address is the tile's base plus a constant, so the atomics take no address registers and need no
-        mask; padding rows receive zeros)."""
-        rows = gl.arange(0, dq.type.shape[0], layout=gl.SliceLayout(1, dq.type.layout))
-        cols = gl.arange(0, dq.type.shape[1], layout=gl.SliceLayout(0, dq.type.layout))
-        gl.atomic_add(tile_ptr + gl.expand_dims(rows * ROW, 1) + gl.expand_dims(cols, 0), dq, sem="relaxed")
-
-    @gluon.jit
     def _bwd_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr,
-                      DQ_TMA: gl.constexpr, ABLATE: gl.constexpr):
+                      PIPE: gl.constexpr, ABLATE: gl.constexpr):
         """Consumer warpgroup ``WG``: keys ``n0 + 64 * WG ..`` of the program's block against every query block
         of every head of the group; dK and dV stay in registers and are stored at the end."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
-         kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh,
-         slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
+         kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn,
+         dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -163,8 +156,19 @@ if AVAILABLE:
         dv = gl.zeros([COLS, D], gl.float32, acc_layout)
         lse_base = lse_ptr + b.to(gl.int64) * slb
         delta_base = delta_ptr + b.to(gl.int64) * slb
+        n_it = GROUP * cnt
         mbarrier.wait(kv_ready, 0)
-        for i in range(GROUP * cnt):
+        # PIPE: the loader delivers one extra (repeated) block so that iteration i can issue block i + 1's
+        # S = Q K^T (and with PIPE 2 dP = dO V^T) before it waits for its own dV/dK/dQ: the tensor cores then
+        # have work while this warpgroup stages dQ and runs the next softmax.
+        mbarrier.wait(q_ready.index(0), 0)
+        s_next = warpgroup_mma(q_bufs.index(0), k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+        if PIPE == 2:
+            mbarrier.wait(do_ready.index(0), 0)
+            dp_next = warpgroup_mma(do_bufs.index(0), v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                                    use_acc=False, is_async=True)
+        for i in range(n_it):
             h = hk * GROUP + i // cnt
             mb = m_lo + i % cnt
             m0 = mb * BLOCK_M
@@ -178,47 +182,57 @@ if AVAILABLE:
             ph = (i // NS) & 1
             q_s = q_bufs.index(st)
             do_s = do_bufs.index(st)
-            mbarrier.wait(q_ready.index(st), ph)
-            s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
-                              is_async=True)
-            mbarrier.wait(do_ready.index(st), ph)
-            dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
-                               is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))
+            if PIPE == 2:
+                s = warpgroup_mma_wait(1, deps=(s_next,))
+            else:
+                mbarrier.wait(do_ready.index(st), ph)
+                dp_next = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                                        use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_next,))
             if (mb < m_full) | tail:
                 s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
             p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
-            dp = warpgroup_mma_wait(0, deps=(dp,))
+            fence_async_shared()
+            dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)  # runs while dS is computed
+            dp = warpgroup_mma_wait(1, deps=(dp_next,))
             ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
             buf = i % 2
             ds_s = ds_bufs.index(buf)
             ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
             fence_async_shared()
-            # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
+            # (the arrive is one thread after a barrier of this warpgroup: dS is stored by then)
             mbarrier.arrive(ds_ready.index(buf), count=1)
-            dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
             dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
             if (ABLATE & 2) == 0:
                 mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-            if (ABLATE & 1) == 0:
-                dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
-                                   is_async=True)
-                dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-                mbarrier.arrive(empty.index(st), count=1)
-                if DQ_TMA:
-                    tma.store_wait(0)  # the last reduce has read the staging tile
-                    dq_stage.store(dq)
-                    fence_async_shared()
-                    _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
-                else:
-                    _bwd_dq_add(dq, dq_ptr + ((bh0 + h) * num_m + mb).to(gl.int64) * (BLOCK_M * D) + WG * DQ_N,
-                                D)
+            dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
+                               is_async=True)
+            # block i + 1 (the repeated extra block after the last)
+            nst = (i + 1) % NS
+            nph = ((i + 1) // NS) & 1
+            mbarrier.wait(q_ready.index(nst), nph)
+            s_next = warpgroup_mma(q_bufs.index(nst), k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                                   use_acc=False, is_async=True)
+            if PIPE == 2:
+                mbarrier.wait(do_ready.index(nst), nph)
+                dp_next = warpgroup_mma(do_bufs.index(nst), v_wg,
+                                        gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
+                                        is_async=True)
+                dq, dk, dv = warpgroup_mma_wait(2, deps=(dq, dk, dv))
             else:
-                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                mbarrier.arrive(empty.index(st), count=1)
-        if DQ_TMA:
-            tma.store_wait(0)
+                dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
+            mbarrier.arrive(empty.index(st), count=1)
+            if (ABLATE & 1) == 0:
+                tma.store_wait(0)  # the last reduce has read the staging tile
+                dq_stage.store(dq)
+                fence_async_shared()
+                _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
+        if PIPE == 2:
+            s_next, dp_next = warpgroup_mma_wait(0, deps=(s_next, dp_next))
+        else:
+            s_next = warpgroup_mma_wait(0, deps=(s_next,))
+        tma.store_wait(0)
 
         rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, acc_layout))
         dcols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
@@ -237,7 +251,7 @@ if AVAILABLE:
                             sqs, sks, svs, sdos, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
                             B, H, GROUP, sq, sk, NUM_N, qk_scale, sm_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, DQ_TMA: gl.constexpr, ABLATE: gl.constexpr,
+                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, PIPE: gl.constexpr, ABLATE: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr,
                             dq_layout: gl.constexpr):
@@ -263,9 +277,8 @@ if AVAILABLE:
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
-        # fp32 staging tiles of the dQ reduce (TMA path; a 1-row stand-in otherwise)
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_WG, BLOCK_M if DQ_TMA else 1, HEAD_D // NUM_WG],
-                                            dq_layout)
+        # fp32 staging tiles of the dQ reduce, one per consumer warpgroup
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_WG, BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -279,10 +292,10 @@ if AVAILABLE:
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=NUM_WG)
         args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs,
-                dq_bufs, kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
-                dvb, dvn, dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
+                dq_bufs, kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn,
+                dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
         gl.warp_specialize([
-            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, DQ_TMA, ABLATE)),
-            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, DQ_TMA, ABLATE)),
-            (_bwd_loader, (args, 0, CAUSAL, NUM_WG, DQ_TMA, ABLATE)),
+            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PIPE, ABLATE)),
+            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PIPE, ABLATE)),
+            (_bwd_loader, (args, 0, CAUSAL, NUM_WG, PIPE, ABLATE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
