@@ -73,8 +73,7 @@ if AVAILABLE:
         return bh // HK, bh % HK, n0, m_lo, num_m - m_lo
 
     @gluon.jit
-    def _bwd_loader(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr, PIPE: gl.constexpr,
-                    ABLATE: gl.constexpr):
+    def _bwd_loader(args, CAUSAL: gl.constexpr, PIPE: gl.constexpr):
         """Producer (one warp): K and V of the program's key block once, then Q and dO of every (head of the
         group, query block) into the stage ring."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
@@ -89,7 +88,7 @@ if AVAILABLE:
         _tma_load(k_desc, [b * sk + n0, hk * D], kv_ready, k_smem)
         _tma_load(v_desc, [b * sk + n0, hk * D], kv_ready, v_smem)
         n_it = GROUP * cnt
-        for i in range(n_it + 1):  # + 1: block 0 again, for the consumers' look-ahead (see PIPE)
+        for i in range(n_it + (PIPE > 0)):  # + 1: block 0 again, for the consumers' look-ahead (PIPE)
             j = i % n_it
             h = hk * GROUP + j // cnt
             m0 = (m_lo + j % cnt) * BLOCK_M
@@ -116,7 +115,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr,
-                      PIPE: gl.constexpr, ABLATE: gl.constexpr):
+                      PIPE: gl.constexpr, DV_EARLY: gl.constexpr, ABLATE: gl.constexpr):
         """Consumer warpgroup ``WG``: keys ``n0 + 64 * WG ..`` of the program's block against every query block
         of every head of the group; dK and dV stay in registers and are stored at the end."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
@@ -158,12 +157,12 @@ if AVAILABLE:
         delta_base = delta_ptr + b.to(gl.int64) * slb
         n_it = GROUP * cnt
         mbarrier.wait(kv_ready, 0)
-        # PIPE: the loader delivers one extra (repeated) block so that iteration i can issue block i + 1's
-        # S = Q K^T (and with PIPE 2 dP = dO V^T) before it waits for its own dV/dK/dQ: the tensor cores then
-        # have work while this warpgroup stages dQ and runs the next softmax.
-        mbarrier.wait(q_ready.index(0), 0)
-        s_next = warpgroup_mma(q_bufs.index(0), k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                               use_acc=False, is_async=True)
+        # PIPE 1 / 2: the loader delivers one extra (repeated) block so that iteration i can issue block i + 1's
+        # S = Q K^T (and with PIPE 2 dP = dO V^T) before it waits for its own dV/dK/dQ.
+        if PIPE > 0:
+            mbarrier.wait(q_ready.index(0), 0)
+            s_next = warpgroup_mma(q_bufs.index(0), k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                                   use_acc=False, is_async=True)
         if PIPE == 2:
             mbarrier.wait(do_ready.index(0), 0)
             dp_next = warpgroup_mma(do_bufs.index(0), v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
@@ -182,46 +181,55 @@ if AVAILABLE:
             ph = (i // NS) & 1
             q_s = q_bufs.index(st)
             do_s = do_bufs.index(st)
-            if PIPE == 2:
-                s = warpgroup_mma_wait(1, deps=(s_next,))
-            else:
+            if PIPE == 0:
+                mbarrier.wait(q_ready.index(st), ph)
+                s_next = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                                       use_acc=False, is_async=True)
+            if PIPE < 2:
                 mbarrier.wait(do_ready.index(st), ph)
                 dp_next = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
                                         use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_next,))
+            s = warpgroup_mma_wait(1, deps=(s_next,))
             if (mb < m_full) | tail:
                 s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
             p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
             p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
-            fence_async_shared()
-            dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)  # runs while dS is computed
-            dp = warpgroup_mma_wait(1, deps=(dp_next,))
+            if DV_EARLY:  # dV runs while dS is computed (costs a barrier of this warpgroup)
+                fence_async_shared()
+                dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
+                dp = warpgroup_mma_wait(1, deps=(dp_next,))
+            else:
+                dp = warpgroup_mma_wait(0, deps=(dp_next,))
             ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
             buf = i % 2
             ds_s = ds_bufs.index(buf)
             ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
             fence_async_shared()
-            # (the arrive is one thread after a barrier of this warpgroup: dS is stored by then)
+            # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
             mbarrier.arrive(ds_ready.index(buf), count=1)
+            if not DV_EARLY:
+                dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
             dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
             if (ABLATE & 2) == 0:
                 mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
             dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
                                is_async=True)
-            # block i + 1 (the repeated extra block after the last)
-            nst = (i + 1) % NS
-            nph = ((i + 1) // NS) & 1
-            mbarrier.wait(q_ready.index(nst), nph)
-            s_next = warpgroup_mma(q_bufs.index(nst), k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                                   use_acc=False, is_async=True)
-            if PIPE == 2:
-                mbarrier.wait(do_ready.index(nst), nph)
-                dp_next = warpgroup_mma(do_bufs.index(nst), v_wg,
-                                        gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
-                                        is_async=True)
-                dq, dk, dv = warpgroup_mma_wait(2, deps=(dq, dk, dv))
-            else:
-                dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
+            if PIPE == 0:
+                dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+            else:  # block i + 1 (the repeated extra block after the last)
+                nst = (i + 1) % NS
+                nph = ((i + 1) // NS) & 1
+                mbarrier.wait(q_ready.index(nst), nph)
+                s_next = warpgroup_mma(q_bufs.index(nst), k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                                       use_acc=False, is_async=True)
+                if PIPE == 2:
+                    mbarrier.wait(do_ready.index(nst), nph)
+                    dp_next = warpgroup_mma(do_bufs.index(nst), v_wg,
+                                            gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
+                                            is_async=True)
+                    dq, dk, dv = warpgroup_mma_wait(2, deps=(dq, dk, dv))
+                else:
+                    dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
             mbarrier.arrive(empty.index(st), count=1)
             if (ABLATE & 1) == 0:
                 tma.store_wait(0)  # the last reduce has read the staging tile
@@ -230,7 +238,7 @@ if AVAILABLE:
                 _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
         if PIPE == 2:
             s_next, dp_next = warpgroup_mma_wait(0, deps=(s_next, dp_next))
-        else:
+        elif PIPE == 1:
             s_next = warpgroup_mma_wait(0, deps=(s_next,))
         tma.store_wait(0)
 
@@ -251,7 +259,8 @@ if AVAILABLE:
                             sqs, sks, svs, sdos, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
                             B, H, GROUP, sq, sk, NUM_N, qk_scale, sm_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, PIPE: gl.constexpr, ABLATE: gl.constexpr,
+                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, PIPE: gl.constexpr, DV_EARLY: gl.constexpr,
+                            ABLATE: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr,
                             dq_layout: gl.constexpr):
@@ -295,7 +304,7 @@ if AVAILABLE:
                 dq_bufs, kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn,
                 dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
         gl.warp_specialize([
-            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PIPE, ABLATE)),
-            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PIPE, ABLATE)),
-            (_bwd_loader, (args, 0, CAUSAL, NUM_WG, PIPE, ABLATE)),
+            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PIPE, DV_EARLY, ABLATE)),
+            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PIPE, DV_EARLY, ABLATE)),
+            (_bwd_loader, (args, CAUSAL, PIPE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
