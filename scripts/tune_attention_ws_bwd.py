@@ -36,9 +36,9 @@ class _Tile:
         t = launch_ws.WS_BWD_TUNING
         self.saved = (t["on"], dict(t["tiles"]), t["ablate"])
         t["on"] = self.tile is not None
-        if self.tile is not None:  # (BLOCK_M, STAGES, PIPE, DV_EARLY[, ablate bits])
-            t["tiles"] = {64: self.tile[:4], 128: self.tile[:4]}
-            t["ablate"] = self.tile[4] if len(self.tile) > 4 else 0
+        if self.tile is not None:  # (BLOCK_M, STAGES, PIPE, DV_EARLY, DQ_FIRST[, ablate bits])
+            t["tiles"] = {64: self.tile[:5], 128: self.tile[:5]}
+            t["ablate"] = self.tile[5] if len(self.tile) > 5 else 0
         clear_plans()
 
     def __exit__(self, *exc):
@@ -147,8 +147,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--seqlen", default="2048,8192")
-    ap.add_argument("--tiles", default="64,2,0,0 64,2,0,1",
-                    help="BLOCK_M,STAGES,PIPE,DV_EARLY[,ablate bits] ...")
+    ap.add_argument("--tiles", default="64,2,0,0,1 64,2,0,1,1",
+                    help="BLOCK_M,STAGES,PIPE,DV_EARLY,DQ_FIRST[,ablate bits] ...")
     ap.add_argument("--check-d", default=None, help="head dims of the check (default: --d)")
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--check-only", action="store_true")
@@ -156,7 +156,7 @@ def main() -> None:
     tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split()]
     d_list = [int(x) for x in a.d.split(",")]
     check_d = ([int(x) for x in a.check_d.split(",") if x] if a.check_d is not None else d_list)
-    bad = check([t for t in tiles if len(t) == 4 or t[4] == 0], check_d) if check_d else 0
+    bad = check([t for t in tiles if len(t) == 5 or t[5] == 0], check_d) if check_d else 0
     print(f"check: {bad} bad", flush=True)
     if not a.check_only:
         bench(tiles, d_list, [int(x) for x in a.seqlen.split(",")], a.gqa)

@@ -115,7 +115,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr,
-                      PIPE: gl.constexpr, DV_EARLY: gl.constexpr, ABLATE: gl.constexpr):
+                      PIPE: gl.constexpr, DV_EARLY: gl.constexpr, DQ_FIRST: gl.constexpr, ABLATE: gl.constexpr):
         """Consumer warpgroup ``WG``: keys ``n0 + 64 * WG ..`` of the program's block against every query block
         of every head of the group; dK and dV stay in registers and are stored at the end."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
@@ -209,12 +209,17 @@ if AVAILABLE:
             mbarrier.arrive(ds_ready.index(buf), count=1)
             if not DV_EARLY:
                 dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
-            dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
+            ds_t = ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0))
+            if not DQ_FIRST:
+                dk = warpgroup_mma(ds_t, q_s, dk, is_async=True)
             if (ABLATE & 2) == 0:
                 mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
             dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
                                is_async=True)
-            if PIPE == 0:
+            if DQ_FIRST:  # dK runs while dQ is staged and reduced
+                dk = warpgroup_mma(ds_t, q_s, dk, is_async=True)
+                dq = warpgroup_mma_wait(1, deps=(dq,))
+            elif PIPE == 0:
                 dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
             else:  # block i + 1 (the repeated extra block after the last)
                 nst = (i + 1) % NS
@@ -230,12 +235,16 @@ if AVAILABLE:
                     dq, dk, dv = warpgroup_mma_wait(2, deps=(dq, dk, dv))
                 else:
                     dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
-            mbarrier.arrive(empty.index(st), count=1)
+            if not DQ_FIRST:
+                mbarrier.arrive(empty.index(st), count=1)
             if (ABLATE & 1) == 0:
                 tma.store_wait(0)  # the last reduce has read the staging tile
                 dq_stage.store(dq)
                 fence_async_shared()
                 _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
+            if DQ_FIRST:
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                mbarrier.arrive(empty.index(st), count=1)
         if PIPE == 2:
             s_next, dp_next = warpgroup_mma_wait(0, deps=(s_next, dp_next))
         elif PIPE == 1:
@@ -260,7 +269,7 @@ if AVAILABLE:
                             B, H, GROUP, sq, sk, NUM_N, qk_scale, sm_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PIPE: gl.constexpr, DV_EARLY: gl.constexpr,
-                            ABLATE: gl.constexpr,
+                            DQ_FIRST: gl.constexpr, ABLATE: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr,
                             dq_layout: gl.constexpr):
@@ -304,7 +313,7 @@ if AVAILABLE:
                 dq_bufs, kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn,
                 dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
         gl.warp_specialize([
-            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PIPE, DV_EARLY, ABLATE)),
-            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PIPE, DV_EARLY, ABLATE)),
+            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PIPE, DV_EARLY, DQ_FIRST, ABLATE)),
+            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PIPE, DV_EARLY, DQ_FIRST, ABLATE)),
             (_bwd_loader, (args, CAUSAL, PIPE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -113,22 +113,23 @@ def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, 
 
 
 # ------------------------------------------------------------------------------------------------ backward
-# head dim -> (BLOCK_M, STAGES, PIPE, DV_EARLY) of the Gluon backward (kernels_ws_bwd): two consumer warpgroups of 64
-# keys each (BLOCK_N 128), each adding half of every dQ tile's columns into the fp32 accumulator by one TMA
-# bulk reduce; PIPE 1 / 2: the next block's S (and dP) issued before this block's dQ is staged; DV_EARLY: dV
-# issued before dS is computed.
+# head dim -> (BLOCK_M, STAGES, PIPE, DV_EARLY, DQ_FIRST) of the Gluon backward (kernels_ws_bwd): two consumer
+# warpgroups of 64 keys each (BLOCK_N 128), each adding half of every dQ tile's columns into the fp32 accumulator
+# by one TMA bulk reduce; PIPE 1 / 2: the next block's S (and dP) issued before this block's dQ is staged; DV_EARLY: dV
+# issued before dS is computed; DQ_FIRST: dQ issued before dK, and staged while dK runs.
 # "ablate": timing experiments only.
 WS_BWD_TUNING: dict = {
     "on": True,
-    "tiles": {64: (64, 2, 0, 0), 128: (64, 2, 0, 0)},
+    "tiles": {64: (64, 2, 0, 0, 1), 128: (64, 2, 0, 0, 1)},
     "ablate": 0,
 }
 WS_BWD_REGS = (240, 24)
 
 
 def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool) -> tuple | None:
-    """``(BLOCK_M, STAGES, PIPE, DV_EARLY)`` when the Gluon backward takes this dense call (the forward's conditions,
-    ``ws_config``), else ``None``. The caller also needs dout TMA-readable and non-deterministic mode."""
+    """``(BLOCK_M, STAGES, PIPE, DV_EARLY, DQ_FIRST)`` when the Gluon backward takes this dense call (the
+    forward's conditions, ``ws_config``), else ``None``. The caller also needs dout TMA-readable and
+    non-deterministic mode."""
     if not WS_BWD_TUNING["on"] or ws_config(q, k, v, causal=causal, extras=extras, on_gpu=on_gpu,
                                             hopper=hopper) is None:
         return None
@@ -142,9 +143,10 @@ def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: i
     from culmen.ops.attention import kernels_ws_bwd
 
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    bm, stages, pipe, dv_early = tile
+    bm, stages, pipe, dv_early, dq_first = tile
     creg, lreg = WS_BWD_REGS
-    meta = dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=bm, STAGES=stages, NUM_WG=2, PIPE=pipe, DV_EARLY=bool(dv_early),
+    meta = dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=bm, STAGES=stages, NUM_WG=2, PIPE=pipe,
+                DV_EARLY=bool(dv_early), DQ_FIRST=bool(dq_first),
                 ABLATE=WS_BWD_TUNING["ablate"], CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
                 kv_layout=gl.NVMMASharedLayout.get_default_for([128, d], gdt),
