@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -98,7 +99,14 @@ def check(tiles, d_list):
     return bad
 
 
-def bench(tiles, d_list, seqlens, gqa):
+def _sdpa(q, k, v, causal, gqa):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa > 1)
+
+
+def bench(tiles, d_list, seqlens, gqa, fwd=False):
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -130,6 +138,14 @@ def bench(tiles, d_list, seqlens, gqa):
                         rows.append((f"sdpa {name}", o, dout.transpose(1, 2), "sdpa"))
                     except Exception as e:
                         print(f"{case:<28}sdpa {name:<13}  failed: {type(e).__name__}: {str(e)[:100]}")
+                if fwd:  # the forward too (Gluon forward vs SDPA-cuDNN), wall ms of the eager call
+                    qd, kd, vd = (t.detach() for t in (q, k, v))
+                    ff = fl / 2.5
+                    for name, fn in (("fwd culmen", partial(flash_attn_func, qd, kd, vd, causal=causal)),
+                                     ("fwd cudnn", partial(_sdpa, qt.detach(), kt.detach(), vt.detach(), causal,
+                                                           gqa))):
+                        ms = triton.testing.do_bench(fn, warmup=30, rep=200)
+                        print(f"{case:<28}{name:<18}{ms:8.3f}{ff / ms / 1e9:9.1f}", flush=True)
                 for name, out, do, tile in rows:
                     ins = (qt, kt, vt) if tile == "sdpa" else (q, k, v)
 
@@ -152,14 +168,18 @@ def main() -> None:
     ap.add_argument("--check-d", default=None, help="head dims of the check (default: --d)")
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--fwd", action="store_true", help="also time the forward (Gluon vs SDPA-cuDNN)")
+    ap.add_argument("--l2", type=int, default=None, help="l2_bytes of the causal tile order (fwd and bwd)")
     a = ap.parse_args()
+    if a.l2 is not None:
+        launch_ws.WS_TUNING["l2_bytes"] = launch_ws.WS_BWD_TUNING["l2_bytes"] = a.l2
     tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split()]
     d_list = [int(x) for x in a.d.split(",")]
     check_d = ([int(x) for x in a.check_d.split(",") if x] if a.check_d is not None else d_list)
     bad = check([t for t in tiles if len(t) == 5 or t[5] == 0], check_d) if check_d else 0
     print(f"check: {bad} bad", flush=True)
     if not a.check_only:
-        bench(tiles, d_list, [int(x) for x in a.seqlen.split(",")], a.gqa)
+        bench(tiles, d_list, [int(x) for x in a.seqlen.split(",")], a.gqa, a.fwd)
     sys.exit(1 if bad else 0)
 
 

@@ -44,13 +44,18 @@ if AVAILABLE:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
-    def _ws_tile(t, NUM_M, H, GROUP, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 n_tiles):
-        """``(b, h, kv head, first query row, key blocks)`` of tile ``t``; causal tiles heaviest first."""
+    def _ws_tile(t, NUM_M, H, GROUP, BH_GROUP, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, n_tiles):
+        """``(b, h, kv head, first query row, key blocks)`` of tile ``t``. Causal tiles run heaviest first within
+        groups of ``BH_GROUP`` (batch, head) pairs, so the tiles in flight share a few heads' K and V in L2
+        (heaviest first over all heads had every tile read a different head's K/V)."""
         if CAUSAL:
-            nbh = n_tiles // NUM_M
-            pid_m = NUM_M - 1 - t // nbh
-            bh = t % nbh
+            per_group = BH_GROUP * NUM_M
+            group = t // per_group
+            size = gl.minimum(BH_GROUP, n_tiles // NUM_M - group * BH_GROUP)
+            idx = t - group * per_group
+            pid_m = NUM_M - 1 - idx // size
+            bh = group * BH_GROUP + idx % size
         else:
             pid_m = t % NUM_M
             bh = t // NUM_M
@@ -67,7 +72,7 @@ if AVAILABLE:
         """Producer (one warp): per tile, Q once the consumers released the last tile's, then K and V of
         every key block into the stage ring (its counters run on across tiles)."""
         (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
-         o_ptr, lse_ptr, sos, slb, slh, H, GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
+         o_ptr, lse_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
          CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
@@ -78,7 +83,8 @@ if AVAILABLE:
         pid = gl.program_id(0)
         end = n_tiles if PERSISTENT else pid + 1
         for t in range(pid, end, gl.num_programs(0)):
-            b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N, n_tiles)
+            b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, BH_GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N,
+                                              n_tiles)
             # barriers start with phase 1 complete, so the first tile's waits pass at once
             mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
             mbarrier.expect(q_ready, NUM_Q * q_desc.block_type.nbytes)
@@ -167,7 +173,7 @@ if AVAILABLE:
         """Consumer warpgroup ``WG``: query rows ``m0 + 64 * WG ..`` of each of the program's tiles against every
         key block, then the epilogue (output and lse stored straight from registers, masked to the sequence)."""
         (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
-         o_ptr, lse_ptr, sos, slb, slh, H, GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
+         o_ptr, lse_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
          CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
         NB: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
@@ -188,7 +194,8 @@ if AVAILABLE:
         pid = gl.program_id(0)
         end = n_tiles if PERSISTENT else pid + 1
         for t in range(pid, end, gl.num_programs(0)):
-            b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N, n_tiles)
+            b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, BH_GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N,
+                                              n_tiles)
             r0 = m0 + WG * ROWS
             # key blocks that need no mask: inside sk and (causal) left of this warpgroup's first diagonal
             full = sk // BLOCK_N
@@ -239,9 +246,10 @@ if AVAILABLE:
                     + gl.expand_dims(h.to(gl.int64) * D + o_cols, 0))
             gl.store(optr, acc.to(dtype), mask=gl.expand_dims(orow < sq, 1))
 
-    @gluon.jit(do_not_specialize=["sqs", "sks", "svs", "sos", "slb", "slh", "B", "H", "GROUP", "sq", "sk", "NUM_M"])
+    @gluon.jit(do_not_specialize=["sqs", "sks", "svs", "sos", "slb", "slh", "B", "H", "GROUP", "BH_GROUP", "sq", "sk",
+                                  "NUM_M"])
     def _attn_fwd_ws_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sqs, sks, svs, sos, slb, slh,
-                            B, H, GROUP, sq, sk, NUM_M, qk_scale,
+                            B, H, GROUP, BH_GROUP, sq, sk, NUM_M, qk_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
                             PERSISTENT: gl.constexpr,
@@ -277,7 +285,7 @@ if AVAILABLE:
         for i in gl.static_range(NUM_WG):
             mbarrier.init(turn.index(i), count=1)
         args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
-                o_ptr, lse_ptr, sos, slb, slh, H, GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
+                o_ptr, lse_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
                 CAUSAL, NUM_WG, PINGPONG, PERSISTENT)
         if NUM_WG == 3:
             gl.warp_specialize([

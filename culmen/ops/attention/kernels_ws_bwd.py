@@ -55,16 +55,20 @@ if AVAILABLE:
     _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
     @gluon.jit
-    def _bwd_tile(NUM_N, B, HK, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """``(b, kv head, first key, first query block, query blocks per head)`` of this program; causal
-        programs of the first key blocks (which see the most query blocks) run first."""
+    def _bwd_tile(NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+        """``(b, kv head, first key, first query block, query blocks per head)`` of this program. Programs run
+        in groups of ``BH_GROUP`` (batch, KV head) pairs, key block by key block inside a group (causal: the
+        first key blocks see the most query blocks, so the heavy programs start first), so the programs in
+        flight share a few heads' Q, dO and dQ accumulator in L2 (heavy-first over all heads made every
+        program read a different head: a working set past L2)."""
         pid = gl.program_id(0)
-        if CAUSAL:
-            pid_n = pid // (B * HK)
-            bh = pid % (B * HK)
-        else:
-            pid_n = pid % NUM_N
-            bh = pid // NUM_N
+        per_group = BH_GROUP * NUM_N
+        group = pid // per_group
+        size = gl.minimum(BH_GROUP, B * HK - group * BH_GROUP)
+        idx = pid - group * per_group
+        pid_n = idx // size
+        bh = group * BH_GROUP + idx % size
         n0 = pid_n * BLOCK_N
         num_m = gl.cdiv(sq, BLOCK_M)
         m_lo = 0
@@ -78,12 +82,12 @@ if AVAILABLE:
         group, query block) into the stage ring."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
          kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn,
-         dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
+         dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
-        b, hk, n0, m_lo, cnt = _bwd_tile(NUM_N, B, HK, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
+        b, hk, n0, m_lo, cnt = _bwd_tile(NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
         mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [b * sk + n0, hk * D], kv_ready, k_smem)
         _tma_load(v_desc, [b * sk + n0, hk * D], kv_ready, v_smem)
@@ -120,7 +124,7 @@ if AVAILABLE:
         of every head of the group; dK and dV stay in registers and are stored at the end."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
          kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn,
-         dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
+         dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -136,7 +140,7 @@ if AVAILABLE:
                                                             instr_shape=[16, DQ_N, 16])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         LOG2E: gl.constexpr = 1.4426950408889634
-        b, hk, n0, m_lo, cnt = _bwd_tile(NUM_N, B, HK, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
+        b, hk, n0, m_lo, cnt = _bwd_tile(NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
         bh0 = b * (HK * GROUP)
         num_m = gl.cdiv(sq, BLOCK_M)
         n_lo = n0 + WG * COLS
@@ -263,10 +267,10 @@ if AVAILABLE:
         gl.store(dv_ptr + dv_off, dv.to(dtype), mask=keep)
 
     @gluon.jit(do_not_specialize=["sqs", "sks", "svs", "sdos", "dkb", "dkn", "dkh", "dvb", "dvn", "dvh", "slb",
-                                  "slh", "B", "H", "GROUP", "sq", "sk", "NUM_N"])
+                                  "slh", "B", "H", "GROUP", "BH_GROUP", "sq", "sk", "NUM_N"])
     def _attn_bwd_ws_kernel(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_ptr, lse_ptr, delta_ptr,
                             sqs, sks, svs, sdos, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
-                            B, H, GROUP, sq, sk, NUM_N, qk_scale, sm_scale,
+                            B, H, GROUP, BH_GROUP, sq, sk, NUM_N, qk_scale, sm_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PIPE: gl.constexpr, DV_EARLY: gl.constexpr,
                             DQ_FIRST: gl.constexpr, ABLATE: gl.constexpr,
@@ -311,7 +315,7 @@ if AVAILABLE:
             mbarrier.init(ds_ready.index(i), count=NUM_WG)
         args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs,
                 dq_bufs, kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn,
-                dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
+                dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
         gl.warp_specialize([
             (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PIPE, DV_EARLY, DQ_FIRST, ABLATE)),
             (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PIPE, DV_EARLY, DQ_FIRST, ABLATE)),

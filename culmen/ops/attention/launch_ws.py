@@ -22,6 +22,7 @@ WS_TUNING: dict = {
     "on": True,
     # one program per SM looping over tiles, heaviest first (else one program per tile): +3-15%
     "persistent": True,
+    "l2_bytes": 20 << 20,
     "tiles": {(64, False): (128, 3, 3, False), (64, True): (128, 3, 2, True),
               (128, False): (128, 3, 2, True), (128, True): (64, 3, 3, True)},
 }
@@ -98,8 +99,11 @@ class WsForward:
         if persistent:
             grid = min(grid, num_programs_hint(torch.device(device)))
         self.launch = ws_launch(dtype, d, causal, tile, grid, device, persistent)
+        # causal tiles in flight cover (batch, head) pairs whose K and V (bf16, shared by GQA groups) fit in
+        # this many bytes of L2
+        bh_group = max(1, min(B * H, WS_TUNING["l2_bytes"] * (H // hk) // max(sk * d * 4, 1)))
         # row strides of q, k, v, out; lse strides; sizes; the scale
-        self.ints = (*row_strides, H * d, sq * H, sq, B, H, H // hk, sq, sk, num_m, scale_log2)
+        self.ints = (*row_strides, H * d, sq * H, sq, B, H, H // hk, bh_group, sq, sk, num_m, scale_log2)
 
     def __call__(self, stream, q, k, v, out, lse) -> None:
         self.launch(stream, True, q, k, v, out, lse, *self.ints)
@@ -120,7 +124,9 @@ def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, 
 # "ablate": timing experiments only.
 WS_BWD_TUNING: dict = {
     "on": True,
-    "tiles": {64: (64, 2, 0, 0, 1), 128: (64, 2, 0, 0, 1)},
+    "tiles": {64: (64, 2, 0, 0, 0), 128: (64, 2, 0, 0, 0)},
+    # the programs in flight cover (batch, KV head) pairs whose Q, dO and dQ accumulator fit in this many bytes
+    "l2_bytes": 20 << 20,
     "ablate": 0,
 }
 WS_BWD_REGS = (240, 24)
@@ -169,8 +175,12 @@ class WsBackward:
         sk, hk = int(k_shape[1]), int(k_shape[2])
         num_n = cdiv(sk, 128)
         self.launch = ws_bwd_launch(dtype, d, causal, tile, num_n * B * hk, device)
+        # (batch, KV head) pairs per program group: their Q, dO (bf16) and dQ accumulator (fp32) stay in L2
+        group_bytes = (H // hk) * sq * d * 8
+        bh_group = max(1, min(B * hk, WS_BWD_TUNING["l2_bytes"] // max(group_bytes, 1)))
         # row strides of q, k, v, dout; lse strides; sizes; scales (dk/dv strides come per call)
-        self.ints = (row_strides, lse_strides, (B, H, H // hk, sq, sk, num_n, scale * 1.4426950408889634, scale))
+        self.ints = (row_strides, lse_strides,
+                     (B, H, H // hk, bh_group, sq, sk, num_n, scale * 1.4426950408889634, scale))
         self.acc_shape = (B, H, cdiv(sq, tile[0]) * tile[0], d)
         self.sq = sq
 
