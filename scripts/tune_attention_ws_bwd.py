@@ -35,16 +35,16 @@ class _Tile:
 
     def __enter__(self):
         t = launch_ws.WS_BWD_TUNING
-        self.saved = (t["on"], dict(t["tiles"]), t["ablate"])
+        self.saved = (t["on"], dict(t["tiles"]), t["persistent"])
         t["on"] = self.tile is not None
-        if self.tile is not None:  # (BLOCK_M, STAGES, PIPE, DV_EARLY, DQ_FIRST[, ablate bits])
-            t["tiles"] = {64: self.tile[:5], 128: self.tile[:5]}
-            t["ablate"] = self.tile[5] if len(self.tile) > 5 else 0
+        if self.tile is not None:  # (BLOCK_M, STAGES, PERSISTENT)
+            t["tiles"] = {64: self.tile[:2], 128: self.tile[:2]}
+            t["persistent"] = bool(self.tile[2])
         clear_plans()
 
     def __exit__(self, *exc):
         t = launch_ws.WS_BWD_TUNING
-        t["on"], t["tiles"], t["ablate"] = self.saved
+        t["on"], t["tiles"], t["persistent"] = self.saved
         clear_plans()
 
 
@@ -163,8 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--seqlen", default="2048,8192")
-    ap.add_argument("--tiles", default="64,2,0,0,1 64,2,0,1,1",
-                    help="BLOCK_M,STAGES,PIPE,DV_EARLY,DQ_FIRST[,ablate bits] ...")
+    ap.add_argument("--tiles", default="64,2,1 64,2,0", help="BLOCK_M,STAGES,PERSISTENT ...")
     ap.add_argument("--check-d", default=None, help="head dims of the check (default: --d)")
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--check-only", action="store_true")
@@ -176,7 +175,7 @@ def main() -> None:
     tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split()]
     d_list = [int(x) for x in a.d.split(",")]
     check_d = ([int(x) for x in a.check_d.split(",") if x] if a.check_d is not None else d_list)
-    bad = check([t for t in tiles if len(t) == 5 or t[5] == 0], check_d) if check_d else 0
+    bad = check(tiles, check_d) if check_d else 0
     print(f"check: {bad} bad", flush=True)
     if not a.check_only:
         bench(tiles, d_list, [int(x) for x in a.seqlen.split(",")], a.gqa, a.fwd)

@@ -55,18 +55,17 @@ if AVAILABLE:
     _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
     @gluon.jit
-    def _bwd_tile(NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _bwd_tile(t, NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr):
-        """``(b, kv head, first key, first query block, query blocks per head)`` of this program. Programs run
-        in groups of ``BH_GROUP`` (batch, KV head) pairs, key block by key block inside a group (causal: the
-        first key blocks see the most query blocks, so the heavy programs start first), so the programs in
-        flight share a few heads' Q, dO and dQ accumulator in L2 (heavy-first over all heads made every
-        program read a different head: a working set past L2)."""
-        pid = gl.program_id(0)
+        """``(b, kv head, first key, first query block, query blocks per head)`` of tile ``t``. Tiles run in
+        groups of ``BH_GROUP`` (batch, KV head) pairs, key block by key block inside a group (causal: the first
+        key blocks see the most query blocks, so the heavy tiles start first), so the tiles in flight share a
+        few heads' Q, dO and dQ accumulator in L2 (heavy-first over all heads had every program read another
+        head: a working set past L2, 10-25% slower)."""
         per_group = BH_GROUP * NUM_N
-        group = pid // per_group
+        group = t // per_group
         size = gl.minimum(BH_GROUP, B * HK - group * BH_GROUP)
-        idx = pid - group * per_group
+        idx = t - group * per_group
         pid_n = idx // size
         bh = group * BH_GROUP + idx % size
         n0 = pid_n * BLOCK_N
@@ -77,33 +76,42 @@ if AVAILABLE:
         return bh // HK, bh % HK, n0, m_lo, num_m - m_lo
 
     @gluon.jit
-    def _bwd_loader(args, CAUSAL: gl.constexpr, PIPE: gl.constexpr):
-        """Producer (one warp): K and V of the program's key block once, then Q and dO of every (head of the
-        group, query block) into the stage ring."""
+    def _bwd_loader(args, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        """Producer (one warp): per tile, K and V of its key block once the consumers released the last tile's,
+        then Q and dO of every (head of the group, query block) into the stage ring (its counter runs on
+        across tiles)."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
-         kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn,
-         dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
+         kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
+         dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_tiles, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
-        b, hk, n0, m_lo, cnt = _bwd_tile(NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
-        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b * sk + n0, hk * D], kv_ready, k_smem)
-        _tma_load(v_desc, [b * sk + n0, hk * D], kv_ready, v_smem)
-        n_it = GROUP * cnt
-        for i in range(n_it + (PIPE > 0)):  # + 1: block 0 again, for the consumers' look-ahead (PIPE)
-            j = i % n_it
-            h = hk * GROUP + j // cnt
-            m0 = (m_lo + j % cnt) * BLOCK_M
-            s = i % NS
-            mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
-            qb = q_ready.index(s)
-            mbarrier.expect(qb, q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b * sq + m0, h * D], qb, q_bufs.index(s))
-            db = do_ready.index(s)
-            mbarrier.expect(db, do_desc.block_type.nbytes)
-            _tma_load(do_desc, [b * sq + m0, h * D], db, do_bufs.index(s))
+        it = 0
+        tile_i = 0
+        pid = gl.program_id(0)
+        end = n_tiles if PERSISTENT else pid + 1
+        for t in range(pid, end, gl.num_programs(0)):
+            b, hk, n0, m_lo, cnt = _bwd_tile(t, NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
+            # barriers start with phase 1 complete, so the first tile's wait passes at once
+            mbarrier.wait(kv_empty, (tile_i & 1) ^ 1)
+            mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+            _tma_load(k_desc, [b * sk + n0, hk * D], kv_ready, k_smem)
+            _tma_load(v_desc, [b * sk + n0, hk * D], kv_ready, v_smem)
+            for j in range(GROUP * cnt):
+                h = hk * GROUP + j // cnt
+                m0 = (m_lo + j % cnt) * BLOCK_M
+                i = it + j
+                s = i % NS
+                mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+                qb = q_ready.index(s)
+                mbarrier.expect(qb, q_desc.block_type.nbytes)
+                _tma_load(q_desc, [b * sq + m0, h * D], qb, q_bufs.index(s))
+                db = do_ready.index(s)
+                mbarrier.expect(db, do_desc.block_type.nbytes)
+                _tma_load(do_desc, [b * sq + m0, h * D], db, do_bufs.index(s))
+            it += GROUP * cnt
+            tile_i += 1
 
     @gluon.jit
     def _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL: gl.constexpr):
@@ -119,12 +127,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr,
-                      PIPE: gl.constexpr, DV_EARLY: gl.constexpr, DQ_FIRST: gl.constexpr, ABLATE: gl.constexpr):
-        """Consumer warpgroup ``WG``: keys ``n0 + 64 * WG ..`` of the program's block against every query block
-        of every head of the group; dK and dV stay in registers and are stored at the end."""
+                      PERSISTENT: gl.constexpr):
+        """Consumer warpgroup ``WG``: per tile, keys ``n0 + 64 * WG ..`` of its block against every query block of
+        every head of the group; dK and dV stay in registers and are stored at the end of the tile."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
-         kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn,
-         dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, qk_scale, sm_scale) = args
+         kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
+         dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_tiles, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -140,131 +148,92 @@ if AVAILABLE:
                                                             instr_shape=[16, DQ_N, 16])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         LOG2E: gl.constexpr = 1.4426950408889634
-        b, hk, n0, m_lo, cnt = _bwd_tile(NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
-        bh0 = b * (HK * GROUP)
-        num_m = gl.cdiv(sq, BLOCK_M)
-        n_lo = n0 + WG * COLS
-        # query blocks from m_full on see all of this warpgroup's keys (causal) ...
-        m_full = 0
-        if CAUSAL:
-            m_full = gl.cdiv(gl.maximum(n_lo + COLS - 1 - (sk - sq), 0), BLOCK_M)
-        # ... unless its keys run past sk
-        tail = n_lo + COLS > sk
         k_wg = k_smem.slice(WG * COLS, COLS).permute((1, 0))  # (D, 64): S = Q K^T's B operand
         v_wg = v_smem.slice(WG * COLS, COLS).permute((1, 0))
         p_wg = p_smem.slice(WG * COLS, COLS, dim=1).permute((1, 0))  # P^T (64 keys, BLOCK_M): dV's A operand
         k_dq = k_smem.slice(WG * DQ_N, DQ_N, dim=1)  # dQ's columns of this warpgroup: dS K[:, cols]'s B
         dq_stage = dq_bufs.index(WG)
-        dk = gl.zeros([COLS, D], gl.float32, acc_layout)
-        dv = gl.zeros([COLS, D], gl.float32, acc_layout)
-        lse_base = lse_ptr + b.to(gl.int64) * slb
-        delta_base = delta_ptr + b.to(gl.int64) * slb
-        n_it = GROUP * cnt
-        mbarrier.wait(kv_ready, 0)
-        # PIPE 1 / 2: the loader delivers one extra (repeated) block so that iteration i can issue block i + 1's
-        # S = Q K^T (and with PIPE 2 dP = dO V^T) before it waits for its own dV/dK/dQ.
-        if PIPE > 0:
-            mbarrier.wait(q_ready.index(0), 0)
-            s_next = warpgroup_mma(q_bufs.index(0), k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                                   use_acc=False, is_async=True)
-        if PIPE == 2:
-            mbarrier.wait(do_ready.index(0), 0)
-            dp_next = warpgroup_mma(do_bufs.index(0), v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                                    use_acc=False, is_async=True)
-        for i in range(n_it):
-            h = hk * GROUP + i // cnt
-            mb = m_lo + i % cnt
-            m0 = mb * BLOCK_M
-            rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-            in_q = rows < sq
-            # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before the
-            # waits so their latency hides under them.
-            lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
-            delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
-            st = i % NS
-            ph = (i // NS) & 1
-            q_s = q_bufs.index(st)
-            do_s = do_bufs.index(st)
-            if PIPE == 0:
+        num_m = gl.cdiv(sq, BLOCK_M)
+        it = 0
+        tile_i = 0
+        pid = gl.program_id(0)
+        end = n_tiles if PERSISTENT else pid + 1
+        for t in range(pid, end, gl.num_programs(0)):
+            b, hk, n0, m_lo, cnt = _bwd_tile(t, NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
+            bh0 = b * (HK * GROUP)
+            n_lo = n0 + WG * COLS
+            # query blocks from m_full on see all of this warpgroup's keys (causal) ...
+            m_full = 0
+            if CAUSAL:
+                m_full = gl.cdiv(gl.maximum(n_lo + COLS - 1 - (sk - sq), 0), BLOCK_M)
+            # ... unless its keys run past sk
+            tail = n_lo + COLS > sk
+            dk = gl.zeros([COLS, D], gl.float32, acc_layout)
+            dv = gl.zeros([COLS, D], gl.float32, acc_layout)
+            lse_base = lse_ptr + b.to(gl.int64) * slb
+            delta_base = delta_ptr + b.to(gl.int64) * slb
+            mbarrier.wait(kv_ready, tile_i & 1)
+            for j in range(GROUP * cnt):
+                h = hk * GROUP + j // cnt
+                mb = m_lo + j % cnt
+                m0 = mb * BLOCK_M
+                rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+                in_q = rows < sq
+                # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before the
+                # waits so their latency hides under them.
+                lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
+                delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
+                i = it + j
+                st = i % NS
+                ph = (i // NS) & 1
+                q_s = q_bufs.index(st)
+                do_s = do_bufs.index(st)
                 mbarrier.wait(q_ready.index(st), ph)
-                s_next = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                                       use_acc=False, is_async=True)
-            if PIPE < 2:
+                s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
+                                  is_async=True)
                 mbarrier.wait(do_ready.index(st), ph)
-                dp_next = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                                        use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s_next,))
-            if (mb < m_full) | tail:
-                s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
-            p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
-            p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
-            if DV_EARLY:  # dV runs while dS is computed (costs a barrier of this warpgroup)
+                dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
+                                   is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s,))
+                if (mb < m_full) | tail:
+                    s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
+                p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+                p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
+                dp = warpgroup_mma_wait(0, deps=(dp,))
+                ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
+                buf = i % 2
+                ds_s = ds_bufs.index(buf)
+                ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
                 fence_async_shared()
+                # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
+                mbarrier.arrive(ds_ready.index(buf), count=1)
                 dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
-                dp = warpgroup_mma_wait(1, deps=(dp_next,))
-            else:
-                dp = warpgroup_mma_wait(0, deps=(dp_next,))
-            ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
-            buf = i % 2
-            ds_s = ds_bufs.index(buf)
-            ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
-            fence_async_shared()
-            # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            if not DV_EARLY:
-                dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
-            ds_t = ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0))
-            if not DQ_FIRST:
-                dk = warpgroup_mma(ds_t, q_s, dk, is_async=True)
-            if (ABLATE & 2) == 0:
+                dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
+                # dQ = dS K needs every warpgroup's dS of this block
                 mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-            dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
-                               is_async=True)
-            if DQ_FIRST:  # dK runs while dQ is staged and reduced
-                dk = warpgroup_mma(ds_t, q_s, dk, is_async=True)
-                dq = warpgroup_mma_wait(1, deps=(dq,))
-            elif PIPE == 0:
+                dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
+                                   is_async=True)
                 dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-            else:  # block i + 1 (the repeated extra block after the last)
-                nst = (i + 1) % NS
-                nph = ((i + 1) // NS) & 1
-                mbarrier.wait(q_ready.index(nst), nph)
-                s_next = warpgroup_mma(q_bufs.index(nst), k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                                       use_acc=False, is_async=True)
-                if PIPE == 2:
-                    mbarrier.wait(do_ready.index(nst), nph)
-                    dp_next = warpgroup_mma(do_bufs.index(nst), v_wg,
-                                            gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
-                                            is_async=True)
-                    dq, dk, dv = warpgroup_mma_wait(2, deps=(dq, dk, dv))
-                else:
-                    dq, dk, dv = warpgroup_mma_wait(1, deps=(dq, dk, dv))
-            if not DQ_FIRST:
                 mbarrier.arrive(empty.index(st), count=1)
-            if (ABLATE & 1) == 0:
                 tma.store_wait(0)  # the last reduce has read the staging tile
                 dq_stage.store(dq)
                 fence_async_shared()
                 _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
-            if DQ_FIRST:
-                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                mbarrier.arrive(empty.index(st), count=1)
-        if PIPE == 2:
-            s_next, dp_next = warpgroup_mma_wait(0, deps=(s_next, dp_next))
-        elif PIPE == 1:
-            s_next = warpgroup_mma_wait(0, deps=(s_next,))
+            # K and V are free: the next tile's load runs under this epilogue
+            mbarrier.arrive(kv_empty, count=1)
+            it += GROUP * cnt
+            tile_i += 1
+            rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, acc_layout))
+            dcols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+            n = n_lo + rows
+            keep = gl.expand_dims(n < sk, 1)
+            b64 = b.to(gl.int64)
+            hk64 = hk.to(gl.int64)
+            dk_off = gl.expand_dims(b64 * dkb + n.to(gl.int64) * dkn + hk64 * dkh, 1) + gl.expand_dims(dcols, 0)
+            gl.store(dk_ptr + dk_off, dk.to(dtype), mask=keep)
+            dv_off = gl.expand_dims(b64 * dvb + n.to(gl.int64) * dvn + hk64 * dvh, 1) + gl.expand_dims(dcols, 0)
+            gl.store(dv_ptr + dv_off, dv.to(dtype), mask=keep)
         tma.store_wait(0)
-
-        rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, acc_layout))
-        dcols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-        n = n_lo + rows
-        keep = gl.expand_dims(n < sk, 1)
-        b64 = b.to(gl.int64)
-        hk64 = hk.to(gl.int64)
-        dk_off = gl.expand_dims(b64 * dkb + n.to(gl.int64) * dkn + hk64 * dkh, 1) + gl.expand_dims(dcols, 0)
-        gl.store(dk_ptr + dk_off, dk.to(dtype), mask=keep)
-        dv_off = gl.expand_dims(b64 * dvb + n.to(gl.int64) * dvn + hk64 * dvh, 1) + gl.expand_dims(dcols, 0)
-        gl.store(dv_ptr + dv_off, dv.to(dtype), mask=keep)
 
     @gluon.jit(do_not_specialize=["sqs", "sks", "svs", "sdos", "dkb", "dkn", "dkh", "dvb", "dvn", "dvh", "slb",
                                   "slh", "B", "H", "GROUP", "BH_GROUP", "sq", "sk", "NUM_N"])
@@ -272,17 +241,17 @@ if AVAILABLE:
                             sqs, sks, svs, sdos, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
                             B, H, GROUP, BH_GROUP, sq, sk, NUM_N, qk_scale, sm_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, PIPE: gl.constexpr, DV_EARLY: gl.constexpr,
-                            DQ_FIRST: gl.constexpr, ABLATE: gl.constexpr,
+                            STAGES: gl.constexpr, NUM_WG: gl.constexpr, PERSISTENT: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr,
                             dq_layout: gl.constexpr):
-        """One program per ``(key block of 64 * NUM_WG, batch, KV head)``. Q, dO ``(B, sq, H, D)`` and K, V
-        ``(B, sk, HK, D)`` are read through 2-D TMA descriptors over ``(B * s, heads * D)`` with row strides
+        """Tiles are ``(key block of 64 * NUM_WG, batch, KV head)``: one per program, or (``PERSISTENT``) one
+        program per SM walking ``t = pid, pid + grid, ..``. Q, dO ``(B, sq, H, D)`` and K, V ``(B, sk, HK, D)``
+        are read through 2-D TMA descriptors over ``(B * s, heads * D)`` with row strides
         ``sqs``/``sdos``/``sks``/``svs`` (batch stride = s * row stride, head stride = D: the caller checks);
-        dK / dV are stored with strides ``(dkb, dkn, dkh)`` / ``(dvb, dvn, dvh)``; ``dq_ptr`` is a zeroed
-        contiguous fp32 ``(B, sq, H, D)`` buffer; ``lse`` (natural log) and ``delta = rowsum(dO * O)`` are fp32
-        ``(B, H, sq)`` with strides ``slb``, ``slh``. ``qk_scale = softmax_scale * log2(e)``."""
+        dK / dV are stored with strides ``(dkb, dkn, dkh)`` / ``(dvb, dvn, dvh)``; ``dq_ptr`` is a zeroed fp32
+        ``(B, H, sq rounded up to BLOCK_M, D)`` buffer; ``lse`` (natural log) and ``delta = rowsum(dO * O)``
+        are fp32 ``(B, H, sq)`` with strides ``slb``, ``slh``. ``qk_scale = softmax_scale * log2(e)``."""
         HK = H // GROUP
         BLOCK_N: gl.constexpr = 64 * NUM_WG
         q_desc = tma.make_tensor_descriptor(q_ptr, [B * sq, H * HEAD_D], [sqs, 1], [BLOCK_M, HEAD_D], q_layout)
@@ -292,6 +261,7 @@ if AVAILABLE:
                                              [BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * sk, HK * HEAD_D], [sks, 1], [BLOCK_N, HEAD_D], kv_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D], kv_layout)
+        n_tiles = NUM_N * B * HK
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
@@ -302,11 +272,13 @@ if AVAILABLE:
         # fp32 staging tiles of the dQ reduce, one per consumer warpgroup
         dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_WG, BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
+        mbarrier.init(kv_empty, count=NUM_WG)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(do_ready.index(i), count=1)
@@ -314,10 +286,11 @@ if AVAILABLE:
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=NUM_WG)
         args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs,
-                dq_bufs, kv_ready, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn,
-                dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, qk_scale, sm_scale)
+                dq_bufs, kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr,
+                delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_tiles,
+                qk_scale, sm_scale)
         gl.warp_specialize([
-            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PIPE, DV_EARLY, DQ_FIRST, ABLATE)),
-            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PIPE, DV_EARLY, DQ_FIRST, ABLATE)),
-            (_bwd_loader, (args, CAUSAL, PIPE)),
+            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PERSISTENT)),
+            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PERSISTENT)),
+            (_bwd_loader, (args, CAUSAL, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

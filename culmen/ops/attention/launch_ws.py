@@ -117,43 +117,41 @@ def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, 
 
 
 # ------------------------------------------------------------------------------------------------ backward
-# head dim -> (BLOCK_M, STAGES, PIPE, DV_EARLY, DQ_FIRST) of the Gluon backward (kernels_ws_bwd): two consumer
-# warpgroups of 64 keys each (BLOCK_N 128), each adding half of every dQ tile's columns into the fp32 accumulator
-# by one TMA bulk reduce; PIPE 1 / 2: the next block's S (and dP) issued before this block's dQ is staged; DV_EARLY: dV
-# issued before dS is computed; DQ_FIRST: dQ issued before dK, and staged while dK runs.
-# "ablate": timing experiments only.
+# head dim -> (BLOCK_M, STAGES) of the Gluon backward (kernels_ws_bwd): two consumer warpgroups of 64 keys each
+# (BLOCK_N 128), each adding half of every dQ tile's columns into the fp32 accumulator by one TMA bulk reduce.
+# Shared memory (d128: 213 KB at 2 stages) leaves no room for a third stage.
 WS_BWD_TUNING: dict = {
     "on": True,
-    "tiles": {64: (64, 2, 0, 0, 0), 128: (64, 2, 0, 0, 0)},
-    # the programs in flight cover (batch, KV head) pairs whose Q, dO and dQ accumulator fit in this many bytes
+    "tiles": {64: (64, 2), 128: (64, 2)},
+    # one program per SM walking the tiles (else one program per tile)
+    "persistent": True,
+    # the tiles in flight cover (batch, KV head) pairs whose Q, dO and dQ accumulator fit in this many bytes
     "l2_bytes": 20 << 20,
-    "ablate": 0,
 }
 WS_BWD_REGS = (240, 24)
 
 
 def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool) -> tuple | None:
-    """``(BLOCK_M, STAGES, PIPE, DV_EARLY, DQ_FIRST)`` when the Gluon backward takes this dense call (the
-    forward's conditions, ``ws_config``), else ``None``. The caller also needs dout TMA-readable and
-    non-deterministic mode."""
+    """``(BLOCK_M, STAGES)`` when the Gluon backward takes this dense call (the forward's conditions,
+    ``ws_config``), else ``None``. The caller also needs dout TMA-readable and non-deterministic mode."""
     if not WS_BWD_TUNING["on"] or ws_config(q, k, v, causal=causal, extras=extras, on_gpu=on_gpu,
                                             hopper=hopper) is None:
         return None
     return WS_BWD_TUNING["tiles"].get(int(q.shape[-1]))
 
 
-def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device) -> Launch:
+def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device,
+                  persistent: bool) -> Launch:
     """A ``Launch`` of ``_attn_bwd_ws_kernel`` for one config and grid."""
     from triton.experimental.gluon import language as gl
 
     from culmen.ops.attention import kernels_ws_bwd
 
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    bm, stages, pipe, dv_early, dq_first = tile
+    bm, stages = tile
     creg, lreg = WS_BWD_REGS
-    meta = dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=bm, STAGES=stages, NUM_WG=2, PIPE=pipe,
-                DV_EARLY=bool(dv_early), DQ_FIRST=bool(dq_first),
-                ABLATE=WS_BWD_TUNING["ablate"], CONSUMER_REGS=creg, LOADER_REGS=lreg,
+    meta = dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=bm, STAGES=stages, NUM_WG=2, PERSISTENT=persistent,
+                CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
                 kv_layout=gl.NVMMASharedLayout.get_default_for([128, d], gdt),
                 ds_layout=gl.NVMMASharedLayout.get_default_for([bm, 128], gdt),
@@ -174,8 +172,12 @@ class WsBackward:
         B, sq, H, d = (int(x) for x in q_shape)
         sk, hk = int(k_shape[1]), int(k_shape[2])
         num_n = cdiv(sk, 128)
-        self.launch = ws_bwd_launch(dtype, d, causal, tile, num_n * B * hk, device)
-        # (batch, KV head) pairs per program group: their Q, dO (bf16) and dQ accumulator (fp32) stay in L2
+        grid = num_n * B * hk
+        persistent = WS_BWD_TUNING["persistent"]
+        if persistent:
+            grid = min(grid, num_programs_hint(torch.device(device)))
+        self.launch = ws_bwd_launch(dtype, d, causal, tile, grid, device, persistent)
+        # (batch, KV head) pairs per tile group: their Q, dO (bf16) and dQ accumulator (fp32) stay in L2
         group_bytes = (H // hk) * sq * d * 8
         bh_group = max(1, min(B * hk, WS_BWD_TUNING["l2_bytes"] // max(group_bytes, 1)))
         # row strides of q, k, v, dout; lse strides; sizes; scales (dk/dv strides come per call)
