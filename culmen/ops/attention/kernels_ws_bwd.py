@@ -55,25 +55,36 @@ if AVAILABLE:
     _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
     @gluon.jit
-    def _bwd_tile(t, NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
-        """``(b, kv head, first key, first query block, query blocks per head)`` of tile ``t``. Tiles run in
-        groups of ``BH_GROUP`` (batch, KV head) pairs, key block by key block inside a group (causal: the first
-        key blocks see the most query blocks, so the heavy tiles start first), so the tiles in flight share a
-        few heads' Q, dO and dQ accumulator in L2 (heavy-first over all heads had every program read another
-        head: a working set past L2, 10-25% slower)."""
-        per_group = BH_GROUP * NUM_N
-        group = t // per_group
+    def _bwd_unit(u, NUM_N, B, HK, BH_GROUP, CAUSAL: gl.constexpr):
+        """``(b, kv head, first key block, key blocks)`` of work unit ``u``: causal units pair key block ``p``
+        with ``NUM_N - 1 - p`` (every unit sees about the same number of query blocks), others are one key
+        block. Units run in groups of ``BH_GROUP`` (batch, KV head) pairs, so the units in flight share a few
+        heads' Q, dO and dQ accumulator in L2 (with one key block per program and the heaviest first over all
+        heads, every program read another head: a working set past L2, 10-50% slower)."""
+        NU = NUM_N
+        if CAUSAL:
+            NU = (NUM_N + 1) // 2
+        per_group = BH_GROUP * NU
+        group = u // per_group
         size = gl.minimum(BH_GROUP, B * HK - group * BH_GROUP)
-        idx = t - group * per_group
-        pid_n = idx // size
+        idx = u - group * per_group
+        p = idx // size
         bh = group * BH_GROUP + idx % size
-        n0 = pid_n * BLOCK_N
+        n_blocks = 1
+        if CAUSAL:
+            n_blocks = 2 - (2 * p + 1 == NUM_N)
+        return bh // HK, bh % HK, p, n_blocks
+
+    @gluon.jit
+    def _bwd_block(pair, half, NUM_N, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+        """``(first key, first query block, query blocks per head)`` of the unit's key block ``half``."""
+        n0 = (pair + half * (NUM_N - 1 - 2 * pair)) * BLOCK_N
         num_m = gl.cdiv(sq, BLOCK_M)
         m_lo = 0
         if CAUSAL:  # query row r sees key n when n <= r + sk - sq
             m_lo = gl.maximum(n0 - (sk - sq), 0) // BLOCK_M
-        return bh // HK, bh % HK, n0, m_lo, num_m - m_lo
+        return n0, m_lo, num_m - m_lo
 
     @gluon.jit
     def _bwd_loader(args, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
@@ -82,7 +93,7 @@ if AVAILABLE:
         across tiles)."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
          kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
-         dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_tiles, qk_scale, sm_scale) = args
+         dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -90,28 +101,30 @@ if AVAILABLE:
         it = 0
         tile_i = 0
         pid = gl.program_id(0)
-        end = n_tiles if PERSISTENT else pid + 1
-        for t in range(pid, end, gl.num_programs(0)):
-            b, hk, n0, m_lo, cnt = _bwd_tile(t, NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
-            # barriers start with phase 1 complete, so the first tile's wait passes at once
-            mbarrier.wait(kv_empty, (tile_i & 1) ^ 1)
-            mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b * sk + n0, hk * D], kv_ready, k_smem)
-            _tma_load(v_desc, [b * sk + n0, hk * D], kv_ready, v_smem)
-            for j in range(GROUP * cnt):
-                h = hk * GROUP + j // cnt
-                m0 = (m_lo + j % cnt) * BLOCK_M
-                i = it + j
-                s = i % NS
-                mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
-                qb = q_ready.index(s)
-                mbarrier.expect(qb, q_desc.block_type.nbytes)
-                _tma_load(q_desc, [b * sq + m0, h * D], qb, q_bufs.index(s))
-                db = do_ready.index(s)
-                mbarrier.expect(db, do_desc.block_type.nbytes)
-                _tma_load(do_desc, [b * sq + m0, h * D], db, do_bufs.index(s))
-            it += GROUP * cnt
-            tile_i += 1
+        end = n_units if PERSISTENT else pid + 1
+        for u in range(pid, end, gl.num_programs(0)):
+            b, hk, pair, n_blocks = _bwd_unit(u, NUM_N, B, HK, BH_GROUP, CAUSAL)
+            for half in range(n_blocks):
+                n0, m_lo, cnt = _bwd_block(pair, half, NUM_N, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
+                # barriers start with phase 1 complete, so the first tile's wait passes at once
+                mbarrier.wait(kv_empty, (tile_i & 1) ^ 1)
+                mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+                _tma_load(k_desc, [b * sk + n0, hk * D], kv_ready, k_smem)
+                _tma_load(v_desc, [b * sk + n0, hk * D], kv_ready, v_smem)
+                for j in range(GROUP * cnt):
+                    h = hk * GROUP + j // cnt
+                    m0 = (m_lo + j % cnt) * BLOCK_M
+                    i = it + j
+                    s = i % NS
+                    mbarrier.wait(empty.index(s), ((i // NS) & 1) ^ 1)
+                    qb = q_ready.index(s)
+                    mbarrier.expect(qb, q_desc.block_type.nbytes)
+                    _tma_load(q_desc, [b * sq + m0, h * D], qb, q_bufs.index(s))
+                    db = do_ready.index(s)
+                    mbarrier.expect(db, do_desc.block_type.nbytes)
+                    _tma_load(do_desc, [b * sq + m0, h * D], db, do_bufs.index(s))
+                it += GROUP * cnt
+                tile_i += 1
 
     @gluon.jit
     def _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL: gl.constexpr):
@@ -132,7 +145,7 @@ if AVAILABLE:
         every head of the group; dK and dV stay in registers and are stored at the end of the tile."""
         (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
          kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
-         dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_tiles, qk_scale, sm_scale) = args
+         dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -157,82 +170,84 @@ if AVAILABLE:
         it = 0
         tile_i = 0
         pid = gl.program_id(0)
-        end = n_tiles if PERSISTENT else pid + 1
-        for t in range(pid, end, gl.num_programs(0)):
-            b, hk, n0, m_lo, cnt = _bwd_tile(t, NUM_N, B, HK, BH_GROUP, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
-            bh0 = b * (HK * GROUP)
-            n_lo = n0 + WG * COLS
-            # query blocks from m_full on see all of this warpgroup's keys (causal) ...
-            m_full = 0
-            if CAUSAL:
-                m_full = gl.cdiv(gl.maximum(n_lo + COLS - 1 - (sk - sq), 0), BLOCK_M)
-            # ... unless its keys run past sk
-            tail = n_lo + COLS > sk
-            dk = gl.zeros([COLS, D], gl.float32, acc_layout)
-            dv = gl.zeros([COLS, D], gl.float32, acc_layout)
-            lse_base = lse_ptr + b.to(gl.int64) * slb
-            delta_base = delta_ptr + b.to(gl.int64) * slb
-            mbarrier.wait(kv_ready, tile_i & 1)
-            for j in range(GROUP * cnt):
-                h = hk * GROUP + j // cnt
-                mb = m_lo + j % cnt
-                m0 = mb * BLOCK_M
-                rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-                in_q = rows < sq
-                # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before the
-                # waits so their latency hides under them.
-                lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
-                delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
-                i = it + j
-                st = i % NS
-                ph = (i // NS) & 1
-                q_s = q_bufs.index(st)
-                do_s = do_bufs.index(st)
-                mbarrier.wait(q_ready.index(st), ph)
-                s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
-                                  is_async=True)
-                mbarrier.wait(do_ready.index(st), ph)
-                dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
-                                   is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                if (mb < m_full) | tail:
-                    s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
-                p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
-                p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
-                dp = warpgroup_mma_wait(0, deps=(dp,))
-                ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
-                buf = i % 2
-                ds_s = ds_bufs.index(buf)
-                ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
-                fence_async_shared()
-                # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
-                mbarrier.arrive(ds_ready.index(buf), count=1)
-                dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
-                dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
-                # dQ = dS K needs every warpgroup's dS of this block
-                mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-                dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
-                                   is_async=True)
-                dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-                mbarrier.arrive(empty.index(st), count=1)
-                tma.store_wait(0)  # the last reduce has read the staging tile
-                dq_stage.store(dq)
-                fence_async_shared()
-                _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
-            # K and V are free: the next tile's load runs under this epilogue
-            mbarrier.arrive(kv_empty, count=1)
-            it += GROUP * cnt
-            tile_i += 1
-            rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, acc_layout))
-            dcols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-            n = n_lo + rows
-            keep = gl.expand_dims(n < sk, 1)
-            b64 = b.to(gl.int64)
-            hk64 = hk.to(gl.int64)
-            dk_off = gl.expand_dims(b64 * dkb + n.to(gl.int64) * dkn + hk64 * dkh, 1) + gl.expand_dims(dcols, 0)
-            gl.store(dk_ptr + dk_off, dk.to(dtype), mask=keep)
-            dv_off = gl.expand_dims(b64 * dvb + n.to(gl.int64) * dvn + hk64 * dvh, 1) + gl.expand_dims(dcols, 0)
-            gl.store(dv_ptr + dv_off, dv.to(dtype), mask=keep)
+        end = n_units if PERSISTENT else pid + 1
+        for u in range(pid, end, gl.num_programs(0)):
+            b, hk, pair, n_blocks = _bwd_unit(u, NUM_N, B, HK, BH_GROUP, CAUSAL)
+            for half in range(n_blocks):
+                n0, m_lo, cnt = _bwd_block(pair, half, NUM_N, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
+                bh0 = b * (HK * GROUP)
+                n_lo = n0 + WG * COLS
+                # query blocks from m_full on see all of this warpgroup's keys (causal) ...
+                m_full = 0
+                if CAUSAL:
+                    m_full = gl.cdiv(gl.maximum(n_lo + COLS - 1 - (sk - sq), 0), BLOCK_M)
+                # ... unless its keys run past sk
+                tail = n_lo + COLS > sk
+                dk = gl.zeros([COLS, D], gl.float32, acc_layout)
+                dv = gl.zeros([COLS, D], gl.float32, acc_layout)
+                lse_base = lse_ptr + b.to(gl.int64) * slb
+                delta_base = delta_ptr + b.to(gl.int64) * slb
+                mbarrier.wait(kv_ready, tile_i & 1)
+                for j in range(GROUP * cnt):
+                    h = hk * GROUP + j // cnt
+                    mb = m_lo + j % cnt
+                    m0 = mb * BLOCK_M
+                    rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+                    in_q = rows < sq
+                    # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before the
+                    # waits so their latency hides under them.
+                    lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
+                    delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
+                    i = it + j
+                    st = i % NS
+                    ph = (i // NS) & 1
+                    q_s = q_bufs.index(st)
+                    do_s = do_bufs.index(st)
+                    mbarrier.wait(q_ready.index(st), ph)
+                    s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
+                                      is_async=True)
+                    mbarrier.wait(do_ready.index(st), ph)
+                    dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
+                                       is_async=True)
+                    s = warpgroup_mma_wait(1, deps=(s,))
+                    if (mb < m_full) | tail:
+                        s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
+                    p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+                    p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
+                    dp = warpgroup_mma_wait(0, deps=(dp,))
+                    ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
+                    buf = i % 2
+                    ds_s = ds_bufs.index(buf)
+                    ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
+                    fence_async_shared()
+                    # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
+                    mbarrier.arrive(ds_ready.index(buf), count=1)
+                    dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
+                    dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
+                    # dQ = dS K needs every warpgroup's dS of this block
+                    mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+                    dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
+                                       is_async=True)
+                    dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+                    mbarrier.arrive(empty.index(st), count=1)
+                    tma.store_wait(0)  # the last reduce has read the staging tile
+                    dq_stage.store(dq)
+                    fence_async_shared()
+                    _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
+                # K and V are free: the next tile's load runs under this epilogue
+                mbarrier.arrive(kv_empty, count=1)
+                it += GROUP * cnt
+                tile_i += 1
+                rows = gl.arange(0, COLS, layout=gl.SliceLayout(1, acc_layout))
+                dcols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+                n = n_lo + rows
+                keep = gl.expand_dims(n < sk, 1)
+                b64 = b.to(gl.int64)
+                hk64 = hk.to(gl.int64)
+                dk_off = gl.expand_dims(b64 * dkb + n.to(gl.int64) * dkn + hk64 * dkh, 1) + gl.expand_dims(dcols, 0)
+                gl.store(dk_ptr + dk_off, dk.to(dtype), mask=keep)
+                dv_off = gl.expand_dims(b64 * dvb + n.to(gl.int64) * dvn + hk64 * dvh, 1) + gl.expand_dims(dcols, 0)
+                gl.store(dv_ptr + dv_off, dv.to(dtype), mask=keep)
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=["sqs", "sks", "svs", "sdos", "dkb", "dkn", "dkh", "dvb", "dvn", "dvh", "slb",
@@ -261,7 +276,9 @@ if AVAILABLE:
                                              [BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * sk, HK * HEAD_D], [sks, 1], [BLOCK_N, HEAD_D], kv_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D], kv_layout)
-        n_tiles = NUM_N * B * HK
+        n_units = B * HK * NUM_N
+        if CAUSAL:
+            n_units = B * HK * ((NUM_N + 1) // 2)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
@@ -287,7 +304,7 @@ if AVAILABLE:
             mbarrier.init(ds_ready.index(i), count=NUM_WG)
         args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs,
                 dq_bufs, kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr,
-                delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_tiles,
+                delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units,
                 qk_scale, sm_scale)
         gl.warp_specialize([
             (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PERSISTENT)),

@@ -172,7 +172,7 @@ class WsBackward:
         B, sq, H, d = (int(x) for x in q_shape)
         sk, hk = int(k_shape[1]), int(k_shape[2])
         num_n = cdiv(sk, 128)
-        grid = num_n * B * hk
+        grid = (cdiv(num_n, 2) if causal else num_n) * B * hk  # causal work units pair key blocks n, num_n-1-n
         persistent = WS_BWD_TUNING["persistent"]
         if persistent:
             grid = min(grid, num_programs_hint(torch.device(device)))
