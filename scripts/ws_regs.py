@@ -1,11 +1,13 @@
-"""Compile the warp-specialized Gluon attention forward for sm_90 without a GPU; print registers and spills.
+"""Compile the warp-specialized Gluon attention kernels for sm_90 without a GPU; print registers and spills.
 
-    python scripts/ws_regs.py                      # every shipped (head dim, causal) config
-    python scripts/ws_regs.py 128 1 128,3,2,1      # d, causal, BLOCK_N,STAGES,warpgroups,pingpong
+    python scripts/ws_regs.py                      # every shipped forward and backward config
+    python scripts/ws_regs.py 128 1 128,3,2,1      # forward: d, causal, BLOCK_N,STAGES,warpgroups,pingpong
+    python scripts/ws_regs.py bwd 128 1 64,2       # backward: d, causal, BLOCK_M,STAGES
 
-One line per config: ``d=.. causal=.. tile=.. shared=<bytes> regs=<maxnreg> stack=<bytes>``. The stack is the
-register spill of the hottest partition (ptxas counts the whole kernel): the tuned tiles keep it near 0, and a
-consumer warpgroup that spills runs 2x slower (bench/notes/attention.md v10). Needs Triton's bundled ptxas and
+One line per config: ``[bwd ]d=.. causal=.. tile=.. shared=<bytes> regs=<maxnreg> stack=<bytes> ptx=..``. The
+stack is the register spill of the hottest partition (ptxas counts the whole kernel): the tuned tiles keep it
+small, and a consumer warpgroup that spills in its loop runs up to 2x slower (bench/notes/attention.md v10; the
+backward reloads a few loop-invariant scalars per iteration at d128 causal). Needs Triton's bundled ptxas and
 cuobjdump only; run with the device's Triton on the path (``PYTHONPATH=DIR``) to see what it compiles.
 """
 
@@ -26,24 +28,36 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from culmen.ops.attention import kernels_ws, launch_ws  # noqa: E402
 
+_FP32_PTRS = ("lse_ptr", "delta_ptr", "dq_ptr")
+_FP32_SCALARS = ("qk_scale", "sm_scale")
 
-def compile_config(d: int, causal: bool, tile: tuple):
-    """``triton.compile`` result of the kernel for ``cuda:90`` at one config (bf16)."""
+
+def _compile(la):
+    """``triton.compile`` of a ``Launch``'s Gluon kernel for ``cuda:90`` (bf16 tensors, fp32 lse/delta/dQ)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    la = launch_ws.ws_launch(torch.bfloat16, d, causal, tile, 1, torch.device("cpu"), True)
-    fn = kernels_ws._attn_fwd_ws_kernel
+    fn = la.fn
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in la.meta:
             sig[name], consts[(i,)] = "constexpr", la.meta[name]
         elif name.endswith("_ptr"):
-            sig[name] = "*fp32" if name == "lse_ptr" else "*bf16"
+            sig[name] = "*fp32" if name in _FP32_PTRS else "*bf16"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            sig[name] = "fp32" if name in _FP32_SCALARS else "i32"
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "maxnreg": la.options["maxnreg"]})
+
+
+def compile_config(d: int, causal: bool, tile: tuple):
+    """The forward kernel compiled for ``cuda:90`` at one config (bf16)."""
+    return _compile(launch_ws.ws_launch(torch.bfloat16, d, causal, tile, 1, torch.device("cpu"), True))
+
+
+def compile_bwd_config(d: int, causal: bool, tile: tuple):
+    """The backward kernel compiled for ``cuda:90`` at one config (bf16, persistent)."""
+    return _compile(launch_ws.ws_bwd_launch(torch.bfloat16, d, causal, tile, 1, torch.device("cpu"), True))
 
 
 def usage(k) -> tuple[int, int]:
@@ -61,19 +75,25 @@ def main() -> None:
     if not kernels_ws.AVAILABLE:
         print("no Gluon in this Triton")
         sys.exit(2)
-    if len(sys.argv) == 4:
-        configs = [(int(sys.argv[1]), sys.argv[2] == "1", tuple(int(x) for x in sys.argv[3].split(",")))]
-        configs = [(d, c, (t[0], t[1], t[2], bool(t[3]))) for d, c, t in configs]
+    args = sys.argv[1:]
+    if len(args) == 4 and args[0] == "bwd":
+        configs = [("bwd", int(args[1]), args[2] == "1", tuple(int(x) for x in args[3].split(",")))]
+    elif len(args) == 3:
+        t = tuple(int(x) for x in args[2].split(","))
+        configs = [("", int(args[0]), args[1] == "1", (t[0], t[1], t[2], bool(t[3])))]
     else:
-        configs = [(d, c, t) for (d, c), t in sorted(launch_ws.WS_TUNING["tiles"].items())]
-    for d, causal, tile in configs:
-        k = compile_config(d, causal, tile)
+        configs = [("", d, c, t) for (d, c), t in sorted(launch_ws.WS_TUNING["tiles"].items())]
+        configs += [("bwd", d, c, t) for d, t in sorted(launch_ws.WS_BWD_TUNING["tiles"].items())
+                    for c in (False, True)]
+    for kind, d, causal, tile in configs:
+        k = (compile_bwd_config if kind else compile_config)(d, causal, tile)
         regs, stack = usage(k)
         ptx = k.asm["ptx"]
         feats = ",".join(n for n, s in (("setmaxnreg", "setmaxnreg"), ("wgmma", "wgmma.mma_async"),
-                                         ("tma", "cp.async.bulk.tensor")) if s in ptx)
-        print(f"d={d} causal={int(causal)} tile={','.join(str(int(x)) for x in tile)} shared={k.metadata.shared} "
-              f"regs={regs} stack={stack} ptx={feats}", flush=True)
+                                         ("tma", "cp.async.bulk.tensor"),
+                                         ("tma_reduce", "cp.reduce.async.bulk.tensor")) if s in ptx)
+        print(f"{kind + ' ' if kind else ''}d={d} causal={int(causal)} tile={','.join(str(int(x)) for x in tile)} "
+              f"shared={k.metadata.shared} regs={regs} stack={stack} ptx={feats}", flush=True)
 
 
 if __name__ == "__main__":

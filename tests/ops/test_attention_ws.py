@@ -1,10 +1,11 @@
-"""The warp-specialized Gluon forward (``kernels_ws.py`` / ``launch_ws.py``).
+"""The warp-specialized Gluon forward and backward (``kernels_ws.py``, ``kernels_ws_bwd.py``, ``launch_ws.py``).
 
-On CPU: which calls it takes (everything else keeps the Triton forward) and that the kernel compiles for
-sm_90 in every shipped configuration without spilling registers (Triton's bundled ptxas, no GPU needed).
-On a Hopper GPU: flash_attn's rule against a float64 oracle (output 2x, gradients 3x the error of the same
-math in the input precision), odd shapes, GQA, causal with ``sq < sk``, a packed-qkv view, the persistent
-grid with several tiles per program, and agreement with the Triton forward.
+On CPU: which calls they take (everything else keeps the Triton kernels; the backward also needs
+non-deterministic mode) and that both kernels compile for sm_90 in every shipped configuration with their
+register spills bounded (Triton's bundled ptxas, no GPU needed). On a Hopper GPU: flash_attn's rule against a
+float64 oracle (output 2x, gradients 3x the error of the same math in the input precision), odd shapes, GQA,
+causal with ``sq < sk``, a packed-qkv view, the persistent grids with several tiles per program and partial
+L2 groups, agreement with the Triton kernels, and the deterministic switch taking the Triton backward.
 """
 
 from __future__ import annotations
@@ -79,26 +80,49 @@ def test_ineligible_calls_keep_the_triton_forward(case, monkeypatch):
 def test_plans_on_cpu_never_take_it():
     q = torch.randn(1, 16, 2, 64, dtype=BF16)
     plan = attn_launch.AttnPlan("dense", q, q, q, None)
-    assert plan.ws is None
+    assert plan.ws is None and plan.ws_bwd is None
+
+
+def _bwd_cfg(q, k, v, causal=False, extras=False):
+    return launch_ws.ws_bwd_config(q, k, v, causal=causal, extras=extras, on_gpu=True, hopper=True)
+
+
+def test_backward_takes_the_forwards_calls(monkeypatch):
+    q, k = _t(2, 100, 8, 128), _t(2, 100, 2, 128)
+    assert _bwd_cfg(q, k, k) == launch_ws.WS_BWD_TUNING["tiles"][128]
+    assert _bwd_cfg(q, k, k, causal=True) == launch_ws.WS_BWD_TUNING["tiles"][128]
+    q64 = _t(1, 7, 4, 64, F16)
+    assert _bwd_cfg(q64, q64, q64) == launch_ws.WS_BWD_TUNING["tiles"][64]
+    # whatever the forward refuses, the backward refuses too
+    assert _bwd_cfg(q, k, k, extras=True) is None
+    assert _bwd_cfg(_t(2, 65, 4, 64), _t(2, 64, 4, 64), _t(2, 64, 4, 64), causal=True) is None
+    assert _bwd_cfg(_t(2, 64, 4, 96), _t(2, 64, 4, 96), _t(2, 64, 4, 96)) is None
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "on", False)
+    assert _bwd_cfg(q, k, k) is None
 
 
 @pytest.mark.skipif(not kernels_ws.AVAILABLE, reason="this Triton has no Gluon")
-def test_kernel_compiles_for_sm90_without_spills():
-    """Every shipped config through ``scripts/ws_regs.py`` (a subprocess: Gluon does not compile under the
-    interpreter the CPU tests run in)."""
+def test_kernels_compile_for_sm90_with_bounded_spills():
+    """Every shipped forward and backward config through ``scripts/ws_regs.py`` (a subprocess: Gluon does not
+    compile under the interpreter the CPU tests run in)."""
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ws_regs.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("d=")]
-    assert len(lines) == len(launch_ws.WS_TUNING["tiles"]), res.stdout
-    for ln in lines:
+    fwd = [ln for ln in res.stdout.splitlines() if ln.startswith("d=")]
+    bwd = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("bwd d=")]
+    assert len(fwd) == len(launch_ws.WS_TUNING["tiles"]), res.stdout
+    assert len(bwd) == 2 * len(launch_ws.WS_BWD_TUNING["tiles"]), res.stdout
+    for ln in fwd + bwd:
         f = dict(kv.split("=") for kv in ln.split())
-        # producer/consumer partitions with re-split registers, asynchronous wgmma, TMA loads
-        assert f["ptx"] == "setmaxnreg,wgmma,tma", ln
+        # producer/consumer partitions with re-split registers, asynchronous wgmma, TMA loads (and the
+        # backward's dQ by TMA bulk reduce-add)
+        assert f["ptx"] == ("setmaxnreg,wgmma,tma,tma_reduce" if ln in bwd else "setmaxnreg,wgmma,tma"), ln
         assert int(f["shared"]) <= 232448, ln  # Hopper's 227 KiB of shared memory per block
-        # a consumer warpgroup spilling in its key loop ran 2x slower; the shipped tiles spill at most 72 bytes
-        assert 0 <= int(f["stack"]) <= 256, ln
+        # a forward consumer spilling in its key loop ran 2x slower; the shipped tiles spill at most 72 bytes.
+        # The backward's d128 consumers run at the 240-register cap (two 64x128 fp32 accumulators) and reload
+        # a few loop-invariant scalars per iteration (184 bytes under Triton 3.6, 312 under 3.9).
+        assert 0 <= int(f["stack"]) <= (512 if ln in bwd else 256), ln
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -167,3 +191,48 @@ def test_ws_matches_triton_forward(persistent, fresh_plans, monkeypatch):
     o_tr, l_tr, _ = flash_attn(q, k, v, 0.0, causal=True)
     torch.testing.assert_close(o_ws, o_tr, atol=2e-2, rtol=0)
     torch.testing.assert_close(l_ws, l_tr, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("l2_bytes", [20 << 20, 300_000])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ws_backward_matches_triton_backward(persistent, l2_bytes, causal, fresh_plans, monkeypatch):
+    """The Gluon backward against the deterministic Triton backward on the same forward outputs: one program
+    per tile or per SM, L2 groups of one and several (batch, KV head) pairs with a partial last group, and
+    causal units pairing key blocks with an odd count (sk 1100: 9 key blocks of 128)."""
+    if not _hopper():
+        pytest.skip("the Gluon backward runs on Hopper-class NVIDIA GPUs")
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", persistent)
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "l2_bytes", l2_bytes)
+    torch.manual_seed(3)
+    q = torch.randn(5, 1000, 6, 128, device="cuda", dtype=BF16, requires_grad=True)
+    k = torch.randn(5, 1100, 3, 128, device="cuda", dtype=BF16, requires_grad=True)
+    v = torch.randn(5, 1100, 3, 128, device="cuda", dtype=BF16, requires_grad=True)
+    out, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
+    dout = torch.randn_like(out)
+    plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal)
+    assert plan.ws_bwd is not None
+    g_ws = _grads(out, dout, (q, k, v))
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "on", False)
+    attn_launch.clear_plans()
+    out2, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
+    g_tr = _grads(out2, dout, (q, k, v))
+    for name, a, b in zip("qkv", g_ws, g_tr):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, atol=2e-2 * scale, rtol=0, msg=f"d{name}")
+
+
+@pytest.mark.gpu
+def test_deterministic_backward_keeps_the_triton_kernels(fresh_plans):
+    """``deterministic=True`` (and torch's switch) take the Triton backward: bitwise reproducible."""
+    if not _hopper():
+        pytest.skip("the Gluon backward runs on Hopper-class NVIDIA GPUs")
+    from culmen.flash_attn import flash_attn_func
+
+    q, k, v = (torch.randn(2, 777, 4, 64, device="cuda", dtype=BF16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 777, 4, 64, device="cuda", dtype=BF16)
+    runs = [_grads(flash_attn_func(q, k, v, causal=True, deterministic=True), dout, (q, k, v)) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert attn_launch.AttnPlan("dense", q, k, v, None, causal=True, deterministic=True).ws_bwd is None
