@@ -440,6 +440,9 @@ class AttnPlan:
         if not self.deterministic:
             self.ws_bwd = launch_ws.ws_bwd_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu,
                                                   hopper=on_gpu and _nvidia_hopper(q.device))
+            # the tensors' own row strides: the TMA views step rows by them (the kernels' stride tuples hold 0
+            # for a dim of size 1, and a (B, 1, h, d) view's rows are its batches)
+            self.ws_rows = (q.stride(1), k.stride(1), v.stride(1))
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
         """The forward's ``Launch`` (built on first use)."""
@@ -653,7 +656,7 @@ class AttnPlan:
         do_read = dout.contiguous() if b.copy_do else dout  # what the kernels will read
         if self.ws_bwd is not None and launch_ws.ws_layout_ok(do_read):
             b.ws = launch_ws.WsBackward(self.q_shape, self.k_shape, self.dtype, dev, self.causal, self.ws_bwd,
-                                        self.scale, (self.qs[1], self.ks[1], self.vs[1], do_read.stride(1)),
+                                        self.scale, (*self.ws_rows, do_read.stride(1)),
                                         (self.slb, self.slh))
         return b
 
