@@ -3,27 +3,33 @@
 
 Why: the Triton backward recomputes ``Q K^T`` and ``dO V^T`` in a second (dQ) kernel, 7 matmuls per tile
 against FA2/FA3's 5, because every 5-matmul variant was slower while one warpgroup ran its GEMMs and softmax
-back to back (``bench/notes/attention.md`` v3, v6, v8). Here one program owns a block of ``64 * NUM_WG`` keys
-of one (batch, KV head); a one-warp TMA loader streams ``Q`` and ``dO`` blocks of every query head of the
-group into a stage ring, and each consumer warpgroup, for its 64 keys, runs
+back to back (``bench/notes/attention.md`` v3, v6, v8). Here a tile is a block of 128 keys of one (batch, KV
+head); a one-warp TMA loader streams Q and dO blocks of 64 rows, of every query head of the group, into a
+stage ring, and each of two consumer warpgroups, for its 64 keys, runs
 
-    S^T = K Q^T,  dP^T = V dO^T           (both issued at once; the softmax of S^T runs under dP^T)
-    P^T = exp2(S^T * scale * log2 e - lse * log2 e),  dS^T = P^T (dP^T - delta) * scale
-    dV += P^T dO,  dK += dS^T Q           (register A operands, accumulated in fp32 across the loop)
-    dQ_part = dS K                        (dS^T of all warpgroups shared through shared memory)
+    S = Q K^T,  dP = dO V^T               (both issued at once; the softmax of S runs under dP)
+    P = exp2(S * scale * log2 e - lse * log2 e),  dS = P (dP - delta) * scale   (P, dS to shared memory)
+    dV += P^T dO,  dK += dS^T Q           (fp32 accumulators in registers across the tile)
+    dQ[:, half] = dS K[:, half]           (dS of both warpgroups, shared through shared memory)
 
-and adds its share of ``dQ_part`` into an fp32 ``dq_acc`` with vectorized atomics (Gluon in Triton 3.6 has
-no TMA reduce-add). ``DQ_SPLIT``: 0 splits each dQ tile's columns over the warpgroups (``D / NUM_WG`` each,
-the head dim must split into 64-column halves of the 128-byte swizzle), 1 lets the warpgroups take turns
-(warpgroup ``i % NUM_WG`` computes all of block ``i``'s dQ). The dS^T buffer is double-buffered and guarded
-by one mbarrier per buffer that every warpgroup arrives on after its store (a warpgroup that passed
-iteration ``i + 1``'s barrier knows every other finished iteration ``i - 1``'s dQ, the buffer's last reader).
+and adds its half of the dQ columns into an fp32 accumulator with one TMA bulk reduce-add (Triton 3.6's
+Gluon has the op without a wrapper: ``_tma_reduce_add_36``), FA3's layout (its hdim-128 tile is the same).
+The dS buffer is double-buffered and guarded by one mbarrier per buffer that both warpgroups arrive on after
+their store (a warpgroup that passed block ``i + 1``'s barrier knows the other finished block ``i - 1``'s
+dQ, the buffer's last reader). Persistent: one program per SM walks work units; a causal unit pairs key
+blocks ``n`` and ``num_n - 1 - n`` (even work per unit), and units run grouped by (batch, KV head) so the
+ones in flight share a few heads' Q, dO and dQ accumulator in L2.
 
-Not deterministic (atomic order): the launcher takes this kernel only when deterministic algorithms are off.
-Scope as the forward's (``launch_ws.ws_bwd_config``): dense bf16/fp16, ``D`` 64 or 128, no extras, causal only
-with ``sq <= sk``. Memory safety: Q, dO, K, V are read through TMA descriptors over ``(B * s, heads * D)``
-(zero past the end); query rows past ``sq`` (the next batch's) get ``lse = +inf`` so their P and dS are 0,
-key rows past ``sk`` are masked to P = 0, and every global store / atomic is masked to its sequence.
+Measured (notes v11): the look-ahead of the next block's S / dP (with two Q/dO stages: the loads came too
+late), dV issued before dS is computed, and dQ issued before dK all gained nothing; the dQ reduce by
+element atomics from registers was 1.6x slower than TMA; a third stage does not fit shared memory at d128.
+
+Not deterministic (reduce order): the launcher takes this kernel only when deterministic algorithms are off.
+Scope as the forward's (``launch_ws.ws_bwd_config``): dense bf16/fp16, ``D`` 64 or 128, no extras, causal
+only with ``sq <= sk``. Memory safety: Q, dO, K, V are read through TMA descriptors over
+``(B * s, heads * D)`` (zero past the end); query rows past ``sq`` (the next batch's) get ``lse = +inf`` so
+their P and dS are 0, key rows past ``sk`` are masked to P = 0, dK/dV stores are masked to the sequence, and
+the dQ accumulator has rows padded to the query block (padding rows receive zeros, the TMA clips the rest).
 """
 
 from __future__ import annotations
