@@ -91,8 +91,11 @@ def test_backward_takes_the_forwards_calls(monkeypatch):
     q, k = _t(2, 100, 8, 128), _t(2, 100, 2, 128)
     assert _bwd_cfg(q, k, k) == launch_ws.WS_BWD_TUNING["tiles"][128]
     assert _bwd_cfg(q, k, k, causal=True) == launch_ws.WS_BWD_TUNING["tiles"][128]
-    q64 = _t(1, 7, 4, 64, F16)
+    q64 = _t(1, 2048, 4, 64, F16)
     assert _bwd_cfg(q64, q64, q64) == launch_ws.WS_BWD_TUNING["tiles"][64]
+    # d64 below 2048 keys keeps the Triton backward (as fast there)
+    short = _t(1, 2047, 4, 64, F16)
+    assert _bwd_cfg(short, short, short) is None
     # whatever the forward refuses, the backward refuses too
     assert _bwd_cfg(q, k, k, extras=True) is None
     assert _bwd_cfg(_t(2, 65, 4, 64), _t(2, 64, 4, 64), _t(2, 64, 4, 64), causal=True) is None
@@ -197,18 +200,20 @@ def test_ws_matches_triton_forward(persistent, fresh_plans, monkeypatch):
 @pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("l2_bytes", [20 << 20, 300_000])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ws_backward_matches_triton_backward(persistent, l2_bytes, causal, fresh_plans, monkeypatch):
+@pytest.mark.parametrize("shape", [(5, 1000, 1100, 6, 3, 128), (2, 2000, 2100, 4, 2, 64)])
+def test_ws_backward_matches_triton_backward(shape, persistent, l2_bytes, causal, fresh_plans, monkeypatch):
     """The Gluon backward against the deterministic Triton backward on the same forward outputs: one program
     per tile or per SM, L2 groups of one and several (batch, KV head) pairs with a partial last group, and
-    causal units pairing key blocks with an odd count (sk 1100: 9 key blocks of 128)."""
+    causal units pairing key blocks with an odd count (sk 1100 / 2100: 9 / 17 key blocks of 128)."""
     if not _hopper():
         pytest.skip("the Gluon backward runs on Hopper-class NVIDIA GPUs")
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", persistent)
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "l2_bytes", l2_bytes)
     torch.manual_seed(3)
-    q = torch.randn(5, 1000, 6, 128, device="cuda", dtype=BF16, requires_grad=True)
-    k = torch.randn(5, 1100, 3, 128, device="cuda", dtype=BF16, requires_grad=True)
-    v = torch.randn(5, 1100, 3, 128, device="cuda", dtype=BF16, requires_grad=True)
+    B, sq, sk, h, hk, d = shape
+    q = torch.randn(B, sq, h, d, device="cuda", dtype=BF16, requires_grad=True)
+    k = torch.randn(B, sk, hk, d, device="cuda", dtype=BF16, requires_grad=True)
+    v = torch.randn(B, sk, hk, d, device="cuda", dtype=BF16, requires_grad=True)
     out, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
     dout = torch.randn_like(out)
     plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal)

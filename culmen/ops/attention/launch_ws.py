@@ -127,6 +127,9 @@ WS_BWD_TUNING: dict = {
     "persistent": True,
     # the tiles in flight cover (batch, KV head) pairs whose Q, dO and dQ accumulator fit in this many bytes
     "l2_bytes": 20 << 20,
+    # shortest key sequence per head dim: below it the Triton backward is as fast or faster (d64: H100 s1k
+    # 1.67 vs 1.73 ms fwd+bwd, H200 s2k within 1-3% both ways; s4k-8k the Gluon kernel wins by 3-11%)
+    "min_sk": {64: 2048},
 }
 WS_BWD_REGS = (240, 24)
 
@@ -137,7 +140,10 @@ def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: 
     if not WS_BWD_TUNING["on"] or ws_config(q, k, v, causal=causal, extras=extras, on_gpu=on_gpu,
                                             hopper=hopper) is None:
         return None
-    return WS_BWD_TUNING["tiles"].get(int(q.shape[-1]))
+    d = int(q.shape[-1])
+    if k.shape[1] < WS_BWD_TUNING["min_sk"].get(d, 0):
+        return None
+    return WS_BWD_TUNING["tiles"].get(d)
 
 
 def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device,
