@@ -242,3 +242,11 @@ def test_deterministic_backward_keeps_the_triton_kernels(fresh_plans):
         assert torch.equal(a, b)
     assert attn_launch.AttnPlan("dense", q, k, v, None, causal=True, deterministic=True).ws_bwd is None
     assert attn_launch.AttnPlan("dense", q, k, v, None, causal=True).ws_bwd is not None
+    # torch's switch, checked per call: the same plan runs the Triton backward while it is on
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        runs = [_grads(flash_attn_func(q, k, v, causal=True), dout, (q, k, v)) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
