@@ -39,22 +39,30 @@ def _ws(q, k, v, causal, tile, scale):
     return out, lse
 
 
+# (B, sq, sk, heads, KV heads, causal): odd lengths, GQA, sq < sk causal, one query row, many small batches
+CHECK_CASES = [(2, 1000, 1000, 4, 4, False), (2, 1000, 1000, 4, 4, True), (1, 777, 1531, 8, 2, True),
+               (3, 300, 300, 2, 1, True), (1, 129, 65, 2, 2, False), (2, 2048, 2048, 8, 2, True),
+               (1, 64, 4000, 4, 4, True), (2, 1, 300, 4, 1, False), (40, 512, 512, 8, 8, True)]
+
+
+def check_inputs(B, sq, sk, H, hk, d):
+    """bf16 ``q, k, v`` of one check case (q strided like a packed qkv projection), seeded by the shape."""
+    torch.manual_seed(sq + sk + d)
+    qkv = torch.randn(B, sq, H + 2 * hk, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+    return qkv[:, :, :H], k, v
+
+
 def check(tiles, d_list):
     from culmen.flash_attn import flash_attn_func
 
     launch._ensure_allocator(torch.device("cuda"))
-    cases = [(2, 1000, 1000, 4, 4, False), (2, 1000, 1000, 4, 4, True), (1, 777, 1531, 8, 2, True),
-             (3, 300, 300, 2, 1, True), (1, 129, 65, 2, 2, False), (2, 2048, 2048, 8, 2, True),
-             (1, 64, 4000, 4, 4, True), (40, 512, 512, 8, 8, True)]
     bad = 0
     for d in d_list:
         for tile in tiles:
-            for (B, sq, sk, H, hk, causal) in cases:
-                torch.manual_seed(sq + sk + d)
-                qkv = torch.randn(B, sq, H + 2 * hk, d, device="cuda", dtype=torch.bfloat16)
-                q = qkv[:, :, :H]  # strided like a packed qkv projection
-                k = torch.randn(B, sk, hk, d, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn(B, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+            for (B, sq, sk, H, hk, causal) in CHECK_CASES:
+                q, k, v = check_inputs(B, sq, sk, H, hk, d)
                 scale = d ** -0.5
                 cfg = launch_ws.ws_config(q, k, v, causal=causal, extras=False, on_gpu=True, hopper=True)
                 if cfg is None:
@@ -104,6 +112,15 @@ def _rows(q, k, v, causal, gqa, scale, tiles):
     return rows
 
 
+def bench_inputs(d: int, s: int, gqa: int):
+    """``(B, H, q, k, v, g)`` of a timing case: 16k tokens, hidden 2048, bf16, ``g`` the generator (seed 0)."""
+    H, B = 2048 // d, max(1, 16384 // s)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for h in (H, H // gqa, H // gqa))
+    return B, H, q, k, v, g
+
+
 def bench(tiles, d_list, seqlens, gqa):
     import triton
 
@@ -112,12 +129,7 @@ def bench(tiles, d_list, seqlens, gqa):
     for d in d_list:
         for s in seqlens:
             for causal in (False, True):
-                H = 2048 // d
-                B = max(1, 16384 // s)
-                g = torch.Generator(device="cuda").manual_seed(0)
-                q = torch.randn(B, s, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                k = torch.randn(B, s, H // gqa, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                v = torch.randn(B, s, H // gqa, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                B, H, q, k, v, _ = bench_inputs(d, s, gqa)
                 fl = 4 * B * H * s * s * d / (2 if causal else 1)
                 scale = d ** -0.5
                 rows = _rows(q, k, v, causal, gqa, scale, tiles)

@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the forward's tune script (its check cases)
 
 from culmen.ops.attention import launch_ws  # noqa: E402
 from culmen.ops.common.plans import clear_plans  # noqa: E402
@@ -67,18 +68,13 @@ def _ref_grads(q, k, v, dout, causal, scale):
 
 
 def check(tiles, d_list):
-    cases = [(2, 1000, 1000, 4, 4, False), (2, 1000, 1000, 4, 4, True), (1, 777, 1531, 8, 2, True),
-             (3, 300, 300, 2, 1, True), (1, 129, 65, 2, 2, False), (2, 2048, 2048, 8, 2, True),
-             (1, 64, 4000, 4, 4, True), (1, 1, 300, 4, 1, False), (40, 200, 200, 4, 4, True)]
+    from tune_attention_ws import CHECK_CASES, check_inputs
+
     bad = 0
     for d in d_list:
         for tile in tiles:
-            for (B, sq, sk, H, hk, causal) in cases:
-                torch.manual_seed(sq + sk + d)
-                qkv = torch.randn(B, sq, H + 2 * hk, d, device="cuda", dtype=torch.bfloat16)
-                q = qkv[:, :, :H]  # strided like a packed qkv projection
-                k = torch.randn(B, sk, hk, d, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn(B, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+            for (B, sq, sk, H, hk, causal) in CHECK_CASES:
+                q, k, v = check_inputs(B, sq, sk, H, hk, d)
                 dout = torch.randn(B, sq, H, d, device="cuda", dtype=torch.bfloat16)
                 if launch_ws.ws_config(q, k, v, causal=causal, extras=False, on_gpu=True, hopper=True) is None:
                     print(f"d{d} {tile} B{B} sq{sq} sk{sk} h{H}/{hk} causal={causal}: not eligible")
@@ -109,6 +105,7 @@ def _sdpa(q, k, v, causal, gqa):
 def bench(tiles, d_list, seqlens, gqa, fwd=False):
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from tune_attention_ws import bench_inputs
 
     from culmen.flash_attn import flash_attn_func
 
@@ -116,11 +113,8 @@ def bench(tiles, d_list, seqlens, gqa, fwd=False):
     for d in d_list:
         for s in seqlens:
             for causal in (False, True):
-                H = 2048 // d
-                B = max(1, 16384 // s)
-                g = torch.Generator(device="cuda").manual_seed(0)
-                q, k, v = (torch.randn(B, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                           .requires_grad_() for h in (H, H // gqa, H // gqa))
+                B, H, q, k, v, g = bench_inputs(d, s, gqa)
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
                 dout = torch.randn(B, s, H, d, device="cuda", dtype=torch.bfloat16, generator=g)
                 fl = 2.5 * 4 * B * H * s * s * d / (2 if causal else 1)
                 case = f"d{d} s{s} {'causal' if causal else 'full'} g{gqa}"
