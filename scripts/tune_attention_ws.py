@@ -2,6 +2,7 @@
 
     python3 scripts/tune_attention_ws.py [--d 64,128] [--seqlen 2048,8192] [--tiles "128,2 128,3 64,3"]
                                          [--check-only] [--gqa 1]
+    python3 scripts/tune_attention_ws.py --fp8 [--tiles ...]   # the FP8 forward: Gluon vs Triton vs bf16
 
 Correctness first (odd shapes, GQA, causal with sq < sk, a strided q): output and lse against a float64
 reference, beside the Triton forward's error on the same inputs. Then for every (d, seqlen, causal,
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -143,6 +145,49 @@ def bench(tiles, d_list, seqlens, gqa):
                         print(f"{case:<28}{name:<18}  failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
 
+def bench_fp8(tiles, d_list, seqlens):
+    """FP8 forward (FA3's interface, quantized with descales): the Gluon FP8 kernel at each tile against the
+    Triton FP8 forward and the bf16 (Gluon) forward of the same values; max |Gluon - Triton| of the output."""
+    import triton
+
+    from culmen.flash_attn import flash_attn_func
+    from culmen.flash_attn_3 import flash_attn_func as fa3
+    from culmen.flash_attn_3 import quantize_fp8
+    from culmen.ops.common.plans import clear_plans
+
+    launch._ensure_allocator(torch.device("cuda"))
+    print(f"{'case':<28}{'impl':<22}{'ms':>8}{'TFLOP/s':>9}  vs bf16")
+    for d in d_list:
+        for s in seqlens:
+            for causal in (False, True):
+                B, H, q, k, v, _ = bench_inputs(d, s, 1)
+                q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+                fl = 4 * B * H * s * s * d / (2 if causal else 1)
+                case = f"d{d} s{s} {'causal' if causal else 'full'}"
+                f8 = partial(fa3, q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+                rows = [("bf16", None, partial(flash_attn_func, q, k, v, causal=causal)), ("fp8 triton", None, f8)]
+                rows += [(f"fp8 ws {t[0]}x{t[1]}x{t[2]}{'p' if t[3] else ''}", t, f8) for t in tiles]
+                base = ref = None
+                for name, tile, fn in rows:
+                    launch_ws.WS_TUNING["fp8"] = tile is not None
+                    if tile is not None:
+                        launch_ws.WS_TUNING["tiles_fp8"] = {(d, causal): tile}
+                    clear_plans()
+                    try:
+                        out = fn()
+                        ms = triton.testing.do_bench(fn, warmup=30, rep=200)
+                    except Exception as e:
+                        print(f"{case:<28}{name:<22}  failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        continue
+                    base = base or ms
+                    if name == "fp8 triton":
+                        ref = out
+                    diff = f"  max|ws - triton| {(out.float() - ref.float()).abs().max().item():.3g}" if (
+                        tile is not None and ref is not None) else ""
+                    print(f"{case:<28}{name:<22}{ms:8.3f}{fl / ms / 1e9:9.1f}  {base / ms:5.2f}x{diff}", flush=True)
+    launch_ws.WS_TUNING["fp8"] = False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", default="64,128")
@@ -150,10 +195,14 @@ def main() -> None:
     ap.add_argument("--tiles", default="128,3,2,0 128,3,2,1 128,2,3,0 128,2,3,1")
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="time the FP8 forward (Gluon tiles vs Triton vs bf16)")
     a = ap.parse_args()
     tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split()]
     tiles = [(t[0], t[1], t[2], bool(t[3])) for t in tiles]
     d_list = [int(x) for x in a.d.split(",")]
+    if a.fp8:
+        bench_fp8(tiles, d_list, [int(x) for x in a.seqlen.split(",")])
+        return
     bad = check(tiles, d_list)
     print(f"check: {bad} bad")
     if not a.check_only:

@@ -2,9 +2,10 @@
 
     python scripts/ws_regs.py                      # every shipped forward and backward config
     python scripts/ws_regs.py 128 1 128,3,2,1      # forward: d, causal, BLOCK_N,STAGES,warpgroups,pingpong
+    python scripts/ws_regs.py fp8 128 1 128,3,2,1  # the FP8 forward (float8 Q/K/V with descales)
     python scripts/ws_regs.py bwd 128 1 64,2       # backward: d, causal, BLOCK_M,STAGES
 
-One line per config: ``[bwd ]d=.. causal=.. tile=.. shared=<bytes> regs=<maxnreg> stack=<bytes> ptx=..``. The
+One line per config: ``[fp8 |bwd ]d=.. causal=.. tile=.. shared=<bytes> regs=<maxnreg> stack=<bytes> ptx=..``. The
 stack is the register spill of the hottest partition (ptxas counts the whole kernel): the tuned tiles keep it
 small, and a consumer warpgroup that spills in its loop runs up to 2x slower (bench/notes/attention.md v10; the
 backward reloads a few loop-invariant scalars per iteration at d128 causal). Needs Triton's bundled ptxas and
@@ -28,12 +29,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from culmen.ops.attention import kernels_ws, launch_ws  # noqa: E402
 
-_FP32_PTRS = ("lse_ptr", "delta_ptr", "dq_ptr")
+_FP32_PTRS = ("lse_ptr", "delta_ptr", "dq_ptr", "qd_ptr", "kd_ptr", "vd_ptr")
+_INPUT_PTRS = ("q_ptr", "k_ptr", "v_ptr")
 _FP32_SCALARS = ("qk_scale", "sm_scale")
 
 
-def _compile(la):
-    """``triton.compile`` of a ``Launch``'s Gluon kernel for ``cuda:90`` (bf16 tensors, fp32 lse/delta/dQ)."""
+def _compile(la, fp8: bool = False):
+    """``triton.compile`` of a ``Launch``'s Gluon kernel for ``cuda:90`` (bf16 tensors, fp32 lse/delta/dQ and
+    descales; ``fp8``: float8 q/k/v)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = la.fn
@@ -42,7 +45,7 @@ def _compile(la):
         if name in la.meta:
             sig[name], consts[(i,)] = "constexpr", la.meta[name]
         elif name.endswith("_ptr"):
-            sig[name] = "*fp32" if name in _FP32_PTRS else "*bf16"
+            sig[name] = "*fp32" if name in _FP32_PTRS else "*fp8e4nv" if fp8 and name in _INPUT_PTRS else "*bf16"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in _FP32_SCALARS else "i32"
@@ -50,9 +53,10 @@ def _compile(la):
                           options={"num_warps": 4, "maxnreg": la.options["maxnreg"]})
 
 
-def compile_config(d: int, causal: bool, tile: tuple):
-    """The forward kernel compiled for ``cuda:90`` at one config (bf16)."""
-    return _compile(launch_ws.ws_launch(torch.bfloat16, d, causal, tile, 1, torch.device("cpu"), True))
+def compile_config(d: int, causal: bool, tile: tuple, fp8: bool = False):
+    """The forward kernel compiled for ``cuda:90`` at one config (bf16; ``fp8``: float8 with descales)."""
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    return _compile(launch_ws.ws_launch(dtype, d, causal, tile, 1, torch.device("cpu"), True, descale=fp8), fp8)
 
 
 def compile_bwd_config(d: int, causal: bool, tile: tuple):
@@ -78,15 +82,19 @@ def main() -> None:
     args = sys.argv[1:]
     if len(args) == 4 and args[0] == "bwd":
         configs = [("bwd", int(args[1]), args[2] == "1", tuple(int(x) for x in args[3].split(",")))]
-    elif len(args) == 3:
-        t = tuple(int(x) for x in args[2].split(","))
-        configs = [("", int(args[0]), args[1] == "1", (t[0], t[1], t[2], bool(t[3])))]
+    elif len(args) in (3, 4):
+        t = tuple(int(x) for x in args[-1].split(","))
+        configs = [(args[0] if len(args) == 4 else "", int(args[-3]), args[-2] == "1", (t[0], t[1], t[2], bool(t[3])))]
     else:
         configs = [("", d, c, t) for (d, c), t in sorted(launch_ws.WS_TUNING["tiles"].items())]
+        configs += [("fp8", d, c, t) for (d, c), t in sorted(launch_ws.WS_TUNING["tiles_fp8"].items())]
         configs += [("bwd", d, c, t) for d, t in sorted(launch_ws.WS_BWD_TUNING["tiles"].items())
                     for c in (False, True)]
     for kind, d, causal, tile in configs:
-        k = (compile_bwd_config if kind else compile_config)(d, causal, tile)
+        if kind == "bwd":
+            k = compile_bwd_config(d, causal, tile)
+        else:
+            k = compile_config(d, causal, tile, fp8=kind == "fp8")
         regs, stack = usage(k)
         ptx = k.asm["ptx"]
         feats = ",".join(n for n, s in (("setmaxnreg", "setmaxnreg"), ("wgmma", "wgmma.mma_async"),

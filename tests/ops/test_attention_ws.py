@@ -77,6 +77,23 @@ def test_ineligible_calls_keep_the_triton_forward(case, monkeypatch):
     assert launch_ws.ws_config(q, k, v, **kw) is None
 
 
+def test_fp8_forward_is_a_switch(monkeypatch):
+    """float8 Q/K/V take the Gluon forward only with ``WS_TUNING["fp8"]`` (off until measured on a GPU), with
+    their own tiles, and only when the transposed V copy's rows (one byte a key) are 16-byte aligned."""
+    f8 = torch.float8_e4m3fn
+    q, k = _t(2, 100, 8, 128, f8), _t(2, 128, 2, 128, f8)
+    assert _cfg(q, k, k) is None
+    monkeypatch.setitem(launch_ws.WS_TUNING, "fp8", True)
+    assert _cfg(q, k, k) == launch_ws.WS_TUNING["tiles_fp8"][(128, False)]
+    assert _cfg(q, k, k, causal=True) == launch_ws.WS_TUNING["tiles_fp8"][(128, True)]
+    k_odd = _t(2, 120, 2, 128, f8)
+    assert _cfg(q, k_odd, k_odd) is None
+    # V is read through its contiguous transposed copy: its own layout does not matter
+    v_strided = torch.empty(2, 128, 2, 256, dtype=f8)[..., :128]
+    assert _cfg(q, k, v_strided) is not None
+    assert _cfg(q, k, _t(2, 128, 2, 128)) is None  # mixed dtypes
+
+
 def test_plans_on_cpu_never_take_it():
     q = torch.randn(1, 16, 2, 64, dtype=BF16)
     plan = attn_launch.AttnPlan("dense", q, q, q, None)
@@ -113,9 +130,12 @@ def test_kernels_compile_for_sm90_with_bounded_spills():
     res = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     fwd = [ln for ln in res.stdout.splitlines() if ln.startswith("d=")]
+    fp8 = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("fp8 d=")]
     bwd = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("bwd d=")]
     assert len(fwd) == len(launch_ws.WS_TUNING["tiles"]), res.stdout
+    assert len(fp8) == len(launch_ws.WS_TUNING["tiles_fp8"]), res.stdout
     assert len(bwd) == 2 * len(launch_ws.WS_BWD_TUNING["tiles"]), res.stdout
+    fwd += fp8
     for ln in fwd + bwd:
         f = dict(kv.split("=") for kv in ln.split())
         # producer/consumer partitions with re-split registers, asynchronous wgmma, TMA loads (and the
@@ -250,3 +270,34 @@ def test_deterministic_backward_keeps_the_triton_kernels(fresh_plans):
         torch.use_deterministic_algorithms(False)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_ws_fp8_forward_matches_triton_fp8(d, causal, fresh_plans, monkeypatch):
+    """The Gluon FP8 forward (``WS_TUNING["fp8"]``) against the Triton FP8 forward on the same quantized inputs
+    and descales (both bf16 out, P rounded to float8 for P V), and against bf16 attention of the dequantized
+    inputs within FP8's error."""
+    if not _hopper():
+        pytest.skip("the Gluon forward runs on Hopper-class NVIDIA GPUs")
+    from culmen.flash_attn_3 import flash_attn_func as fa3
+    from culmen.flash_attn_3 import quantize_fp8
+
+    torch.manual_seed(d + causal)
+    q, k, v = (torch.randn(3, s, h, d, device="cuda", dtype=BF16) for s, h in ((1000, 8), (1040, 2), (1040, 2)))
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+    monkeypatch.setitem(launch_ws.WS_TUNING, "fp8", True)
+    plan = attn_launch.AttnPlan("dense", q8, k8, v8, None, causal=causal, descale=True, fa3=True)
+    assert plan.ws is not None
+    o_ws, lse_ws = fa3(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True)
+    monkeypatch.setitem(launch_ws.WS_TUNING, "fp8", False)
+    attn_launch.clear_plans()
+    o_tr, lse_tr = fa3(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True)
+    assert o_ws.dtype == BF16
+    torch.testing.assert_close(lse_ws, lse_tr, atol=1e-3, rtol=0)
+    torch.testing.assert_close(o_ws.float(), o_tr.float(), atol=3e-2, rtol=0)
+    deq = [(t.float() * sc.repeat_interleave(t.shape[2] // sc.shape[1], 1)[:, None, :, None]).to(BF16)
+           for t, sc in ((q8, qd), (k8, kd), (v8, vd))]
+    ref = plain(*deq, F64, causal=causal)
+    assert (o_ws.double() - ref).abs().max().item() < 0.1

@@ -29,6 +29,7 @@ try:  # Gluon ships with Triton >= 3.5 (NVIDIA); absent elsewhere, and then this
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -68,12 +69,13 @@ if AVAILABLE:
         return bh // H, h, h // GROUP, m0, n_blocks
 
     @gluon.jit
-    def _ws_loader(args, WG: gl.constexpr):
+    def _ws_loader(args, FP8: gl.constexpr):
         """Producer (one warp): per tile, Q once the consumers released the last tile's, then K and V of
-        every key block into the stage ring (its counters run on across tiles)."""
-        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
-         o_ptr, lse_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
-         CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
+        every key block into the stage ring (its counters run on across tiles). ``FP8``: V comes from its
+        transposed copy ``(B, HK, D, sk)``, a ``(D, BLOCK_N)`` tile per key block."""
+        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, p_smem, q_ready, q_empty, k_ready, v_ready, empty, turn,
+         o_ptr, lse_ptr, qd_ptr, kd_ptr, vd_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles,
+         qk_scale, CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
         NB: gl.constexpr = k_bufs.type.shape[0]
@@ -99,7 +101,10 @@ if AVAILABLE:
                 _tma_load(k_desc, [b * sk + j * BLOCK_N, hk * D], kb, k_bufs.index(s))
                 vb = v_ready.index(s)
                 mbarrier.expect(vb, v_desc.block_type.nbytes)
-                _tma_load(v_desc, [b * sk + j * BLOCK_N, hk * D], vb, v_bufs.index(s))
+                if FP8:
+                    _tma_load(v_desc, [(b * (H // GROUP) + hk) * D, j * BLOCK_N], vb, v_bufs.index(s))
+                else:
+                    _tma_load(v_desc, [b * sk + j * BLOCK_N, hk * D], vb, v_bufs.index(s))
             kv_it += n_blocks
             tile_i += 1
 
@@ -115,6 +120,40 @@ if AVAILABLE:
         else:
             keep = (n < sk) & gl.expand_dims(rows >= 0, 1)
         return gl.where(keep, s, float("-inf"))
+
+    @gluon.jit
+    def _ws_p_keep(p, p_op, p_smem, WG: gl.constexpr, j, p_layout: gl.constexpr, FP8: gl.constexpr):
+        """Keep block ``j``'s probabilities for its P V (``p_smem``: the P buffers, or for bf16/fp16 any shared
+        buffer of the input dtype): as the A operand in registers (bf16/fp16), or for FP8
+        as a float8 tile in this warpgroup's shared-memory buffer ``j % 2`` (an 8-bit register operand cannot be
+        held across the asynchronous wgmma: Triton 3.6's wgmma wait takes no 8-bit dependencies); returns what
+        the loop carries (FP8: ``p_op`` unchanged, a placeholder)."""
+        if FP8:
+            p_smem.index(WG * 2 + j % 2).store(p.to(p_smem.dtype))
+            fence_async_shared()
+            kept = p_op
+        else:
+            kept = gl.convert_layout(p.to(p_smem.dtype), p_layout)
+        return kept
+
+    @gluon.jit
+    def _ws_p_operand(p_op, p_smem, WG: gl.constexpr, j, FP8: gl.constexpr):
+        """P V's A operand for block ``j``: the registers ``_ws_p_keep`` returned, or (FP8) its shared tile."""
+        if FP8:
+            op = p_smem.index(WG * 2 + j % 2)
+        else:
+            op = p_op
+        return op
+
+    @gluon.jit
+    def _ws_v_operand(v_tile, FP8: gl.constexpr):
+        """P V's B operand ``(BLOCK_N, D)``: the V tile, or for FP8 (whose wgmma takes K-major operands only)
+        the ``(D, BLOCK_N)`` tile of the transposed copy, viewed transposed."""
+        if FP8:
+            op = v_tile.permute((1, 0))
+        else:
+            op = v_tile
+        return op
 
     @gluon.jit
     def _ws_turn_wait(turn, slot, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -133,10 +172,10 @@ if AVAILABLE:
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG), count=1)
 
     @gluon.jit
-    def _ws_step(q, k_bufs, v_bufs, k_ready, v_ready, empty, q_empty, turn, acc, p_op, m_i, l_i, j, kv_it, slot,
-                 n_blocks, r0, sq, sk, qk_scale, full, s_layout: gl.constexpr, p_layout: gl.constexpr,
+    def _ws_step(q, k_bufs, v_bufs, p_smem, k_ready, v_ready, empty, q_empty, turn, acc, p_op, m_i, l_i, j, kv_it,
+                 slot, n_blocks, r0, sq, sk, qk_scale, full, s_layout: gl.constexpr, p_layout: gl.constexpr,
                  row_o: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                 CAUSAL: gl.constexpr):
+                 CAUSAL: gl.constexpr, FP8: gl.constexpr):
         """Key block ``j >= 1`` of a tile: issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}``, then run the
         softmax of ``S_j`` while ``P V`` is still on the tensor cores (FA3's intra-warpgroup overlap)."""
         NB: gl.constexpr = k_bufs.type.shape[0]
@@ -150,7 +189,8 @@ if AVAILABLE:
         # (zeros made at each use: a hoisted zero tile stays live across the loops, 64 registers at d128)
         zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
         s = warpgroup_mma(q, k_bufs.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, v_bufs.index(pst), acc, is_async=True)
+        acc = warpgroup_mma(_ws_p_operand(p_op, p_smem, WG, j - 1, FP8), _ws_v_operand(v_bufs.index(pst), FP8),
+                            acc, is_async=True)
         _ws_turn_pass(turn, WG, NUM_WG, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s,))
         # Q is released right after its last read, so the next tile's Q loads under this one's tail
@@ -161,30 +201,38 @@ if AVAILABLE:
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        # carried to the next block as bf16 MMA operand (32 registers, not 64 of fp32)
-        p_next = gl.convert_layout(p.to(k_bufs.dtype), p_layout)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        if FP8:
+            p_next = _ws_p_keep(p, p_op, p_smem, WG, j, p_layout, FP8)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        else:
+            # carried to the next block as bf16 MMA operand (32 registers, not 64 of fp32)
+            p_next = _ws_p_keep(p, p_op, p_smem, WG, j, p_layout, FP8)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(empty.index(pst), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         return acc, p_next, m_new, l_i
 
     @gluon.jit
-    def _ws_consumer(args, WG: gl.constexpr):
+    def _ws_consumer(args, WG: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr):
         """Consumer warpgroup ``WG``: query rows ``m0 + 64 * WG ..`` of each of the program's tiles against every
-        key block, then the epilogue (output and lse stored straight from registers, masked to the sequence)."""
-        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
-         o_ptr, lse_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
-         CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
+        key block, then the epilogue (output and lse stored straight from registers, masked to the sequence).
+        ``FP8``: float8 Q/K/V (P rounded to float8 for P V), the output in ``o``'s dtype; ``DESCALE``: the
+        scores times ``q_descale * k_descale`` and the output times ``v_descale`` of the tile's (batch, KV
+        head)."""
+        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, p_smem, q_ready, q_empty, k_ready, v_ready, empty, turn,
+         o_ptr, lse_ptr, qd_ptr, kd_ptr, vd_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles,
+         qk_scale, CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
         NB: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
         ROWS: gl.constexpr = 64
-        dtype: gl.constexpr = k_bufs.dtype
+        IK: gl.constexpr = 32 if FP8 else 16  # the wgmma instruction's K: 32 bytes of each operand row
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
+                                                           instr_shape=[16, BLOCK_N, IK])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                           instr_shape=[16, D, IK])
+        KW: gl.constexpr = 4 if FP8 else 2  # 32 bits of the A operand per register
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         q = q_smem.index(WG)
@@ -197,6 +245,10 @@ if AVAILABLE:
             b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, BH_GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N,
                                               n_tiles)
             r0 = m0 + WG * ROWS
+            qk_t = qk_scale
+            if DESCALE:
+                dsc = b * (H // GROUP) + hk
+                qk_t = qk_scale * gl.load(qd_ptr + dsc) * gl.load(kd_ptr + dsc)
             # key blocks that need no mask: inside sk and (causal) left of this warpgroup's first diagonal
             full = sk // BLOCK_N
             if CAUSAL:
@@ -214,27 +266,33 @@ if AVAILABLE:
             mbarrier.arrive(q_empty, count=1, pred=n_blocks == 1)
             if full < 1:
                 s = _ws_mask(s, 0, r0, sq, sk, CAUSAL, BLOCK_N)
-            m_i = gl.max(s, axis=1) * qk_scale
-            p = gl.exp2(s * qk_scale - gl.expand_dims(m_i, 1))
+            m_i = gl.max(s, axis=1) * qk_t
+            p = gl.exp2(s * qk_t - gl.expand_dims(m_i, 1))
             l_i = gl.sum(p, axis=1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            p_op = _ws_p_keep(p, 0, p_smem, WG, 0, p_layout, FP8)
             for j in range(1, n_blocks):
-                acc, p_op, m_i, l_i = _ws_step(q, k_bufs, v_bufs, k_ready, v_ready, empty, q_empty, turn, acc,
-                                               p_op, m_i, l_i, j, kv_it, slot, n_blocks, r0, sq, sk, qk_scale, full,
-                                            s_layout, p_layout, row_o, WG, NUM_WG, PINGPONG, CAUSAL)
+                acc, p_op, m_i, l_i = _ws_step(q, k_bufs, v_bufs, p_smem, k_ready, v_ready, empty, q_empty, turn,
+                                               acc, p_op, m_i, l_i, j, kv_it, slot, n_blocks, r0, sq, sk, qk_t,
+                                               full, s_layout, p_layout, row_o, WG, NUM_WG, PINGPONG, CAUSAL, FP8)
             it = kv_it + n_blocks - 1
             last = it % NB
             mbarrier.wait(v_ready.index(last), (it // NB) & 1)
             _ws_turn_wait(turn, slot + n_blocks, WG, PINGPONG)
-            acc = warpgroup_mma(p_op, v_bufs.index(last), acc, is_async=True)
+            acc = warpgroup_mma(_ws_p_operand(p_op, p_smem, WG, n_blocks - 1, FP8),
+                                _ws_v_operand(v_bufs.index(last), FP8), acc, is_async=True)
             _ws_turn_pass(turn, WG, NUM_WG, PINGPONG)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            if FP8:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+            else:
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
             mbarrier.arrive(empty.index(last), count=1)
             kv_it += n_blocks
             slot += n_blocks + 1
             tile_i += 1
 
             acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+            if DESCALE:
+                acc = acc * gl.load(vd_ptr + dsc)
             lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
             b64 = b.to(gl.int64)
             rows = gl.arange(0, ROWS, layout=row_s)
@@ -244,32 +302,48 @@ if AVAILABLE:
             orow = r0 + o_rows
             optr = (o_ptr + gl.expand_dims((b64 * sq + orow) * sos, 1)
                     + gl.expand_dims(h.to(gl.int64) * D + o_cols, 0))
-            gl.store(optr, acc.to(dtype), mask=gl.expand_dims(orow < sq, 1))
+            gl.store(optr, acc.to(o_ptr.dtype.element_ty), mask=gl.expand_dims(orow < sq, 1))
 
     @gluon.jit(do_not_specialize=["sqs", "sks", "svs", "sos", "slb", "slh", "B", "H", "GROUP", "BH_GROUP", "sq", "sk",
                                   "NUM_M"])
-    def _attn_fwd_ws_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sqs, sks, svs, sos, slb, slh,
-                            B, H, GROUP, BH_GROUP, sq, sk, NUM_M, qk_scale,
+    def _attn_fwd_ws_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qd_ptr, kd_ptr, vd_ptr, sqs, sks, svs, sos, slb,
+                            slh, B, H, GROUP, BH_GROUP, sq, sk, NUM_M, qk_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                            PERSISTENT: gl.constexpr,
+                            PERSISTENT: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                            q_layout: gl.constexpr, kv_layout: gl.constexpr):
+                            q_layout: gl.constexpr, kv_layout: gl.constexpr, vt_layout: gl.constexpr,
+                            p_layout: gl.constexpr):
         """Persistent: program ``p`` runs tiles ``p, p + grid, ..`` of ``NUM_M * B * H`` (``64 * NUM_WG``
         query rows of one (batch, head) each). Q/K/V are read through one 2-D TMA descriptor each over
         ``(batch * seqlen, heads * HEAD_D)`` (row strides ``sqs``/``sks``/``svs``; the caller guarantees
         batch stride = seqlen * row stride and head stride = HEAD_D); rows of a tile past its sequence
         belong to the next batch or read as zero, and are masked (keys) or not stored (queries). ``o``
         is contiguous ``(B, sq, H, HEAD_D)``, ``lse`` ``(B, H, sq)`` with strides ``slb``, ``slh``.
-        Launched with 4 warps (consumer 0) plus ``NUM_WG - 1`` consumers and a one-warp loader."""
+        ``FP8``: float8 Q/K, V as its transposed copy ``(B, HK, HEAD_D, sk)`` with row stride ``svs``
+        (16-byte aligned), ``o`` bf16; ``DESCALE``: fp32 ``(B, HK)`` descales ``qd``/``kd``/``vd`` (else
+        any pointers, unread). Launched with 4 warps (consumer 0) plus ``NUM_WG - 1`` consumers and a
+        one-warp loader."""
         HK = H // GROUP
         q_desc = tma.make_tensor_descriptor(q_ptr, [B * sq, H * HEAD_D], [sqs, 1], [64, HEAD_D], q_layout)
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * sk, HK * HEAD_D], [sks, 1], [BLOCK_N, HEAD_D], kv_layout)
-        v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D], kv_layout)
+        if FP8:
+            v_desc = tma.make_tensor_descriptor(v_ptr, [B * HK * HEAD_D, sk], [svs, 1], [HEAD_D, BLOCK_N],
+                                                vt_layout)
+        else:
+            v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D],
+                                                kv_layout)
         n_tiles = NUM_M * B * H
         q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NUM_WG, 64, HEAD_D], q_layout)
         k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-        v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+        if FP8:
+            v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, HEAD_D, BLOCK_N], vt_layout)
+        else:
+            v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+        if FP8:  # two float8 P tiles per consumer warpgroup (block j in buffer j % 2)
+            p_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NUM_WG * 2, 64, BLOCK_N], p_layout)
+        else:
+            p_smem = q_smem  # a placeholder of the input dtype: bf16/fp16 P stays in registers
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -284,19 +358,19 @@ if AVAILABLE:
             mbarrier.init(empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
         for i in gl.static_range(NUM_WG):
             mbarrier.init(turn.index(i), count=1)
-        args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, turn,
-                o_ptr, lse_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, qk_scale,
-                CAUSAL, NUM_WG, PINGPONG, PERSISTENT)
+        args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, p_smem, q_ready, q_empty, k_ready, v_ready, empty,
+                turn, o_ptr, lse_ptr, qd_ptr, kd_ptr, vd_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles,
+                qk_scale, CAUSAL, NUM_WG, PINGPONG, PERSISTENT)
         if NUM_WG == 3:
             gl.warp_specialize([
-                (_ws_consumer, (args, 0)),
-                (_ws_consumer, (args, 1)),
-                (_ws_consumer, (args, 2)),
-                (_ws_loader, (args, 0)),
+                (_ws_consumer, (args, 0, FP8, DESCALE)),
+                (_ws_consumer, (args, 1, FP8, DESCALE)),
+                (_ws_consumer, (args, 2, FP8, DESCALE)),
+                (_ws_loader, (args, FP8)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_ws_consumer, (args, 0)),
-                (_ws_consumer, (args, 1)),
-                (_ws_loader, (args, 0)),
+                (_ws_consumer, (args, 0, FP8, DESCALE)),
+                (_ws_consumer, (args, 1, FP8, DESCALE)),
+                (_ws_loader, (args, FP8)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

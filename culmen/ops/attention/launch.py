@@ -425,16 +425,22 @@ class AttnPlan:
         # 16-byte aligned when d % 4 == 0; TMA boxes span at most 256 elements per dim.
         self.tma_dq = (self.atomic_ok and TUNING["tma_dq"] and not traced and self.D % 4 == 0
                        and self.block_d <= 256 and _tma_reduce_available(q.device))
-        # The warp-specialized Gluon forward (launch_ws): plain dense softmax attention on Hopper, causal or not.
+        # The warp-specialized Gluon forward (launch_ws): plain dense softmax attention on Hopper, causal or not;
+        # FP8 (with its descales) through the transposed V copy when launch_ws.WS_TUNING["fp8"] is on.
+        ws_fp8 = self.fp8 and launch_ws.WS_TUNING["fp8"] and self.v_t and not self.varlen
         extras = (traced or self.kind != "dense" or self.has_dropout or self.softcap > 0.0 or self.has_alibi
-                  or self.qv or self.fp8 or self.split_v or self.chunk or self.k_range or self.k_add
-                  or self.n_splits > 1 or self.page or self.out_strides is not None or self.descale
-                  or self.left >= 0 or (self.window_size[1] >= 0 and not self.causal))
+                  or self.qv or (self.fp8 and not ws_fp8) or self.split_v or self.chunk or self.k_range
+                  or self.k_add or self.n_splits > 1 or self.page or self.out_strides is not None
+                  or (self.descale and not ws_fp8) or self.left >= 0
+                  or (self.window_size[1] >= 0 and not self.causal))
         tile = launch_ws.ws_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu,
                                    hopper=on_gpu and _nvidia_hopper(q.device))
         if tile is not None:
+            # (FP8 reads V's transposed copy (B, hk, d, sk): its rows are sk apart)
             self.ws = launch_ws.WsForward(q.shape, k.shape, q.dtype, q.device, self.causal, tile,
-                                          self.scale * LOG2E_F, (q.stride(1), k.stride(1), v.stride(1)))
+                                          self.scale * LOG2E_F,
+                                          (q.stride(1), k.stride(1), k.shape[1] if self.fp8 else v.stride(1)),
+                                          descale=self.descale)
         # The Gluon backward adds dQ with atomics: only where deterministic results were not asked for (the
         # flash_attn argument here, torch's / culmen's switch per call).
         if not self.deterministic:
@@ -520,7 +526,8 @@ class AttnPlan:
             _ensure_allocator(self.device)  # the kernel builds its TMA descriptors on the device
             # (it always writes lse: a scratch one when the caller did not ask for it)
             self.ws(self.stream(), q, k, v, out,
-                    lse if lse is not None else torch.empty(self.lse_shape, dtype=_F32, device=self.device))
+                    lse if lse is not None else torch.empty(self.lse_shape, dtype=_F32, device=self.device),
+                    qd, kd, vd)
             return out, lse, None
         if self.tma and aligned:
             _ensure_allocator(self.device)

@@ -25,33 +25,43 @@ WS_TUNING: dict = {
     "l2_bytes": 20 << 20,
     "tiles": {(64, False): (128, 3, 3, False), (64, True): (128, 3, 2, True),
               (128, False): (128, 3, 2, True), (128, True): (64, 3, 3, True)},
+    # float8_e4m3fn Q/K/V (bf16 output, V through the transposed copy): off until measured on the GPU (written
+    # and compiled for sm_90 without one; the Triton FP8 forward runs meanwhile). Tiles: first guesses.
+    "fp8": False,
+    "tiles_fp8": {(64, False): (128, 3, 2, True), (64, True): (128, 3, 2, True),
+                  (128, False): (128, 3, 2, True), (128, True): (128, 3, 2, True)},
 }
 # Registers per thread of a consumer / the loader, by consumer count: the kernel's warps (consumers plus the
 # loader warp rounded up to a warpgroup) share 64K registers, re-split by setmaxnreg.
 WS_REGS = {2: (240, 24), 3: (160, 32)}
 _DTYPES = (torch.bfloat16, torch.float16)
+_FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
 def ws_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool) -> tuple | None:
     """``(BLOCK_N, STAGES, consumer warpgroups, ping-pong)`` when the Gluon forward takes this dense call, else
     ``None``.
 
-    ``extras``: any feature the Gluon kernel lacks (dropout, window, softcap, ALiBi, qv, FP8, varlen, split
-    V head dim, KV-cache ranges, torch.compile tracing). Inputs must be 16-byte aligned in their row and
-    head strides (TMA), ``d`` 64 or 128, and causal calls need ``sq <= sk``."""
+    ``extras``: any feature the Gluon kernel lacks (dropout, window, softcap, ALiBi, qv, varlen, split V
+    head dim, KV-cache ranges, torch.compile tracing; FP8 unless ``ws_fp8_ok``). Inputs must be 16-byte
+    aligned in their row and head strides (TMA), ``d`` 64 or 128, and causal calls need ``sq <= sk``. FP8
+    (``WS_TUNING["fp8"]``) reads V through its transposed copy, so only q and k need the TMA layout."""
     if not (WS_TUNING["on"] and kernels_ws.AVAILABLE and on_gpu and hopper) or extras:
         return None
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or q.dim() != 4:
+    fp8 = q.dtype == _FP8 and WS_TUNING["fp8"]
+    if (q.dtype not in _DTYPES and not fp8) or k.dtype != q.dtype or v.dtype != q.dtype or q.dim() != 4:
         return None
     d = q.shape[-1]
-    tile = WS_TUNING["tiles"].get((int(d), bool(causal)))
+    tile = WS_TUNING["tiles_fp8" if fp8 else "tiles"].get((int(d), bool(causal)))
     if tile is None or k.shape[-1] != d or v.shape[-1] != d:
         return None
     if causal and q.shape[1] > k.shape[1]:
         return None
     if 0 in q.shape[:3] or k.shape[1] == 0:  # a tile with no key block would wait forever
         return None
-    for t in (q, k, v):
+    if fp8 and k.shape[1] % 16:  # the transposed V copy's rows (one byte a key) must be 16-byte aligned
+        return None
+    for t in (q, k) if fp8 else (q, k, v):
         if not ws_layout_ok(t):
             return None
     return tile
@@ -67,30 +77,36 @@ def ws_layout_ok(t) -> bool:
 
 
 def ws_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device,
-              persistent: bool) -> Launch:
-    """A ``Launch`` of ``_attn_fwd_ws_kernel`` for one config and grid (a plan keeps its own)."""
+              persistent: bool, descale: bool = False) -> Launch:
+    """A ``Launch`` of ``_attn_fwd_ws_kernel`` for one config and grid (a plan keeps its own). ``dtype``
+    float8_e4m3fn: the FP8 kernel (V transposed; ``descale``: with per-(batch, KV head) descales)."""
     from triton.experimental.gluon import language as gl
 
-    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    fp8 = dtype == _FP8
+    gdt = gl.float8e4nv if fp8 else gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     bn, stages, nwg, pingpong = tile
     creg, lreg = WS_REGS[nwg]
     meta = dict(PERSISTENT=persistent, CAUSAL=causal, HEAD_D=d, BLOCK_N=bn, STAGES=stages, NUM_WG=nwg,
-                PINGPONG=pingpong, CONSUMER_REGS=creg, LOADER_REGS=lreg,
+                PINGPONG=pingpong, FP8=fp8, DESCALE=bool(descale) and fp8, CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([64, d], gdt),
-                kv_layout=gl.NVMMASharedLayout.get_default_for([bn, d], gdt))
+                kv_layout=gl.NVMMASharedLayout.get_default_for([bn, d], gdt),
+                vt_layout=gl.NVMMASharedLayout.get_default_for([d, bn], gdt),
+                p_layout=gl.NVMMASharedLayout.get_default_for([64, bn], gdt))
     return Launch(kernels_ws._attn_fwd_ws_kernel, (grid,), meta, 4, 1, device=device,
                   options={"maxnreg": (creg * nwg + lreg) // (nwg + 1)})
 
 
 class WsForward:
-    """The Gluon forward of one call signature: ``(stream, q, k, v, out, lse)`` launches it, writing ``out``
-    (contiguous ``(B, sq, h, d)``) and ``lse`` (fp32 ``(B, h, sq)``, contiguous). Pointers must be 16-byte
-    aligned (the caller checks)."""
+    """The Gluon forward of one call signature: ``(stream, q, k, v, out, lse[, qd, kd, vd])`` launches it,
+    writing ``out`` (contiguous ``(B, sq, h, d)``) and ``lse`` (fp32 ``(B, h, sq)``, contiguous). Pointers
+    must be 16-byte aligned (the caller checks). FP8 (``dtype`` float8_e4m3fn): ``v`` is the transposed copy
+    ``(B, hk, d, sk)`` (its row stride in ``row_strides``), ``out`` bf16, ``qd``/``kd``/``vd`` the fp32
+    ``(B, hk)`` descales when ``descale``."""
 
     __slots__ = ("launch", "ints")
 
     def __init__(self, q_shape, k_shape, dtype: torch.dtype, device, causal: bool, tile: tuple,
-                 scale_log2: float, row_strides: tuple) -> None:
+                 scale_log2: float, row_strides: tuple, descale: bool = False) -> None:
         B, sq, H, d = (int(x) for x in q_shape)
         sk, hk = int(k_shape[1]), int(k_shape[2])
         num_m = cdiv(sq, 64 * tile[2])
@@ -98,15 +114,17 @@ class WsForward:
         persistent = WS_TUNING["persistent"]
         if persistent:
             grid = min(grid, num_programs_hint(torch.device(device)))
-        self.launch = ws_launch(dtype, d, causal, tile, grid, device, persistent)
+        self.launch = ws_launch(dtype, d, causal, tile, grid, device, persistent, descale)
         # causal tiles in flight cover (batch, head) pairs whose K and V (bf16, shared by GQA groups) fit in
         # this many bytes of L2
         bh_group = max(1, min(B * H, WS_TUNING["l2_bytes"] * (H // hk) // max(sk * d * 4, 1)))
         # row strides of q, k, v, out; lse strides; sizes; the scale
         self.ints = (*row_strides, H * d, sq * H, sq, B, H, H // hk, bh_group, sq, sk, num_m, scale_log2)
 
-    def __call__(self, stream, q, k, v, out, lse) -> None:
-        self.launch(stream, True, q, k, v, out, lse, *self.ints)
+    def __call__(self, stream, q, k, v, out, lse, qd=None, kd=None, vd=None) -> None:
+        # without descales the kernel never reads its descale pointers: lse stands in
+        self.launch(stream, True, q, k, v, out, lse, lse if qd is None else qd, lse if kd is None else kd,
+                    lse if vd is None else vd, *self.ints)
 
 
 def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, stream) -> None:
