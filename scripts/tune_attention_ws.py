@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from culmen.ops.attention import launch, launch_ws  # noqa: E402
+from culmen.ops.attention.tma import ensure_allocator  # noqa: E402
 
 
 def _ref(q, k, v, causal, scale):
@@ -59,7 +60,7 @@ def check_inputs(B, sq, sk, H, hk, d):
 def check(tiles, d_list):
     from culmen.flash_attn import flash_attn_func
 
-    launch._ensure_allocator(torch.device("cuda"))
+    ensure_allocator(torch.device("cuda"))
     bad = 0
     for d in d_list:
         for tile in tiles:
@@ -126,7 +127,7 @@ def bench_inputs(d: int, s: int, gqa: int):
 def bench(tiles, d_list, seqlens, gqa):
     import triton
 
-    launch._ensure_allocator(torch.device("cuda"))
+    ensure_allocator(torch.device("cuda"))
     print(f"{'case':<28}{'impl':<18}{'ms':>8}{'TFLOP/s':>9}")
     for d in d_list:
         for s in seqlens:
@@ -155,7 +156,7 @@ def bench_fp8(tiles, d_list, seqlens):
     from culmen.flash_attn_3 import quantize_fp8
     from culmen.ops.common.plans import clear_plans
 
-    launch._ensure_allocator(torch.device("cuda"))
+    ensure_allocator(torch.device("cuda"))
     print(f"{'case':<28}{'impl':<22}{'ms':>8}{'TFLOP/s':>9}  vs bf16")
     for d in d_list:
         for s in seqlens:

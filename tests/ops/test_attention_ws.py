@@ -19,6 +19,7 @@ import torch
 
 from culmen.ops.attention import flash_attn, kernels_ws, launch_ws
 from culmen.ops.attention import launch as attn_launch
+from culmen.ops.attention.tma import nvidia_hopper
 from culmen.testing import assert_close_tolerance
 from culmen.testing.attention import grads as _grads
 from culmen.testing.attention import plain
@@ -159,7 +160,7 @@ def fresh_plans():
 
 
 def _hopper():
-    return torch.cuda.is_available() and attn_launch._nvidia_hopper(torch.device("cuda"))
+    return torch.cuda.is_available() and nvidia_hopper(torch.device("cuda"))
 
 
 CASES = [  # B, sq, sk, h, hk, d, causal

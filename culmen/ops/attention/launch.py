@@ -34,8 +34,10 @@ from culmen.ops.attention.reference import (
     attention_range_fwd_ref,
     attention_varlen_bwd_ref,
     attention_varlen_fwd_ref,
+    dequantize_fp8,
     round_multiple,
 )
+from culmen.ops.attention.tma import ensure_allocator, nvidia_hopper, tma_reduce_available
 from culmen.ops.backend import check_values_on, choose_backend, deterministic_enabled
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter, traceable_kernels
 from culmen.ops.common.launch import aligned_16 as _aligned
@@ -416,7 +418,7 @@ class AttnPlan:
         self.tma = ((fp8_tma if self.v_t else TUNING["tma"] and not self.fp8) and not traced
                     and not self.varlen and not any(self.copy[1:]) and not self.split_v and self.n_splits == 1
                     and all((s * es) % 16 == 0 for s in self.ks + self.vs)
-                    and (not on_gpu or _nvidia_hopper(q.device)))
+                    and (not on_gpu or nvidia_hopper(q.device)))
         self.fwd_empty = self.fwd_grid[0] == 0
         # Pointers besides q/k/v whose alignment the direct launch must check per call.
         self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0 or self.descale or self.qv
@@ -424,7 +426,7 @@ class AttnPlan:
         # dQ's fp32 buffer (B, sq, h, d) / (total, h, d) is contiguous: its rows (and each head's start) are
         # 16-byte aligned when d % 4 == 0; TMA boxes span at most 256 elements per dim.
         self.tma_dq = (self.atomic_ok and TUNING["tma_dq"] and not traced and self.D % 4 == 0
-                       and self.block_d <= 256 and _tma_reduce_available(q.device))
+                       and self.block_d <= 256 and tma_reduce_available(q.device))
         # The warp-specialized Gluon forward (launch_ws): plain dense softmax attention on Hopper, causal or not;
         # FP8 (with its descales) through the transposed V copy when launch_ws.WS_TUNING["fp8"] is on.
         ws_fp8 = self.fp8 and launch_ws.WS_TUNING["fp8"] and self.v_t and not self.varlen
@@ -434,7 +436,7 @@ class AttnPlan:
                   or (self.descale and not ws_fp8) or self.left >= 0
                   or (self.window_size[1] >= 0 and not self.causal))
         tile = launch_ws.ws_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu,
-                                   hopper=on_gpu and _nvidia_hopper(q.device))
+                                   hopper=on_gpu and nvidia_hopper(q.device))
         if tile is not None:
             # (FP8 reads V's transposed copy (B, hk, d, sk): its rows are sk apart)
             self.ws = launch_ws.WsForward(q.shape, k.shape, q.dtype, q.device, self.causal, tile,
@@ -445,7 +447,7 @@ class AttnPlan:
         # flash_attn argument here, torch's / culmen's switch per call).
         if not self.deterministic:
             self.ws_bwd = launch_ws.ws_bwd_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu,
-                                                  hopper=on_gpu and _nvidia_hopper(q.device))
+                                                  hopper=on_gpu and nvidia_hopper(q.device))
             # the tensors' own row strides: the TMA views step rows by them (the kernels' stride tuples hold 0
             # for a dim of size 1, and a (B, 1, h, d) view's rows are its batches)
             self.ws_rows = (q.stride(1), k.stride(1), v.stride(1))
@@ -523,14 +525,14 @@ class AttnPlan:
             else:
                 aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 == 0
         if self.ws is not None and aligned:
-            _ensure_allocator(self.device)  # the kernel builds its TMA descriptors on the device
+            ensure_allocator(self.device)  # the kernel builds its TMA descriptors on the device
             # (it always writes lse: a scratch one when the caller did not ask for it)
             self.ws(self.stream(), q, k, v, out,
                     lse if lse is not None else torch.empty(self.lse_shape, dtype=_F32, device=self.device),
                     qd, kd, vd)
             return out, lse, None
         if self.tma and aligned:
-            _ensure_allocator(self.device)
+            ensure_allocator(self.device)
             la = self.fwd_launch(store_lse, True)
         else:
             la = self._fwd.get(store_lse) or self.fwd_launch(store_lse)
@@ -717,7 +719,7 @@ class AttnPlan:
         dq_acc = torch.zeros(self.q_shape, dtype=_F32, device=dev) if atomic else dq
         stream = None if traced else self.stream()
         if atomic and self.tma_dq:
-            _ensure_allocator(dev)  # per call: autograd may run this backward in another thread
+            ensure_allocator(dev)  # per call: autograd may run this backward in another thread
         if traced:
             ok = True
         elif self.extra_ptrs:
@@ -727,7 +729,7 @@ class AttnPlan:
         if grads is not None and not traced:
             ok = ok and (dq.data_ptr() | dk.data_ptr() | dv.data_ptr()) & 15 == 0
         if b.ws is not None and ok and not traced and not deterministic_enabled():
-            _ensure_allocator(dev)  # the kernel builds its TMA descriptors on the device
+            ensure_allocator(dev)  # the kernel builds its TMA descriptors on the device
             b.pre(stream, ok, out, dout, delta, cu_q, *b.pre_ints)
             b.ws(stream, q, k, v, dout, lse, delta, dq, dk, dv)
             return dq, dk, dv
@@ -778,31 +780,6 @@ def _transposed_v(v: Tensor, varlen: bool) -> Tensor:
     return torch.empty((B, H, D, S), dtype=v.dtype, device=v.device).copy_(v.permute(0, 2, 3, 1))
 
 
-def dequantize_fp8(q, k, v, descales, cu_q=None, cu_k=None):
-    """float8 ``q``/``k``/``v`` as fp32 times their descales (fp32 ``(B, hk)``; ``None``: 1): query head
-    ``h`` uses KV head ``h // (h_q / h_k)``'s. Packed (varlen) rows take their sequence's batch index."""
-    qf, kf, vf = q.float(), k.float(), v.float()
-    if descales is None:
-        return qf, kf, vf
-    g = q.shape[-2] // k.shape[-2]
-
-    def rows(cu, n):  # batch index of each packed row
-        t = torch.arange(n, device=cu.device)
-        return torch.searchsorted(cu[1:].to(torch.int64).contiguous(), t, right=True).clamp(max=cu.shape[0] - 2)
-
-    out = []
-    for x, d, cu, grp in ((qf, descales[0], cu_q, g), (kf, descales[1], cu_k, 1), (vf, descales[2], cu_k, 1)):
-        d = d.to(device=x.device, dtype=torch.float32)
-        if grp > 1:
-            d = d.repeat_interleave(grp, dim=1)
-        if x.dim() == 3:
-            d = d[rows(cu, x.shape[0])]  # (total, h)
-        else:  # (B, 1, h); a KV cache may hold more rows than the batch (the first B are attended)
-            x, d = x[:d.shape[0]], d[:, None]
-        out.append(x * d[..., None])
-    return tuple(out)
-
-
 class _BwdPlan:
     __slots__ = ("copy_do", "pre", "pre_ints", "dkdv", "dkdv_ints", "dq", "dq_ints", "ws")
 
@@ -830,44 +807,3 @@ def _warn_reference_on_gpu(q) -> None:
         warnings.warn(f"culmen.flash_attn: this call ({q.dtype}, head dim {q.shape[-1]}, or return_attn_probs, or "
                       "CULMEN_FLASH_TRITON=0) runs the PyTorch reference: correct, but slow and O(seqlen^2) memory",
                       RuntimeWarning, stacklevel=4)
-
-
-def _torch_scratch(size: int, alignment: int, stream) -> Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _cpu_scratch(size: int, alignment: int, stream) -> Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cpu")
-
-
-def _nvidia_hopper(device: torch.device) -> bool:
-    """A CUDA (not ROCm) GPU of compute capability 9 or later: TMA descriptors."""
-    return torch.cuda.get_device_capability(device)[0] >= 9 and not getattr(torch.version, "hip", None)
-
-
-def _tma_reduce_available(device: torch.device) -> bool:
-    """Whether tensor descriptors' ``atomic_add`` (TMA bulk reduce-add) runs on ``device``: a Hopper-class
-    NVIDIA GPU (older ones would lower it to element atomics anyway), or, on CPU, an interpreter that
-    implements it (Triton 3.9's does not: the plan then keeps the element atomics)."""
-    if device.type == "cuda":
-        return _nvidia_hopper(device)
-    try:
-        from triton.runtime.interpreter import InterpreterBuilder
-    except ImportError:
-        return False
-    return hasattr(InterpreterBuilder, "create_descriptor_reduce")
-
-
-def _ensure_allocator(device: torch.device) -> None:
-    """Device-side descriptors need Triton's scratch allocator. Triton keeps it per thread context (and
-    autograd runs backward in its own thread), so this is checked at every TMA launch; an allocator the
-    caller installed is left alone."""
-    try:
-        import triton
-        from triton.runtime import _allocation
-    except ImportError:  # a Triton without the module cannot build descriptors anyway
-        return
-    current = _allocation._allocator
-    current = current.get() if hasattr(current, "get") else current
-    if isinstance(current, _allocation.NullAllocator):
-        triton.set_allocator(_torch_scratch if device.type == "cuda" else _cpu_scratch)

@@ -429,3 +429,28 @@ def _ref_dense(q, k, v, scale, causal, window_size, softcap, alibi, dropout_p, r
         p = torch.where(keep, p, torch.zeros_like(p)) / (1.0 - dropout_p)
     out = torch.matmul(p, vg).reshape(B, h, sq, d).transpose(1, 2).contiguous()
     return out, lse.reshape(B, h, sq)
+
+
+def dequantize_fp8(q, k, v, descales, cu_q=None, cu_k=None):
+    """float8 ``q``/``k``/``v`` as fp32 times their descales (fp32 ``(B, hk)``; ``None``: 1): query head
+    ``h`` uses KV head ``h // (h_q / h_k)``'s. Packed (varlen) rows take their sequence's batch index."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if descales is None:
+        return qf, kf, vf
+    g = q.shape[-2] // k.shape[-2]
+
+    def rows(cu, n):  # batch index of each packed row
+        t = torch.arange(n, device=cu.device)
+        return torch.searchsorted(cu[1:].to(torch.int64).contiguous(), t, right=True).clamp(max=cu.shape[0] - 2)
+
+    out = []
+    for x, d, cu, grp in ((qf, descales[0], cu_q, g), (kf, descales[1], cu_k, 1), (vf, descales[2], cu_k, 1)):
+        d = d.to(device=x.device, dtype=torch.float32)
+        if grp > 1:
+            d = d.repeat_interleave(grp, dim=1)
+        if x.dim() == 3:
+            d = d[rows(cu, x.shape[0])]  # (total, h)
+        else:  # (B, 1, h); a KV cache may hold more rows than the batch (the first B are attended)
+            x, d = x[:d.shape[0]], d[:, None]
+        out.append(x * d[..., None])
+    return tuple(out)
