@@ -70,12 +70,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _ws_loader(args, FP8: gl.constexpr):
-        """Producer (one warp): per tile, Q once the consumers released the last tile's, then K and V of
-        every key block into the stage ring (its counters run on across tiles). ``FP8``: V comes from its
-        transposed copy ``(B, HK, D, sk)``, a ``(D, BLOCK_N)`` tile per key block."""
-        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, p_smem, q_ready, q_empty, k_ready, v_ready, empty, turn,
-         o_ptr, lse_ptr, qd_ptr, kd_ptr, vd_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles,
-         qk_scale, CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
+        """Producer (one warp; its own subset of the kernel's values): per tile, Q once the consumers released
+        the last tile's, then K and V of every key block into the stage ring (its counters run on across
+        tiles). ``FP8``: V comes from its transposed copy ``(B, HK, D, sk)``, a ``(D, BLOCK_N)`` tile per key
+        block."""
+        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, H, GROUP,
+         BH_GROUP, sq, sk, NUM_M, n_tiles, CAUSAL, NUM_WG, PERSISTENT) = args
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
         NB: gl.constexpr = k_bufs.type.shape[0]
@@ -219,9 +219,9 @@ if AVAILABLE:
         ``FP8``: float8 Q/K/V (P rounded to float8 for P V), the output in ``o``'s dtype; ``DESCALE``: the
         scores times ``q_descale * k_descale`` and the output times ``v_descale`` of the tile's (batch, KV
         head)."""
-        (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, p_smem, q_ready, q_empty, k_ready, v_ready, empty, turn,
-         o_ptr, lse_ptr, qd_ptr, kd_ptr, vd_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles,
-         qk_scale, CAUSAL, NUM_WG, PINGPONG, PERSISTENT) = args
+        (q_smem, k_bufs, v_bufs, p_smem, q_ready, q_empty, k_ready, v_ready, empty, turn, o_ptr, lse_ptr, qd_ptr,
+         kd_ptr, vd_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, qk_scale, CAUSAL, NUM_WG,
+         PINGPONG, PERSISTENT) = args
         NB: gl.constexpr = k_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
@@ -358,19 +358,21 @@ if AVAILABLE:
             mbarrier.init(empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
         for i in gl.static_range(NUM_WG):
             mbarrier.init(turn.index(i), count=1)
-        args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, p_smem, q_ready, q_empty, k_ready, v_ready, empty,
-                turn, o_ptr, lse_ptr, qd_ptr, kd_ptr, vd_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles,
-                qk_scale, CAUSAL, NUM_WG, PINGPONG, PERSISTENT)
+        args = (q_smem, k_bufs, v_bufs, p_smem, q_ready, q_empty, k_ready, v_ready, empty, turn, o_ptr, lse_ptr,
+                qd_ptr, kd_ptr, vd_ptr, sos, slb, slh, H, GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, qk_scale, CAUSAL,
+                NUM_WG, PINGPONG, PERSISTENT)
+        loader_args = (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, H,
+                       GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, CAUSAL, NUM_WG, PERSISTENT)
         if NUM_WG == 3:
             gl.warp_specialize([
                 (_ws_consumer, (args, 0, FP8, DESCALE)),
                 (_ws_consumer, (args, 1, FP8, DESCALE)),
                 (_ws_consumer, (args, 2, FP8, DESCALE)),
-                (_ws_loader, (args, FP8)),
+                (_ws_loader, (loader_args, FP8)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_ws_consumer, (args, 0, FP8, DESCALE)),
                 (_ws_consumer, (args, 1, FP8, DESCALE)),
-                (_ws_loader, (args, FP8)),
+                (_ws_loader, (loader_args, FP8)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

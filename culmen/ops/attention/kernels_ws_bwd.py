@@ -94,12 +94,11 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_loader(args, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-        """Producer (one warp): per tile, K and V of its key block once the consumers released the last tile's,
-        then Q and dO of every (head of the group, query block) into the stage ring (its counter runs on
-        across tiles)."""
-        (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
-         kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
-         dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale) = args
+        """Producer (one warp; its own subset of the kernel's values): per tile, K and V of its key block once
+        the consumers released the last tile's, then Q and dO of every (head of the group, query block) into
+        the stage ring (its counter runs on across tiles)."""
+        (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, do_ready,
+         empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -149,9 +148,9 @@ if AVAILABLE:
                       PERSISTENT: gl.constexpr):
         """Consumer warpgroup ``WG``: per tile, keys ``n0 + 64 * WG ..`` of its block against every query block of
         every head of the group; dK and dV stay in registers and are stored at the end of the tile."""
-        (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs,
-         kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh,
-         dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale) = args
+        (dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
+         empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP,
+         BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -308,12 +307,13 @@ if AVAILABLE:
             mbarrier.init(empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=NUM_WG)
-        args = (q_desc, k_desc, v_desc, do_desc, dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs,
-                dq_bufs, kv_ready, kv_empty, q_ready, do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr,
-                delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units,
-                qk_scale, sm_scale)
+        args = (dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready,
+                do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
+                B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale)
+        loader_args = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty, q_ready,
+                       do_ready, empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units)
         gl.warp_specialize([
             (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PERSISTENT)),
             (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PERSISTENT)),
-            (_bwd_loader, (args, CAUSAL, PERSISTENT)),
+            (_bwd_loader, (loader_args, CAUSAL, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

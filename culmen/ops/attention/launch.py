@@ -435,22 +435,21 @@ class AttnPlan:
                   or self.k_add or self.n_splits > 1 or self.page or self.out_strides is not None
                   or (self.descale and not ws_fp8) or self.left >= 0
                   or (self.window_size[1] >= 0 and not self.causal))
-        tile = launch_ws.ws_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu,
-                                   hopper=on_gpu and nvidia_hopper(q.device))
+        hopper = on_gpu and nvidia_hopper(q.device)
+        # the tensors' own row strides: the TMA views step rows by them (the kernels' stride tuples hold 0 for a
+        # dim of size 1, and a (B, 1, h, d) view's rows are its batches)
+        self.ws_rows = (q.stride(1), k.stride(1), v.stride(1))
+        tile = launch_ws.ws_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu, hopper=hopper)
         if tile is not None:
             # (FP8 reads V's transposed copy (B, hk, d, sk): its rows are sk apart)
+            rows = (*self.ws_rows[:2], k.shape[1]) if self.fp8 else self.ws_rows
             self.ws = launch_ws.WsForward(q.shape, k.shape, q.dtype, q.device, self.causal, tile,
-                                          self.scale * LOG2E_F,
-                                          (q.stride(1), k.stride(1), k.shape[1] if self.fp8 else v.stride(1)),
-                                          descale=self.descale)
+                                          self.scale * LOG2E_F, rows, descale=self.descale)
         # The Gluon backward adds dQ with atomics: only where deterministic results were not asked for (the
         # flash_attn argument here, torch's / culmen's switch per call).
         if not self.deterministic:
             self.ws_bwd = launch_ws.ws_bwd_config(q, k, v, causal=self.causal, extras=extras, on_gpu=on_gpu,
-                                                  hopper=on_gpu and nvidia_hopper(q.device))
-            # the tensors' own row strides: the TMA views step rows by them (the kernels' stride tuples hold 0
-            # for a dim of size 1, and a (B, 1, h, d) view's rows are its batches)
-            self.ws_rows = (q.stride(1), k.stride(1), v.stride(1))
+                                                  hopper=hopper)
 
     def fwd_launch(self, store_lse: bool, tma: bool = False) -> Launch:
         """The forward's ``Launch`` (built on first use)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from culmen.ops.attention import kernels_ws
+from culmen.ops.attention.kernels import LOG2E_F
 from culmen.ops.backend import num_programs_hint
 from culmen.ops.common.launch import Launch, cdiv
 
@@ -206,7 +207,7 @@ class WsBackward:
         bh_group = max(1, min(B * hk, WS_BWD_TUNING["l2_bytes"] // max(group_bytes, 1)))
         # row strides of q, k, v, dout; lse strides; sizes; scales (dk/dv strides come per call)
         self.ints = (row_strides, lse_strides,
-                     (B, H, H // hk, bh_group, sq, sk, num_n, scale * 1.4426950408889634, scale))
+                     (B, H, H // hk, bh_group, sq, sk, num_n, scale * LOG2E_F, scale))
         self.acc_shape = (B, H, cdiv(sq, tile[0]) * tile[0], d)
         self.sq = sq
 
