@@ -107,12 +107,20 @@ def _rows(q, k, v, causal, gqa, scale, tiles):
                                                                         enable_gqa=gqa > 1)
         rows.append((f"sdpa {name}", f))
     for tile in tiles:
-        for pers in (True, False):
-            def w(tile=tile, pers=pers):
-                launch_ws.WS_TUNING["persistent"] = pers
-                return _ws(q, k, v, causal, tile, scale)
-            rows.append((f"ws{' P' if pers else ''} {tile[0]}x{tile[1]}x{tile[2]}{'p' if tile[3] else ''}", w))
+        for pers in PERSISTENT:
+            for poly in EXP_POLYS:
+                def w(tile=tile, pers=pers, poly=poly):
+                    launch_ws.WS_TUNING["persistent"] = pers
+                    launch_ws.WS_TUNING["exp_poly"] = {(False, q.shape[-1]): poly}
+                    return _ws(q, k, v, causal, tile, scale)
+                rows.append((f"ws{' P' if pers else ''} {tile[0]}x{tile[1]}x{tile[2]}{'p' if tile[3] else ''}"
+                             f"{f' e{poly}' if poly else ''}", w))
     return rows
+
+
+# how many of every 4 exponentials go to the FMA pipe (WS_TUNING["exp_poly"]) in the timed Gluon rows
+EXP_POLYS = [0]
+PERSISTENT = [True, False]
 
 
 def bench_inputs(d: int, s: int, gqa: int):
@@ -154,6 +162,7 @@ def bench_fp8(tiles, d_list, seqlens):
     from culmen.flash_attn import flash_attn_func
     from culmen.flash_attn_3 import flash_attn_func as fa3
     from culmen.flash_attn_3 import quantize_fp8
+    from culmen.ops.attention.launch import _transposed_v
     from culmen.ops.common.plans import clear_plans
 
     ensure_allocator(torch.device("cuda"))
@@ -167,10 +176,19 @@ def bench_fp8(tiles, d_list, seqlens):
                 case = f"d{d} s{s} {'causal' if causal else 'full'}"
                 f8 = partial(fa3, q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
                 rows = [("bf16", None, partial(flash_attn_func, q, k, v, causal=causal)), ("fp8 triton", None, f8)]
-                rows += [(f"fp8 ws {t[0]}x{t[1]}x{t[2]}{'p' if t[3] else ''}", t, f8) for t in tiles]
+                rows += [(f"fp8 ws {t[0]}x{t[1]}x{t[2]}{'p' if t[3] else ''}{'' if pers else ' np'}"
+                          f"{f' e{poly}' if poly else ''}", (t, pers, poly), f8)
+                         for t in tiles for pers in PERSISTENT for poly in EXP_POLYS]
                 base = ref = None
+                for what, v_copy in (("V transpose kernel", partial(_transposed_v, v8, False)),
+                                     ("V transpose torch", v8.permute(0, 2, 3, 1).contiguous)):
+                    ms = triton.testing.do_bench(v_copy, warmup=30, rep=200)
+                    print(f"{case:<28}{what:<22}{ms:8.3f}  {2 * v8.numel() / ms / 1e6:7.0f} GB/s", flush=True)
                 for name, tile, fn in rows:
                     launch_ws.WS_TUNING["fp8"] = tile is not None
+                    if tile is not None:
+                        tile, launch_ws.WS_TUNING["persistent"], poly = tile
+                        launch_ws.WS_TUNING["exp_poly"] = {(True, d): poly}
                     if tile is not None:
                         launch_ws.WS_TUNING["tiles_fp8"] = {(d, causal): tile}
                     clear_plans()
@@ -187,6 +205,8 @@ def bench_fp8(tiles, d_list, seqlens):
                         tile is not None and ref is not None) else ""
                     print(f"{case:<28}{name:<22}{ms:8.3f}{fl / ms / 1e9:9.1f}  {base / ms:5.2f}x{diff}", flush=True)
     launch_ws.WS_TUNING["fp8"] = False
+    launch_ws.WS_TUNING["persistent"] = True
+    launch_ws.WS_TUNING["exp_poly"] = {}
 
 
 def main() -> None:
@@ -197,7 +217,13 @@ def main() -> None:
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--fp8", action="store_true", help="time the FP8 forward (Gluon tiles vs Triton vs bf16)")
+    ap.add_argument("--exp-poly", default="0", help="comma list: exponentials of every 4 on the FMA pipe "
+                    "(-1: none at all, an ablation)")
+    ap.add_argument("--persistent-only", action="store_true")
     a = ap.parse_args()
+    EXP_POLYS[:] = [int(x) for x in a.exp_poly.split(",")]
+    if a.persistent_only:
+        PERSISTENT[:] = [True]
     tiles = [tuple(int(x) for x in t.split(",")) for t in a.tiles.split()]
     tiles = [(t[0], t[1], t[2], bool(t[3])) for t in tiles]
     d_list = [int(x) for x in a.d.split(",")]

@@ -25,7 +25,7 @@ from culmen.bench.registry import CULMEN, BenchConfig, Case, register_benchmark
 TOKENS = 16384
 HIDDEN = 2048
 # (head dim, seqlen) at batch * seqlen = 16k tokens and nheads = 2048 / head dim (the shapes).
-DENSE_SHAPES: list[tuple[int, int]] = [(128, 2048), (128, 8192), (128, 16384), (64, 1024), (64, 4096)]
+DENSE_SHAPES: list[tuple[int, int]] = [(128, 2048), (128, 8192), (128, 16384), (64, 1024), (64, 4096), (256, 4096)]
 QUICK_SHAPES: list[tuple[int, int]] = [(32, 64)]
 MODES: tuple[str, ...] = ("fwd", "fwd+bwd")
 

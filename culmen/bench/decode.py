@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from culmen.bench.registry import BenchConfig, Case, register_benchmark
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-# (batch, cache length, page size or 0)
-SHAPES: list[tuple[int, int, int]] = [(1, 8192, 0), (1, 32768, 0), (4, 16384, 0), (16, 4096, 0), (64, 2048, 0),
-                                      (8, 8192, 256)]
+# (batch, cache length, page size or 0): issue 17's grid (batch 1 / 16 / 64 over caches of 4k / 32k / 128k
+# tokens; batch 64 at 128k would need 34 GB of cache plus SDPA's copy, so it stops at 32k) and one paged case.
+SHAPES: list[tuple[int, int, int]] = [(1, 4096, 0), (1, 32768, 0), (1, 131072, 0), (16, 4096, 0), (16, 32768, 0),
+                                      (16, 131072, 0), (64, 4096, 0), (64, 32768, 0), (8, 8192, 256)]
 QUICK_SHAPES: list[tuple[int, int, int]] = [(1, 64, 0), (2, 64, 16)]
 FIXED_SPLITS = (4, 16)
 
@@ -55,9 +56,10 @@ def bench_kvcache_decode(cfg: BenchConfig) -> Iterator[Case]:
     dev = cfg.device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
+    dgen = torch.Generator(device=dev).manual_seed(0)  # gigabyte caches: drawn on the device
     for B, L, page in (QUICK_SHAPES if cfg.quick else SHAPES):
         def rnd(*shape):
-            return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dev, dtype)
+            return torch.randn(*shape, generator=dgen, dtype=dtype, device=dev)
 
         q = rnd(B, 1, HEADS, HEAD_DIM)
         k, v = rnd(B, L, KV_HEADS, HEAD_DIM), rnd(B, L, KV_HEADS, HEAD_DIM)

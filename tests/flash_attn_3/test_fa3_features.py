@@ -376,6 +376,25 @@ def test_fp8_transposed_v_matches_v_as_given(triton_backend, monkeypatch, causal
     assert dense.abs().max() > 0.1
 
 
+@pytest.mark.parametrize("d", [16, 64, 24])
+def test_transposed_v_copy_is_the_permuted_tensor(triton_backend, d):
+    """The FP8 forward's K-major V (``(B, hk, d, S)`` / ``(hk, d, T)``), made by the transpose kernel for
+    power-of-two head dims (d 24: the torch copy), equals the permuted tensor bit for bit: odd lengths, a
+    strided view, varlen."""
+    from culmen.ops.attention.launch import _transposed_v
+
+    torch.manual_seed(d)
+    base = (torch.randn(3, 97, 2, d + 8) * 50).to(F8)
+    v = base[..., 5:5 + d]  # rows d + 8 apart
+    out = _transposed_v(v, varlen=False)
+    assert out.shape == (3, 2, d, 97) and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), v.permute(0, 2, 3, 1).view(torch.uint8))
+    flat = v.reshape(291, 2, d)
+    out = _transposed_v(flat, varlen=True)
+    assert out.shape == (2, d, 291)
+    assert torch.equal(out.view(torch.uint8), flat.permute(1, 2, 0).view(torch.uint8))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_tma_and_rotated_loop_match_pointer_loads(triton_backend, monkeypatch, causal):
     """FP8 with 16-byte aligned rows takes K and the transposed V through TMA descriptors and the rotated key

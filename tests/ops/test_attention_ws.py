@@ -79,10 +79,11 @@ def test_ineligible_calls_keep_the_triton_forward(case, monkeypatch):
 
 
 def test_fp8_forward_is_a_switch(monkeypatch):
-    """float8 Q/K/V take the Gluon forward only with ``WS_TUNING["fp8"]`` (off until measured on a GPU), with
+    """float8 Q/K/V take the Gluon forward only with ``WS_TUNING["fp8"]`` (on since measured on the H100), with
     their own tiles, and only when the transposed V copy's rows (one byte a key) are 16-byte aligned."""
     f8 = torch.float8_e4m3fn
     q, k = _t(2, 100, 8, 128, f8), _t(2, 128, 2, 128, f8)
+    monkeypatch.setitem(launch_ws.WS_TUNING, "fp8", False)
     assert _cfg(q, k, k) is None
     monkeypatch.setitem(launch_ws.WS_TUNING, "fp8", True)
     assert _cfg(q, k, k) == launch_ws.WS_TUNING["tiles_fp8"][(128, False)]
@@ -202,6 +203,58 @@ def test_ws_forward_and_grads_within_flash_attn_rule(case, dtype, fresh_plans):
     torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=2e-3, rtol=0)
 
 
+def _f32(lit: str) -> float:
+    """A PTX fp32 literal (``0fXXXXXXXX``) as a float."""
+    import struct
+
+    return struct.unpack("<f", bytes.fromhex(lit[2:])[::-1])[0]
+
+
+def test_polynomial_exp2_literals_reach_fp32_accuracy():
+    """The FMA-pipe exponential of ``kernels_ws._exp2_asm`` evaluated step by step in fp32 from the very PTX
+    literals it emits: relative error below 1e-4 (bf16 rounds at 3.9e-3) for scores from -126 to 0, and
+    exactly 0 for masked (``-inf``) scores, which the clamp at -127 sends below fp32's normal range."""
+    c1, c2, c3, one, m127, magic = (torch.tensor(_f32(x), dtype=torch.float32) for x in (
+        kernels_ws._C1, kernels_ws._C2, kernels_ws._C3, kernels_ws._ONE, kernels_ws._M127, kernels_ws._MAGIC))
+    assert (one, m127, magic) == (1.0, -127.0, 12582912.0)
+    x = torch.cat([torch.linspace(-126, 0, 200_001), torch.tensor([float("-inf"), -1e30, -127.5])])
+    t = torch.maximum(x, m127)
+    y = torch.floor(t) + magic  # add.rm: rounding down onto the integer grid of 1.5 * 2^23
+    f = t - (y - magic)
+    p = ((f * c3 + c2) * f + c1) * f + one
+    bits = (y.view(torch.int32).to(torch.int64) * (1 << 23) + p.view(torch.int32).to(torch.int64)) & 0xFFFFFFFF
+    r = bits.to(torch.int32).view(torch.float32)
+    r = torch.where(r.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(r), r)  # .ftz
+    want = torch.exp2(x.double())
+    fin = x > -126.5
+    assert ((r[fin].double() - want[fin]).abs() / want[fin]).max().item() < 1e-4
+    assert (r[~fin] == 0).all()
+    assert kernels_ws._exp2_asm(1).count("ex2.approx") == 3 and kernels_ws._exp2_asm(3).count("ex2.approx") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poly", [1, 3])
+@pytest.mark.parametrize("case", [(2, 1000, 1000, 4, 4, 128, True), (1, 777, 1531, 8, 2, 64, False)])
+def test_ws_polynomial_exp2_within_flash_attn_rule(case, poly, fresh_plans, monkeypatch):
+    """``WS_TUNING["exp_poly"]``: with 1 or 3 of every 4 exponentials on the FMA pipe the forward stays within
+    flash_attn's rule against float64, and its lse within 2e-3."""
+    if not _hopper():
+        pytest.skip("the Gluon forward runs on Hopper-class NVIDIA GPUs")
+    B, sq, sk, h, hk, d, causal = case
+    monkeypatch.setitem(launch_ws.WS_TUNING, "exp_poly", {(False, d): poly})
+    torch.manual_seed(poly + d)
+    q = torch.randn(B, sq, h, d, device="cuda", dtype=BF16)
+    k, v = (torch.randn(B, sk, hk, d, device="cuda", dtype=BF16) for _ in range(2))
+    assert attn_launch.AttnPlan("dense", q, k, v, None, causal=causal).ws is not None
+    out, lse, _ = flash_attn(q, k, v, 0.0, causal=causal)
+    hi = plain(q, k, v, F64, causal=causal)
+    assert_close_tolerance(out, hi, plain(q, k, v, BF16, causal=causal), factor=2.0, name="out")
+    monkeypatch.setitem(launch_ws.WS_TUNING, "exp_poly", {})
+    attn_launch.clear_plans()
+    _, lse_mufu, _ = flash_attn(q, k, v, 0.0, causal=causal)
+    torch.testing.assert_close(lse, lse_mufu, atol=2e-3, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [True, False])
 def test_ws_matches_triton_forward(persistent, fresh_plans, monkeypatch):
@@ -274,9 +327,10 @@ def test_deterministic_backward_keeps_the_triton_kernels(fresh_plans):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("poly", [0, 2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_ws_fp8_forward_matches_triton_fp8(d, causal, fresh_plans, monkeypatch):
+def test_ws_fp8_forward_matches_triton_fp8(d, causal, poly, fresh_plans, monkeypatch):
     """The Gluon FP8 forward (``WS_TUNING["fp8"]``) against the Triton FP8 forward on the same quantized inputs
     and descales (both bf16 out, P rounded to float8 for P V), and against bf16 attention of the dequantized
     inputs within FP8's error."""
@@ -289,6 +343,7 @@ def test_ws_fp8_forward_matches_triton_fp8(d, causal, fresh_plans, monkeypatch):
     q, k, v = (torch.randn(3, s, h, d, device="cuda", dtype=BF16) for s, h in ((1000, 8), (1040, 2), (1040, 2)))
     q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
     monkeypatch.setitem(launch_ws.WS_TUNING, "fp8", True)
+    monkeypatch.setitem(launch_ws.WS_TUNING, "exp_poly", {(True, d): poly})
     plan = attn_launch.AttnPlan("dense", q8, k8, v8, None, causal=causal, descale=True, fa3=True)
     assert plan.ws is not None
     o_ws, lse_ws = fa3(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True)
@@ -297,8 +352,12 @@ def test_ws_fp8_forward_matches_triton_fp8(d, causal, fresh_plans, monkeypatch):
     o_tr, lse_tr = fa3(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True)
     assert o_ws.dtype == BF16
     torch.testing.assert_close(lse_ws, lse_tr, atol=1e-3, rtol=0)
-    torch.testing.assert_close(o_ws.float(), o_tr.float(), atol=3e-2, rtol=0)
     deq = [(t.float() * sc.repeat_interleave(t.shape[2] // sc.shape[1], 1)[:, None, :, None]).to(BF16)
            for t, sc in ((q8, qd), (k8, kd), (v8, vd))]
     ref = plain(*deq, F64, causal=causal)
-    assert (o_ws.double() - ref).abs().max().item() < 0.1
+    # P rounds to float8 in both kernels, but a row max that differs in its last bit moves P across float8
+    # steps (6% apart): the kernels agree to FP8's error, not bitwise, so each is held to the reference
+    e_ws, e_tr = (o_ws.double() - ref).abs(), (o_tr.double() - ref).abs()
+    assert e_ws.max().item() <= 1.25 * e_tr.max().item() + 1e-2
+    assert e_ws.mean().item() <= 1.1 * e_tr.mean().item() + 1e-5
+    assert e_ws.max().item() < 0.1

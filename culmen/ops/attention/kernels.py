@@ -586,3 +586,17 @@ def _kv_append_kernel(
     vdst = (row * svcb + pos * svcs)[:, None] + kh * svch + dd * svcd
     tl.store(kc_ptr + kdst, kn.to(kc_ptr.dtype.element_ty), mask=m)
     tl.store(vc_ptr + vdst, vn.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _transpose_rows_kernel(x_ptr, y_ptr, S, H, sxb, sxs, sxh, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``y[b, h, :, s] = x[b, s, h, :]`` for one ``BLOCK_S``-row slab of one (batch, head): the FP8 forward's
+    K-major V. Rows are read along ``d`` and written along ``s``, both coalesced (a strided torch copy of
+    one-byte elements runs at a fraction of the bandwidth)."""
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dd = tl.arange(0, D)
+    x = tl.load(x_ptr + b * sxb + h * sxh + s[:, None].to(tl.int64) * sxs + dd[None, :], mask=s[:, None] < S)
+    tl.store(y_ptr + bh * D * S + dd[:, None] * S + s[None, :], tl.trans(x), mask=s[None, :] < S)

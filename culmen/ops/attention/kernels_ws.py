@@ -38,11 +38,68 @@ try:  # Gluon ships with Triton >= 3.5 (NVIDIA); absent elsewhere, and then this
 except ImportError:  # pragma: no cover - depends on the Triton build
     gluon = None
 
+# fp32 literals of the polynomial exp2 (``_exp2_asm``): 2^f ~ 1 + f (C1 + f (C2 + f C3)) on [0, 1), fitted for
+# relative error
+_C1, _C2, _C3 = "0f3F31F30C", "0f3E691E0A", "0f3D9DD12B"
+_ONE, _M127, _MAGIC = "0f3F800000", "0fC2FE0000", "0f4B400000"
+
+
+def _exp2_asm(n_poly: int) -> str:
+    """PTX of 2^x for 4 packed fp32 values (``$4..$7`` in, ``$0..$3`` out), the last ``n_poly`` on the FMA pipe
+    and the others by ``ex2.approx`` (MUFU), or (``n_poly`` -1, an ablation) the inputs unchanged.
+
+    Why: per score the FP8 forward's tensor cores do 512 FLOP in as many cycles as the SM's 16 MUFU lanes need
+    for its exponential, so the exp2s alone can fill as much time as the GEMMs (FA4's observation, there on
+    Blackwell). The FMA pipe is 8x wider: ``2^x = 2^floor(x) * 2^f`` with ``floor`` by the 1.5 * 2^23
+    round-down trick (no conversion instruction: those run at MUFU's rate too), ``2^f`` for ``f`` in [0, 1)
+    by a cubic (max relative error 8.6e-5, below bf16's and far below float8's rounding), and ``2^floor(x)``
+    added into the exponent bits by one integer multiply-add. ``x`` is clamped at -127 (masked scores are
+    ``-inf``): the result is then below fp32's normal range and flushes to 0 like ``ex2.approx.ftz``."""
+    if n_poly < 0:
+        return "".join(f"mov.b32 ${i}, ${i + 4};" for i in range(4))
+    out = []
+    for i in range(4):
+        if i < 4 - n_poly:
+            out.append(f"ex2.approx.ftz.f32 ${i}, ${i + 4};")
+            continue
+        out.append("{.reg .b32 t, y, j, p;"
+                   f"max.ftz.f32 t, ${i + 4}, {_M127};"
+                   f"add.rm.ftz.f32 y, t, {_MAGIC};"
+                   f"sub.ftz.f32 j, y, {_MAGIC};"
+                   "sub.ftz.f32 t, t, j;"
+                   f"fma.rn.ftz.f32 p, t, {_C3}, {_C2};"
+                   f"fma.rn.ftz.f32 p, p, t, {_C1};"
+                   f"fma.rn.ftz.f32 p, p, t, {_ONE};"
+                   f"mad.lo.s32 ${i}, y, 8388608, p;}}")
+    return "".join(out)
+
+
+
 AVAILABLE = gluon is not None
 
 if AVAILABLE:
     # Triton 3.9 renamed the TMA load (3.6: async_copy_global_to_shared).
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _EXP2_ASM_1 = gl.constexpr(_exp2_asm(1))
+    _EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
+    _EXP2_ASM_3 = gl.constexpr(_exp2_asm(3))
+    _EXP2_ASM_NONE = gl.constexpr(_exp2_asm(-1))
+
+    @gluon.jit
+    def _ws_exp2(x, EXP_POLY: gl.constexpr):
+        """``2^x`` elementwise: ``gl.exp2`` (MUFU) for ``EXP_POLY`` 0, else ``EXP_POLY`` of every 4 values by
+        the FMA-pipe polynomial of ``_exp2_asm`` (-1: no exponential at all, an ablation for timing only)."""
+        if EXP_POLY == 0:
+            y = gl.exp2(x)
+        elif EXP_POLY == 1:
+            y = gl.inline_asm_elementwise(_EXP2_ASM_1, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
+        elif EXP_POLY == 2:
+            y = gl.inline_asm_elementwise(_EXP2_ASM_2, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
+        elif EXP_POLY == 3:
+            y = gl.inline_asm_elementwise(_EXP2_ASM_3, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
+        else:
+            y = gl.inline_asm_elementwise(_EXP2_ASM_NONE, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
+        return y
 
     @gluon.jit
     def _ws_tile(t, NUM_M, H, GROUP, BH_GROUP, sq, sk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -175,7 +232,7 @@ if AVAILABLE:
     def _ws_step(q, k_bufs, v_bufs, p_smem, k_ready, v_ready, empty, q_empty, turn, acc, p_op, m_i, l_i, j, kv_it,
                  slot, n_blocks, r0, sq, sk, qk_scale, full, s_layout: gl.constexpr, p_layout: gl.constexpr,
                  row_o: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                 CAUSAL: gl.constexpr, FP8: gl.constexpr):
+                 CAUSAL: gl.constexpr, FP8: gl.constexpr, EXP_POLY: gl.constexpr):
         """Key block ``j >= 1`` of a tile: issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}``, then run the
         softmax of ``S_j`` while ``P V`` is still on the tensor cores (FA3's intra-warpgroup overlap)."""
         NB: gl.constexpr = k_bufs.type.shape[0]
@@ -199,7 +256,7 @@ if AVAILABLE:
             s = _ws_mask(s, j, r0, sq, sk, CAUSAL, BLOCK_N)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        p = _ws_exp2(s * qk_scale - gl.expand_dims(m_new, 1), EXP_POLY)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         if FP8:
             p_next = _ws_p_keep(p, p_op, p_smem, WG, j, p_layout, FP8)
@@ -213,7 +270,7 @@ if AVAILABLE:
         return acc, p_next, m_new, l_i
 
     @gluon.jit
-    def _ws_consumer(args, WG: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr):
+    def _ws_consumer(args, WG: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr, EXP_POLY: gl.constexpr):
         """Consumer warpgroup ``WG``: query rows ``m0 + 64 * WG ..`` of each of the program's tiles against every
         key block, then the epilogue (output and lse stored straight from registers, masked to the sequence).
         ``FP8``: float8 Q/K/V (P rounded to float8 for P V), the output in ``o``'s dtype; ``DESCALE``: the
@@ -267,13 +324,14 @@ if AVAILABLE:
             if full < 1:
                 s = _ws_mask(s, 0, r0, sq, sk, CAUSAL, BLOCK_N)
             m_i = gl.max(s, axis=1) * qk_t
-            p = gl.exp2(s * qk_t - gl.expand_dims(m_i, 1))
+            p = _ws_exp2(s * qk_t - gl.expand_dims(m_i, 1), EXP_POLY)
             l_i = gl.sum(p, axis=1)
             p_op = _ws_p_keep(p, 0, p_smem, WG, 0, p_layout, FP8)
             for j in range(1, n_blocks):
                 acc, p_op, m_i, l_i = _ws_step(q, k_bufs, v_bufs, p_smem, k_ready, v_ready, empty, q_empty, turn,
                                                acc, p_op, m_i, l_i, j, kv_it, slot, n_blocks, r0, sq, sk, qk_t,
-                                               full, s_layout, p_layout, row_o, WG, NUM_WG, PINGPONG, CAUSAL, FP8)
+                                               full, s_layout, p_layout, row_o, WG, NUM_WG, PINGPONG, CAUSAL, FP8,
+                                               EXP_POLY)
             it = kv_it + n_blocks - 1
             last = it % NB
             mbarrier.wait(v_ready.index(last), (it // NB) & 1)
@@ -311,7 +369,7 @@ if AVAILABLE:
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
                             PERSISTENT: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            EXP_POLY: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, vt_layout: gl.constexpr,
                             p_layout: gl.constexpr):
         """Persistent: program ``p`` runs tiles ``p, p + grid, ..`` of ``NUM_M * B * H`` (``64 * NUM_WG``
@@ -365,14 +423,14 @@ if AVAILABLE:
                        GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, CAUSAL, NUM_WG, PERSISTENT)
         if NUM_WG == 3:
             gl.warp_specialize([
-                (_ws_consumer, (args, 0, FP8, DESCALE)),
-                (_ws_consumer, (args, 1, FP8, DESCALE)),
-                (_ws_consumer, (args, 2, FP8, DESCALE)),
+                (_ws_consumer, (args, 0, FP8, DESCALE, EXP_POLY)),
+                (_ws_consumer, (args, 1, FP8, DESCALE, EXP_POLY)),
+                (_ws_consumer, (args, 2, FP8, DESCALE, EXP_POLY)),
                 (_ws_loader, (loader_args, FP8)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_ws_consumer, (args, 0, FP8, DESCALE)),
-                (_ws_consumer, (args, 1, FP8, DESCALE)),
+                (_ws_consumer, (args, 0, FP8, DESCALE, EXP_POLY)),
+                (_ws_consumer, (args, 1, FP8, DESCALE, EXP_POLY)),
                 (_ws_loader, (loader_args, FP8)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

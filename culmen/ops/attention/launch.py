@@ -22,7 +22,7 @@ from torch import Tensor
 
 from culmen.ops.attention import checks, launch_ws
 from culmen.ops.attention.combine import _combine_kernel, combine_blocks
-from culmen.ops.attention.kernels import LOG2E_F, _attn_fwd_kernel
+from culmen.ops.attention.kernels import LOG2E_F, _attn_fwd_kernel, _transpose_rows_kernel
 from culmen.ops.attention.kernels_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
@@ -38,7 +38,7 @@ from culmen.ops.attention.reference import (
     round_multiple,
 )
 from culmen.ops.attention.tma import ensure_allocator, nvidia_hopper, tma_reduce_available
-from culmen.ops.backend import check_values_on, choose_backend, deterministic_enabled
+from culmen.ops.backend import check_values_on, choose_backend, deterministic_enabled, interpreter_enabled
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter, traceable_kernels
 from culmen.ops.common.launch import aligned_16 as _aligned
 from culmen.ops.common.plans import clear_plans
@@ -773,10 +773,28 @@ def _transposed_v(v: Tensor, varlen: bool) -> Tensor:
     """``v`` ``(B, S, hk, d)`` / ``(T, hk, d)`` copied into ``(B, hk, d, S)`` / ``(hk, d, T)`` memory (the
     plan's ``v_t`` strides)."""
     if varlen:
-        return torch.empty((v.shape[1], v.shape[2], v.shape[0]), dtype=v.dtype, device=v.device).copy_(
-            v.permute(1, 2, 0))
-    B, S, H, D = v.shape
-    return torch.empty((B, H, D, S), dtype=v.dtype, device=v.device).copy_(v.permute(0, 2, 3, 1))
+        B, (S, H, D) = 1, v.shape
+        sb, (ss, sh, sd) = 0, v.stride()
+        out = torch.empty((H, D, S), dtype=v.dtype, device=v.device)
+    else:
+        B, S, H, D = v.shape
+        sb, ss, sh, sd = v.stride()
+        out = torch.empty((B, H, D, S), dtype=v.dtype, device=v.device)
+    kernel = v.device.type == "cuda" or interpreter_enabled()
+    if not kernel or sd != 1 or D & (D - 1) or not 16 <= D <= 256 or out.numel() == 0:
+        return out.copy_(v.permute(1, 2, 0) if varlen else v.permute(0, 2, 3, 1))
+    block = 64 if D <= 128 else 32
+    key = (cdiv(S, block), B * H, D, v.device)
+    la = _TRANSPOSE_LAUNCHES.get(key)
+    if la is None:
+        la = _TRANSPOSE_LAUNCHES[key] = Launch(_transpose_rows_kernel, key[:2], dict(D=D, BLOCK_S=block), 4, 1,
+                                               device=v.device)
+    stream = torch.cuda.current_stream(v.device).cuda_stream if v.device.type == "cuda" else None
+    la(stream, _aligned(v), v, out, S, H, sb, ss, sh)
+    return out
+
+
+_TRANSPOSE_LAUNCHES: dict = {}
 
 
 class _BwdPlan:

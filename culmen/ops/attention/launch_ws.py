@@ -26,11 +26,17 @@ WS_TUNING: dict = {
     "l2_bytes": 20 << 20,
     "tiles": {(64, False): (128, 3, 3, False), (64, True): (128, 3, 2, True),
               (128, False): (128, 3, 2, True), (128, True): (64, 3, 3, True)},
-    # float8_e4m3fn Q/K/V (bf16 output, V through the transposed copy): off until measured on the GPU (written
-    # and compiled for sm_90 without one; the Triton FP8 forward runs meanwhile). Tiles: first guesses.
-    "fp8": False,
-    "tiles_fp8": {(64, False): (128, 3, 2, True), (64, True): (128, 3, 2, True),
-                  (128, False): (128, 3, 2, True), (128, True): (128, 3, 2, True)},
+    # float8_e4m3fn Q/K/V (bf16 output, V through the transposed copy). H100, 16k tokens, s8k, TFLOP/s against
+    # the Triton FP8 forward: d128 full 847-863 vs 731 (3 warpgroups; 2 ping-ponged 781), causal 677-681 vs
+    # 637; d64 full 587 vs 446, causal 461 vs 422 (bench/results/h100/2026-11-28-s11-fp8-*.log)
+    "fp8": True,
+    "tiles_fp8": {(64, False): (128, 3, 3, False), (64, True): (128, 3, 3, False),
+                  (128, False): (128, 3, 3, False), (128, True): (128, 3, 2, True)},
+    # how many of every 4 exponentials the softmax computes on the FMA pipe instead of MUFU (kernels_ws
+    # ``_exp2_asm``), per (FP8, d). Off: it lost everywhere on the H100 (FP8 d128 full 847 -> 767 / 652
+    # TFLOP/s with 1 / 2 of 4; bf16 +-2%), and even no exponential at all (-1, an ablation) gave FP8 only
+    # 921: MUFU is not what limits these kernels
+    "exp_poly": {},
 }
 # Registers per thread of a consumer / the loader, by consumer count: the kernel's warps (consumers plus the
 # loader warp rounded up to a warpgroup) share 64K registers, re-split by setmaxnreg.
@@ -88,7 +94,8 @@ def ws_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, 
     bn, stages, nwg, pingpong = tile
     creg, lreg = WS_REGS[nwg]
     meta = dict(PERSISTENT=persistent, CAUSAL=causal, HEAD_D=d, BLOCK_N=bn, STAGES=stages, NUM_WG=nwg,
-                PINGPONG=pingpong, FP8=fp8, DESCALE=bool(descale) and fp8, CONSUMER_REGS=creg, LOADER_REGS=lreg,
+                PINGPONG=pingpong, FP8=fp8, DESCALE=bool(descale) and fp8,
+                EXP_POLY=WS_TUNING["exp_poly"].get((fp8, d), 0), CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([64, d], gdt),
                 kv_layout=gl.NVMMASharedLayout.get_default_for([bn, d], gdt),
                 vt_layout=gl.NVMMASharedLayout.get_default_for([d, bn], gdt),
