@@ -1,12 +1,18 @@
-"""Sweep the decoding tile configs (``launch.TUNING["decode"]``) on a GPU and print one table.
+"""Sweep the decoding tile configs (``launch.TUNING["decode"]`` / ``["decode_split"]``), split counts and merge
+kernels on a GPU.
 
-    python3 scripts/tune_decode.py [--configs "16,128,4,3 16,64,4,4 16,256,8,2"] [--splits auto 1]
+    python3 scripts/tune_decode.py [--configs "16,128,4,3 16,64,4,4"] [--splits auto 1]
+        [--shapes "1,32768,0 8,8192,256"] [--split-sets "1:8,16,32 8:1,2,4"] [--combine rows blocks]
+        [--graph] [--profile "1,32768,0"]
 
-For each config (BLOCK_M, BLOCK_N, warps, stages, applied to the d128 row) and split mode it times
-``flash_attn_with_kvcache`` one-token decoding (bf16, 32 query heads over 8 KV heads, d 128, the shapes of
-``culmen bench kvcache_decode``) with ``triton.testing.do_bench`` (eager wall, host cost included) and
-``do_bench_cudagraph`` (device time), prints ms and the KV bytes streamed per second, and SDPA's numbers on
-the same caches. Decides nothing: copy the winner into ``TUNING["decode"]`` by hand.
+For each config (BLOCK_M, BLOCK_N, warps, stages, applied to the d128 rows of both), merge kernel (``rows``:
+``TUNING["combine_rows"]`` on, ``blocks``: off) and split count it times ``flash_attn_with_kvcache`` one-token
+decoding (bf16, 32 query heads over 8 KV heads, d 128; shapes ``batch,cache length,page size or 0``, default
+those of ``culmen bench kvcache_decode``) with ``triton.testing.do_bench`` (eager wall, host cost included, L2
+flushed: the bench's ratio basis) and, with ``--graph``, ``do_bench_cudagraph`` (device time); prints ms, the KV
+bytes streamed per second and SDPA's numbers on the same caches. ``--split-sets`` gives per-batch split lists
+(``batch:s1,s2,..``), else ``--splits`` serves every shape. ``--profile`` prints the per-kernel device time of
+the default call (torch.profiler) for the shapes given. Decides nothing: copy the winner by hand.
 """
 
 from __future__ import annotations
@@ -23,73 +29,135 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from culmen.bench.decode import HEAD_DIM, HEADS, KV_HEADS, SHAPES  # noqa: E402
 from culmen.flash_attn import flash_attn_with_kvcache  # noqa: E402
 from culmen.ops.attention import launch  # noqa: E402
+from culmen.ops.attention.kvcache import pack_gqa_rows  # noqa: E402
 from culmen.ops.common.plans import clear_plans  # noqa: E402
 
+DEV = torch.device("cuda")  # (a CPU smoke test of the script swaps it)
 DEFAULT = "16,128,4,3 16,64,4,4 16,128,8,3 16,256,8,2 16,64,2,4 32,128,4,3"
 
 
-def _time(fn) -> tuple[float, float]:
+def _time(fn, graph: bool) -> tuple[float, float]:
     from triton.testing import do_bench, do_bench_cudagraph
 
-    wall = do_bench(fn, warmup=25, rep=100, return_mode="median")
-    graph = do_bench_cudagraph(fn, rep=100, return_mode="median")
-    return wall, graph
+    wall = do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return wall, (do_bench_cudagraph(fn, rep=40, return_mode="median") if graph else float("nan"))
 
 
-def _case(B: int, L: int, page: int, configs: list[str], split_modes: list[str], base: list) -> None:
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(0)
+def _inputs(B: int, L: int, page: int):
+    dev, dt = DEV, torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(B, 1, HEADS, HEAD_DIM, device=dev, dtype=dt, generator=g)
     k = torch.randn(B, L, KV_HEADS, HEAD_DIM, device=dev, dtype=dt, generator=g)
-    v = torch.randn_like(k)
+    v = torch.randn(B, L, KV_HEADS, HEAD_DIM, device=dev, dtype=dt, generator=g)
     lens = torch.full((B,), L, dtype=torch.int32, device=dev)
     kc, vc, table = k, v, None
     if page:
         n = L // page
-        perm = torch.randperm(B * n, device=dev)
+        perm = torch.randperm(B * n, device=dev, generator=g)
         table = perm.view(B, n).to(torch.int32)
         kc = torch.empty(B * n, page, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
         kc[perm] = k.reshape(B * n, page, KV_HEADS, HEAD_DIM)
         vc = torch.empty_like(kc)
         vc[perm] = v.reshape(B * n, page, KV_HEADS, HEAD_DIM)
+    return q, k, v, kc, vc, lens, table
+
+
+def _splits_used(B: int, L: int, splits: int, page: int) -> int:
+    rows = pack_gqa_rows(HEADS, KV_HEADS)
+    return launch.kvcache_splits(splits, DEV, torch.bfloat16, B, HEADS // rows, rows, L, HEAD_DIM, HEAD_DIM,
+                                 paged=page > 0)
+
+
+def _case(B, L, page, configs, combines, split_modes, base, base_split, graph) -> None:
+    q, k, v, kc, vc, lens, table = _inputs(B, L, page)
     nbytes = 2 * B * L * KV_HEADS * HEAD_DIM * 2
     label = f"B{B} L{L}" + (f" page{page}" if page else "")
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-    w, gr = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-    print(f"{label:28s} {'sdpa':26s} {w:9.4f} {gr:9.4f} {nbytes / gr / 1e6:13.0f}", flush=True)
-    ref = None
+    ref = F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+    w, gr = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), graph)
+    print(f"{label:24s} {'sdpa':30s} {w:9.4f} {gr:9.4f} {nbytes / w / 1e6:8.0f}", flush=True)
     for cfg in configs:
         bm, bn, warps, stages = (int(x) for x in cfg.split(","))
-        row = (bm, bn, warps, stages)
-        launch.TUNING["decode"] = [(r[0], *row) if r[0] <= 128 else r for r in base]
-        clear_plans()
-        for sp in split_modes:
-            splits = 0 if sp == "auto" else int(sp)
+        for comb in combines:
+            # the config serves every decode call of head dim <= 128, split over a dense cache or not
+            row = (bm, bn, warps, stages)
+            launch.TUNING["decode"] = [(r[0], *row) if r[0] <= 128 else r for r in base]
+            launch.TUNING["decode_split"] = [(r[0], *row) if r[0] <= 128 else r for r in base_split]
+            launch.TUNING["combine_rows"] = comb == "rows"
+            for sp in split_modes:
+                splits = 0 if sp == "auto" else int(sp)
 
-            def fn(s=splits):
-                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=s)
-            try:
-                out = fn()
-                ref = out if ref is None else ref
-                err = (out.float() - ref.float()).abs().max().item()
-                w, gr = _time(fn)
-                print(f"{label:28s} {cfg + ' s=' + sp:26s} {w:9.4f} {gr:9.4f} {nbytes / gr / 1e6:13.0f}"
-                      f"  diff {err:.1e}", flush=True)
-            except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
-                print(f"{label:28s} {cfg + ' s=' + sp:26s} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                def fn(s=splits):
+                    return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=s)
+                name = f"{cfg} {comb} s={sp}({_splits_used(B, L, splits, page)})"
+                try:
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    w, gr = _time(fn, graph)
+                    print(f"{label:24s} {name:30s} {w:9.4f} {gr:9.4f} {nbytes / w / 1e6:8.0f}  err {err:.1e}",
+                          flush=True)
+                except Exception as exc:  # a config that does not compile (shared memory) is reported, not fatal
+                    print(f"{label:24s} {name:30s} failed: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
     launch.TUNING["decode"] = base
+    launch.TUNING["decode_split"] = base_split
+    launch.TUNING["combine_rows"] = True
     clear_plans()
+
+
+def _profile(B: int, L: int, page: int, combines) -> None:
+    """Per-kernel device time of the default call (num_splits=0) under each merge kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, kc, vc, lens, table = _inputs(B, L, page)
+    for comb in combines:
+        launch.TUNING["combine_rows"] = comb == "rows"
+
+        def fn():
+            return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        times: dict = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                times.setdefault(e.name, []).append(e.device_time)
+        for name, ts in sorted(times.items()):
+            print(f"profile B{B} L{L} page{page} {comb:6s} {name[:48]:48s} {sum(ts) / len(ts):8.2f} us x{len(ts)}",
+                  flush=True)
+    launch.TUNING["combine_rows"] = True
+    clear_plans()
+
+
+def _shapes(text: str | None) -> list[tuple[int, int, int]]:
+    if not text:
+        return list(SHAPES)
+    return [tuple(int(x) for x in s.split(",")) for s in text.split()]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=DEFAULT)
     ap.add_argument("--splits", nargs="+", default=["auto", "1"])
+    ap.add_argument("--split-sets", default="", help="per batch size: '1:8,16,32 8:1,2,4'")
+    ap.add_argument("--shapes", default=None, help="'batch,cache length,page ...' (page 0: dense)")
+    ap.add_argument("--combine", nargs="+", default=["rows"], choices=["rows", "blocks"])
+    ap.add_argument("--graph", action="store_true", help="also time CUDA-graph replays (device time)")
+    ap.add_argument("--profile", default="", help="shapes whose default call is profiled per kernel")
     args = ap.parse_args()
-    base = list(launch.TUNING["decode"])
-    print(f"{'case':28s} {'variant':26s} {'wall ms':>9s} {'graph ms':>9s} {'GB/s (graph)':>13s}")
-    for B, L, page in SHAPES:
-        _case(B, L, page, args.configs.split(), args.splits, base)
+    per_batch = {int(b): s.split(",") for b, s in (x.split(":") for x in args.split_sets.split())}
+    base, base_split = list(launch.TUNING["decode"]), list(launch.TUNING["decode_split"])
+    name = torch.cuda.get_device_name() if DEV.type == "cuda" else DEV
+    print(f"{name} | torch {torch.__version__} | decode rows {base} | split rows {base_split}")
+    if args.profile:
+        for B, L, page in _shapes(args.profile):
+            _profile(B, L, page, args.combine)
+    print(f"{'case':24s} {'config combine splits(used)':30s} {'wall ms':>9s} {'graph ms':>9s} {'GB/s':>8s}")
+    for B, L, page in _shapes(args.shapes):
+        _case(B, L, page, args.configs.split(), args.combine, per_batch.get(B, args.splits), base, base_split,
+              args.graph)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ QUICK_SHAPES: list[tuple[int, int, int]] = [(1, 64, 0), (2, 64, 16)]
 FIXED_SPLITS = (4, 16)
 
 
-def _auto_splits(B: int, L: int, device: torch.device, dtype: torch.dtype) -> int:
+def _auto_splits(B: int, L: int, page: int, device: torch.device, dtype: torch.dtype) -> int:
     """What the automatic rule picks for this call with ``AUTO_SPLIT`` on (the flag restored after)."""
     from culmen.ops.attention import launch
     from culmen.ops.attention.kvcache import pack_gqa_rows
@@ -43,7 +43,7 @@ def _auto_splits(B: int, L: int, device: torch.device, dtype: torch.dtype) -> in
     saved = launch.AUTO_SPLIT
     launch.AUTO_SPLIT = True
     try:
-        return launch.kvcache_splits(0, device, dtype, B, HEADS // rows, rows, L, HEAD_DIM, HEAD_DIM)
+        return launch.kvcache_splits(0, device, dtype, B, HEADS // rows, rows, L, HEAD_DIM, HEAD_DIM, paged=page > 0)
     finally:
         launch.AUTO_SPLIT = saved
 
@@ -85,7 +85,7 @@ def bench_kvcache_decode(cfg: BenchConfig) -> Iterator[Case]:
         def sdpa(qt=qt, kt=kt, vt=vt):
             return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
-        auto = _auto_splits(B, L, dev, dtype)
+        auto = _auto_splits(B, L, page, dev, dtype)
         providers = {"culmen": ours(0), "culmen-s1": ours(1), "culmen-auto": ours(auto)}
         for s in FIXED_SPLITS:
             providers[f"culmen-s{s}"] = ours(s)

@@ -19,11 +19,12 @@ rotary (``rotary_cos/sin``, ``rotary_interleaved``, explicit offsets ``rotary_se
 ``cache_batch_idx``, ``cache_leftpad`` and ``page_table`` with any page size (1, 3, 64 ...).
 Split-KV decoding (flash-decoding) in ``flash_attn_with_kvcache``: ``num_splits > 1`` splits every row's keys
 into that many runs (fixed schedule: CUDA-graph capturable, no host sync), each writing a partial output and
-lse that ``flash_attn_combine`` merges; ``num_splits=0`` (the default) chooses on GPUs from batch, KV heads and
-cache capacity when ``seqlen_q <= 16`` and the programs would not fill the SMs
-(``culmen.ops.attention.launch.choose_num_splits``), else 1; a paged cache (any page size) is then read through
-``page_table`` directly. Accepted with no effect on the numbers: ``num_splits`` of the other functions,
-``pack_gqa``, ``sm_margin``, ``scheduler_metadata`` (``get_scheduler_metadata`` returns an int32 tensor for it).
+lse that a merge kernel combines (``flash_attn_combine``'s math); ``num_splits=0`` (the default) chooses on GPUs
+from batch, KV heads, cache capacity and paging when ``seqlen_q <= 16`` and the programs would not fill the SMs
+(``culmen.ops.attention.launch.choose_num_splits``), else 1. A paged cache (any page size) is read through
+``page_table`` directly under split-KV and whenever the kernel decodes (``seqlen_q <= 16``). Accepted with no
+effect on the numbers: ``num_splits`` of the other functions, ``pack_gqa``, ``sm_margin``, ``scheduler_metadata``
+(``get_scheduler_metadata`` returns an int32 tensor for it).
 
 FA3's features (issue 17), through ``culmen.ops.attention.op.attention_fa3`` and the KV-cache op:
 

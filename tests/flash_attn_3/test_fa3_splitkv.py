@@ -50,6 +50,13 @@ def test_choose_num_splits():
     assert choose_num_splits(64, 8, 1, 32768, 128, 64, 132) == 1
     assert choose_num_splits(1, 8, 17, 32768, 128, 64, 132) == 1
     assert choose_num_splits(2, 2, 1, 0, 128, 64, 132) == 1
+    # a paged cache: two waves at any batch (its programs stream slower through the page table)
+    assert choose_num_splits(8, 8, 4, 8192, 16, 128, 132) == 2
+    assert choose_num_splits(8, 8, 4, 8192, 16, 128, 132, paged=True) == 4
+    assert choose_num_splits(1, 8, 4, 640, 16, 128, 132, paged=True) == 3  # still one split per two key blocks
+    assert choose_num_splits(16, 8, 4, 8192, 16, 128, 132) == 1
+    assert choose_num_splits(16, 8, 4, 8192, 16, 128, 132, paged=True) == 2
+    assert choose_num_splits(64, 8, 4, 8192, 16, 128, 132, paged=True) == 1
 
 
 @pytest.mark.parametrize("splits", [2, 5])
@@ -73,17 +80,19 @@ def test_dense_cache_split_equals_unsplit_and_float64(triton_backend, splits, sq
         _check(out[b], lse[b], w, wl)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("page", [1, 3, 16])
-def test_paged_cache_read_through_the_table(triton_backend, page):
-    """Pages in a shuffled order, any page size; a V head dim of its own; one row with no key at all."""
+def test_paged_cache_read_through_the_table(triton_backend, page, splits):
+    """Pages in a shuffled order, any page size; a V head dim of its own; one row with no key at all. Decoding
+    reads the pages through the table split or not (no gathered copy of the cache)."""
     B, h, hk, d, dv, npages = 3, 2, 1, 16, 8, -(-40 // page)
     kc = torch.randn(B * npages, page, hk, d)
     vc = torch.randn(B * npages, page, hk, dv)
     table = torch.randperm(B * npages, dtype=torch.int32).view(B, npages)
     seqlens = torch.tensor([npages * page, 13, 0], dtype=torch.int32)
     q = torch.randn(B, 1, h, d)
-    out, lse, *_ = fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, num_splits=4,
-                                               return_softmax_lse=True)
+    out, lse, *_ = fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table,
+                                               num_splits=splits, return_softmax_lse=True)
     dk = kc[table.long()].reshape(B, npages * page, hk, d)
     dvv = vc[table.long()].reshape(B, npages * page, hk, dv)
     for b in range(B):
@@ -92,7 +101,7 @@ def test_paged_cache_read_through_the_table(triton_backend, page):
     assert torch.all(out[2] == 0) and torch.all(torch.isinf(lse[2]) & (lse[2] > 0))
     # the plan really took the direct paged read (no gathered copy)
     plans = [p for p in kvcache.PLANS.values() if getattr(p, "paged_direct", False) and p.attn.page == page]
-    assert plans and plans[-1].n_splits == min(4, -(-npages * page // 16))  # at most one split per key block (16)
+    assert plans and plans[-1].n_splits == min(splits, -(-npages * page // 16))  # at most one split per key block
 
 
 def test_split_with_qv_and_new_tokens_paged(triton_backend):
@@ -109,6 +118,28 @@ def test_split_with_qv_and_new_tokens_paged(triton_backend):
     for b in range(B):
         torch.testing.assert_close(dk[b, int(seqlens[b])], kn[b, 0])  # appended through the table
         w, wl = attend64(q[b], dk[b], dvv[b], int(seqlens[b]) + 1, False, qv=qv[b])
+        _check(out[b], lse[b], w, wl)
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["merge_rows", "merge_blocks"])
+def test_many_splits_merge_kernels(triton_backend, monkeypatch, rows):
+    """40 splits of a d128 cache, more than one chunk of the per-row merge (32 splits of 128 values): both merge
+    kernels give float64 attention, with and without the lse (the merge then writes it into the workspace)."""
+    from culmen.ops.attention import launch
+
+    monkeypatch.setitem(launch.TUNING, "combine_rows", rows)
+    B, h, hk, d, S = 2, 2, 1, 128, 40 * 16
+    kc, vc = torch.randn(B, S, hk, d), torch.randn(B, S, hk, d)
+    q = torch.randn(B, 1, h, d)
+    seqlens = torch.tensor([S, 100], dtype=torch.int32)  # row 1: most splits see no key
+    out, lse, *_ = fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=40,
+                                               return_softmax_lse=True)
+    plan = [p for p in kvcache.PLANS.values() if p.attn.k_shape == kc.shape and p.return_lse][-1]
+    assert plan.n_splits == 40
+    alone = fa3.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=40)
+    assert torch.equal(alone, out)
+    for b in range(B):
+        w, wl = attend64(q[b], kc[b], vc[b], int(seqlens[b]), False)
         _check(out[b], lse[b], w, wl)
 
 

@@ -132,11 +132,12 @@ def test_kvcache_decode(fake):
     assert _allocs(n) == 1
 
 
-@pytest.mark.parametrize("splits,python,c,allocs", [(1, 24, 22, 1), (4, 26, 26, 4)])
+@pytest.mark.parametrize("splits,python,c,allocs", [(1, 24, 19, 1), (4, 26, 21, 2)])
 def test_kvcache_decode_pack_gqa(fake, splits, python, c, allocs):
-    """One-token GQA decoding (4 query heads per KV head, pack-GQA): q is read through a strided view and the
-    output written straight into the (B, 1, h, d) result (no copy back); split-KV adds the partials, the lse
-    buffer and one planned merge launch (no flash_attn_combine checks per call)."""
+    """One-token GQA decoding (4 query heads per KV head, pack-GQA): q is read through its own strides (no
+    packed view made) and the output written straight into the (B, 1, h, d) result the plan allocates (no
+    view or copy back); split-KV adds one fp32 workspace (partial outputs, their lse and the merge's lse) and
+    one planned merge launch (no flash_attn_combine checks per call)."""
     from culmen.flash_attn import flash_attn_with_kvcache
 
     kc, vc = torch.randn(1, 512, 2, 64, dtype=BF16), torch.randn(1, 512, 2, 64, dtype=BF16)
@@ -148,4 +149,5 @@ def test_kvcache_decode_pack_gqa(fake, splits, python, c, allocs):
 
     n = assert_host_budget(call, python=python, c=c)
     assert _allocs(n) + n.c_names["_VariableFunctionsClass.empty_strided"] == allocs
-    assert n.c_names["Tensor.reshape"] == 0 and n.c_names["Tensor.contiguous"] == 0
+    for name in ("Tensor.reshape", "Tensor.contiguous", "Tensor.as_strided", "Tensor.transpose", "Tensor.view"):
+        assert n.c_names[name] == 0, f"{name} on the cached path: {n}"

@@ -72,6 +72,60 @@ def _combine_kernel(O_part, LSE_part, Out, LSE_out, n_rows, S, H, D, num_splits,
              acc.to(Out.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _combine_rows_kernel(O_part, LSE_part, Out, LSE_out, S, H, D, num_splits,
+                         so_split, so_b, so_s, so_h, so_d,
+                         sl_split, sl_b, sl_s, sl_h,
+                         out_b, out_s, out_h, out_d,
+                         lo_b, lo_s, lo_h,
+                         BLOCK_SPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+                         EMPTY_LSE: tl.constexpr = float("-inf")):
+    """The merge of ``_combine_kernel`` with one program per row: the ``(CHUNK, BLOCK_D)`` partial outputs of
+    ``CHUNK`` splits are loaded at once instead of one split after another. Split-KV decoding merges few rows
+    (batch 1 over 8 KV heads: 32 rows, 2 programs of ``_combine_kernel``) of many splits, where a loop of
+    dependent-latency loads per split is what the merge costs."""
+    row = tl.program_id(0).to(tl.int64)
+    h = row % H
+    t = row // H
+    s = t % S
+    b = t // S
+    splits = tl.arange(0, BLOCK_SPLIT)
+    lse_row = b * sl_b + s * sl_s + h * sl_h
+    lse = tl.load(LSE_part + lse_row + splits.to(tl.int64) * sl_split, mask=splits < num_splits,
+                  other=float("-inf")).to(tl.float32)
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight exp(-inf) = 0
+    total = tl.sum(tl.exp(lse - m_safe), 0)
+    seen = total > 0.0
+    safe_total = tl.where(seen, total, 1.0)
+    inv = tl.where(seen, 1.0 / safe_total, 0.0)
+    if tl.program_id(1) == 0:
+        tl.store(LSE_out + b * lo_b + s * lo_s + h * lo_h, tl.where(seen, tl.log(safe_total) + m, EMPTY_LSE))
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    o_row = O_part + b * so_b + s * so_s + h * so_h + cols.to(tl.int64)[None, :] * so_d
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    part = tl.arange(0, CHUNK)
+    for c0 in range(0, num_splits, CHUNK):
+        sp = c0 + part
+        ls = tl.load(LSE_part + lse_row + sp.to(tl.int64) * sl_split, mask=sp < num_splits, other=float("-inf"))
+        w = tl.exp(ls.to(tl.float32) - m_safe) * inv
+        # empty splits are not read: their partial output may be garbage
+        o = tl.load(o_row + sp.to(tl.int64)[:, None] * so_split, mask=(w > 0.0)[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w[:, None] * o, 0)
+    tl.store(Out + b * out_b + s * out_s + h * out_h + cols.to(tl.int64) * out_d, acc.to(Out.dtype.element_ty),
+             mask=cmask)
+
+
+def combine_rows_blocks(n_splits: int, D: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_SPLIT, CHUNK, BLOCK_D, num_warps)`` of ``_combine_rows_kernel``: a chunk of at most 4096
+    partial values in flight per program (32 registers a thread at 4 warps)."""
+    block_split = triton.next_power_of_2(n_splits)
+    block_d = min(128, triton.next_power_of_2(D))
+    return block_split, max(1, min(block_split, 4096 // block_d)), block_d, 4
+
+
 def combine_blocks(n_splits: int, D: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_D, BLOCK_SPLIT)`` of the combine kernel for ``n_splits`` splits of head dim ``D``."""
     block_split = triton.next_power_of_2(n_splits)

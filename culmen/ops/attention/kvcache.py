@@ -7,8 +7,9 @@ A ``KVCachePlan`` holds what one call signature derives (the checks passed, the 
 and the ``AttnPlan`` of the attention, whose forward kernel reads each row's key range itself:
 ``K_RANGE``, the end computed in-kernel as ``cache_seqlens[b] + seqlen_new``). A paged cache
 (``block_table``) or ``cache_batch_idx`` is gathered into a dense ``(B, seqlen_k, hk, d)`` tensor first, except
-under split-KV decoding (``num_splits > 1``, or chosen by ``launch.kvcache_splits``), where the kernel reads the
-pages through the (clamped) page table and ``flash_attn_combine`` merges the splits' partial results.
+when the Triton kernel decodes (at most ``SPLIT_MAX_SEQLEN_Q`` query rows) or splits the keys (``num_splits > 1``,
+or chosen by ``launch.kvcache_splits``): it then reads the pages through the (clamped) page table. Under split-KV a
+second kernel merges the splits' partial results by their lse.
 
 Bad values (memory safety first, DESIGN.md): what shapes alone decide is checked when the plan is built
 (``seqlen_new`` larger than the cache, a cache with fewer rows than the batch, rotary tables shorter than
@@ -192,10 +193,15 @@ class KVCachePlan:
                      and attention_chunk == 0 and qv is None and use_kernels(q.device, q.dtype, max(d, dv)))
         rows, heads = (self.pack_rows, h // self.pack_rows) if self.pack else (sq, h)
         # Split-KV (flash-decoding): num_splits > 1 as given, 0 automatic (GPU decoding that would not fill the
-        # SMs), fixed per plan; the work units are the programs' (batch, query head) pairs. A paged cache is
-        # then read through its page table (no gather).
-        self.n_splits = kvcache_splits(num_splits, q.device, q.dtype, B, heads, rows, capacity, d, dv)
-        self.paged_direct = self.paged and self.n_splits > 1
+        # SMs), fixed per plan; the work units are the programs' (batch, query head) pairs.
+        self.n_splits = kvcache_splits(num_splits, q.device, q.dtype, B, heads, rows, capacity, d, dv,
+                                       paged=self.paged)
+        # A paged cache is read by the kernel through its page table (no gather) under split-KV and, unsplit, when
+        # decoding: gathering the pages into a dense copy first costs a read and a write of the whole cache per
+        # call (H100, B8 L8192 page 256: 0.30 ms unsplit through the gather against 0.10 ms for a dense cache).
+        self.paged_direct = self.paged and (self.n_splits > 1 or (
+            sq <= SPLIT_MAX_SEQLEN_Q and use_kernels(q.device, q.dtype, max(d, dv))))
+        self.table_contiguous = self.paged and block_table.is_contiguous()
         paged_strides = None
         # What the attention reads: the cache itself, or a dense (B, seqlen_k, hk, d) gather of it.
         if self.paged_direct:
@@ -227,7 +233,11 @@ class KVCachePlan:
                              attention_chunk=attention_chunk, descale=descale, fa3=True, qv=qv is not None,
                              n_splits=self.n_splits, page=page if self.paged_direct else 0,
                              paged_strides=paged_strides, n_pages=self.n_cache_rows if self.paged_direct else 0,
-                             out_strides=(h * dv, dv, self.pack_rows * dv, 1) if self.pack else None)
+                             out_strides=(h * dv, dv, self.pack_rows * dv, 1) if self.pack else None,
+                             out_alloc=self.out_shape if self.pack else None)
+        # The kernels read q through its pointer and the plan's strides: the packed view is only needed where the
+        # plan copies q (a head dim that is not unit-stride), as then q's shape decides the copy's layout.
+        self.pack_view = self.pack and (not self.attn.use_kernel or self.attn.copy[0])
         self.append = None
         # The append kernel writes k and v rows of one head dim; a V head dim of its own appends in PyTorch.
         if s_new and self.attn.use_kernel and dv == d:
@@ -299,8 +309,9 @@ class KVCachePlan:
         table = None
         if self.paged_direct:
             kd, vd = k_cache, v_cache
-            # int32 (checked); the kernel clamps the page numbers it reads (no launch here)
-            table = block_table.contiguous()
+            # int32 (checked); the kernel clamps the page numbers it reads (no launch here). The table's strides are
+            # part of the plan's key: a contiguous one is passed as is.
+            table = block_table if self.table_contiguous else block_table.contiguous()
         elif self.paged:
             blocks = _gather_index(block_table, self.n_cache_rows)
             kd = k_cache[blocks].reshape(self.attn.k_shape)
@@ -310,15 +321,14 @@ class KVCachePlan:
             kd, vd = k_cache[rows], v_cache[rows]
         else:
             kd, vd = k_cache, v_cache
-        if self.pack:  # (B, 1, h, d) read as (B, P, h / P, d): query head j * P + p is row p of packed head j
+        if self.pack_view:  # (B, 1, h, d) read as (B, P, h / P, d): query head j * P + p is row p of packed head j
             q = q.as_strided(self.pack_shape, self.pack_strides)
         out, lse, _ = self.attn.forward(q, kd, vd, alibi_slopes, None, store_lse=self.return_lse,
                                         k_start=cache_leftpad, k_end=cache_seqlens, aligned=aligned,
                                         descales=descales, qv=qv, table=table)
-        if self.pack:  # out (B, P, h/P, dv) was written into (B, 1, h, dv) memory; lse (B, h/P, P) is (B, h, 1)
-            out = out.transpose(1, 2).view(self.out_shape)
-            if lse is not None:
-                lse = lse.view(B, -1, 1)
+        # (pack-GQA: out (B, P, h/P, dv) was written into the (B, 1, h, dv) tensor the plan allocated)
+        if self.pack and lse is not None:  # lse (B, h/P, P) is (B, h, 1)
+            lse = lse.view(B, -1, 1)
         return out, lse
 
 

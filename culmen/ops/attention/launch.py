@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from culmen.ops.attention import checks, launch_ws
-from culmen.ops.attention.combine import _combine_kernel, combine_blocks
+from culmen.ops.attention.combine import _combine_kernel, _combine_rows_kernel, combine_blocks, combine_rows_blocks
 from culmen.ops.attention.kernels import LOG2E_F, _attn_fwd_kernel, _transpose_rows_kernel
 from culmen.ops.attention.kernels_bwd import (
     _attn_bwd_dkdv_kernel,
@@ -78,6 +78,14 @@ TUNING = PlanTuning({
     # KV-cache calls with at most SPLIT_MAX_SEQLEN_Q query rows (decoding; with pack-GQA the rows are the query
     # heads of one KV head): a 16-row query tile, the loop streaming wide key blocks. Same columns as "fwd".
     "decode": [(64, 16, 128, 4, 3), (128, 16, 128, 4, 3), (256, 16, 64, 4, 2), (512, 16, 32, 4, 1)],
+    # The programs of split-KV decoding over a dense cache (paged caches keep "decode"): a 64-key block at d128.
+    # H100, batch 1, 16 splits, three runs each (s11 sweep logs): 4k keys 0.0202 ms vs 0.0223 for 128-key
+    # blocks, 32k 0.0658 vs 0.0672, 128k 0.1926 vs 0.1957; unsplit calls (batch 64) and the paged split (batch 8,
+    # 4 splits: 0.119 vs 0.111) were slower with it.
+    "decode_split": [(64, 16, 128, 4, 3), (128, 16, 64, 4, 3), (256, 16, 64, 4, 2), (512, 16, 32, 4, 1)],
+    # Split-KV's merge by combine._combine_rows_kernel (one program per query row, a chunk of splits loaded at
+    # once) instead of _combine_kernel (row blocks, one split after another).
+    "combine_rows": True,
     # Forward K/V loads through per-program TMA tensor descriptors (Hopper+, 16-byte aligned inputs).
     # Off: +2% at d128 and nothing at d64 on the H100 (Triton 3.6), and ptxas crashed on the
     # num_stages=2 variants; Triton's warp specialization on top of it gained nothing either.
@@ -170,24 +178,35 @@ def _bwd_options(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> d
 
 
 def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-                      num_sms: int) -> int:
+                      num_sms: int, paged: bool = False) -> int:
     """The automatic split-KV factor of a KV-cache call (``num_splits=0``): 1 unless the call decodes
     (``seqlen_q <= SPLIT_MAX_SEQLEN_Q``) and its ``batch * nheads_kv * ceil(seqlen_q / block_m)`` work units fill
-    at most half of the ``num_sms`` SMs; then as many splits as fit one wave, at most one per two key blocks of
-    the cache (``seqlen_k``, its capacity: a host number, so the choice is fixed per plan, no sync) and
-    ``MAX_SPLITS``."""
+    at most half of the ``num_sms`` SMs; then as many splits as fit one wave. A ``paged`` cache: as many as fit
+    two waves, at any batch. At most one split per two key blocks of the cache (``seqlen_k``, its capacity: a host
+    number, so the choice is fixed per plan, no sync) and ``MAX_SPLITS``."""
     if seqlen_q > SPLIT_MAX_SEQLEN_Q or seqlen_q <= 0 or seqlen_k <= 0:
         return 1
     units = batch * nheads_kv * cdiv(seqlen_q, block_m)
-    if units == 0 or 2 * units > num_sms:
+    if units == 0:
         return 1
-    # As many splits as one wave holds: a partial second wave cost more than it gained (H200, d128 GQA 32/8:
-    # batch 4 ran 4 splits in 0.088 ms, 5 in 0.112; batch 1 ran 16 in 0.062 ms at 32k keys, 4 in 0.104)
-    return max(1, min(num_sms // units, cdiv(seqlen_k, 2 * block_n), MAX_SPLITS))
+    cap = min(cdiv(seqlen_k, 2 * block_n), MAX_SPLITS)
+    if paged:
+        # Paged caches: two waves, whatever the batch. Each program reads its rows through the page table and
+        # streams about half as fast as a dense one (H100, batch 8 L8192, one split: 0.208 ms paged, 0.103 dense),
+        # so more programs in flight pay (batch 8 page 256: 2 splits 0.127 ms, 3 0.115, 4 0.111, 8 0.116; batch
+        # 1 L32k: 16 0.0744, 33 0.0716; batch 4 L16k: 4 0.128, 8 0.114; batch 16 L4k: 1 0.126, 2 0.114).
+        return max(1, min(2 * num_sms // units, cap))
+    if 2 * units > num_sms:
+        return 1
+    # Dense caches: as many splits as one wave holds. A partial second wave cost more than it gained (H200, d128
+    # GQA 32/8: batch 4 ran 4 splits in 0.088 ms, 5 in 0.112), and full extra waves gained nothing either (H100,
+    # batch 1, 16-row 128-key tiles: 16 splits 0.0656 ms at 32k keys, 32 splits 0.0695, 64 0.0738, 8 0.0660;
+    # 128k keys 0.1915 / 0.1948 / 0.1994; 64-key tiles, up to three programs per SM, the same; s11 sweep log).
+    return max(1, min(num_sms // units, cap))
 
 
 def kvcache_splits(num_splits: int, device: torch.device, dtype: torch.dtype, batch: int, nheads_kv: int,
-                   seqlen_q: int, seqlen_k: int, head_dim: int, head_dim_v: int) -> int:
+                   seqlen_q: int, seqlen_k: int, head_dim: int, head_dim_v: int, paged: bool = False) -> int:
     """The number of key splits a KV-cache call runs with: ``num_splits > 1`` as given (at most one per key block
     and ``MAX_SPLITS``), ``1`` as given, ``0`` (or negative) ``choose_num_splits`` on GPUs when ``AUTO_SPLIT`` is on
     (1 on CPU, where there are no SMs to fill). Always 1 when the Triton kernels do not run the call."""
@@ -201,7 +220,7 @@ def kvcache_splits(num_splits: int, device: torch.device, dtype: torch.dtype, ba
     if device.type != "cuda" or not AUTO_SPLIT:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return choose_num_splits(batch, nheads_kv, seqlen_q, seqlen_k, bm, bn, sms)
+    return choose_num_splits(batch, nheads_kv, seqlen_q, seqlen_k, bm, bn, sms, paged)
 
 
 def _stride_unit(strides) -> int:
@@ -257,7 +276,7 @@ class AttnPlan:
                  deterministic=False, return_lse=True, return_probs=False, k_range: int = 0, k_add: int = 0,
                  traced: bool = False, attention_chunk: int = 0, descale: bool = False, fa3: bool = False,
                  qv: bool = False, n_splits: int = 1, page: int = 0, paged_strides=None, n_pages: int = 0,
-                 out_strides: tuple | None = None) -> None:
+                 out_strides: tuple | None = None, out_alloc: tuple | None = None) -> None:
         self.kind = kind
         self.varlen = varlen = kind == "varlen"
         if kind == "dense":
@@ -281,12 +300,15 @@ class AttnPlan:
         # counts both head dims.
         self.qv = bool(qv)
         # Split-KV decoding (kvcache only, see kvcache_splits) and a paged cache read through its page table
-        # (page size ``page``; ``paged_strides`` the caches' (page, row, head) strides), used with splits only.
+        # (page size ``page``; ``paged_strides`` the caches' (page, row, head) strides; kvcache decides when).
         self.n_splits, self.page, self.paged_strides = int(n_splits), int(page), paged_strides
         self.n_pages = int(n_pages)  # the paged cache's number of pages (the kernel clamps page numbers)
         # The output's strides when the caller wants it laid out otherwise than contiguous (pack-GQA decoding
         # writes (B, G, hk, dv) straight into the (B, 1, h, dv) memory the caller returns).
         self.out_strides = None if out_strides is None else tuple(int(x) for x in out_strides)
+        # ``out_alloc``: a contiguous shape with that memory layout (the caller's (B, 1, h, dv)), allocated as such
+        # so the caller returns it as is.
+        self.out_alloc = None if out_alloc is None else tuple(int(x) for x in out_alloc)
         if self.qv and self.fp8:
             raise ValueError("qv cannot be combined with float8 q/k/v (FA3 has no FP8 qv either)")
         self.out_dtype = torch.bfloat16 if self.fp8 else q.dtype
@@ -401,8 +423,9 @@ class AttnPlan:
             CHUNK=self.chunk, QV=self.qv,
         )
         decode = self.kind == "kvcache" and self.sq <= SPLIT_MAX_SEQLEN_Q
-        bm, bn, warps, stages = _blocks("decode" if decode else "fwd_fp8" if self.fp8 else "fwd", self.block_w,
-                                        on_gpu, q.dtype)
+        tiles = (("decode_split" if self.n_splits > 1 and not self.page else "decode") if decode
+                 else "fwd_fp8" if self.fp8 else "fwd")
+        bm, bn, warps, stages = _blocks(tiles, self.block_w, on_gpu, q.dtype)
         su = _stride_unit(self.qs + self.ks + self.vs + self.os)
         self.num_m = cdiv(self.sq, bm)
         self.fwd_grid = ((self.num_m * self.B * self.H, self.n_splits) if self.n_splits > 1
@@ -417,9 +440,15 @@ class AttnPlan:
         fp8_tma = TUNING["fp8_tma"] and (not on_gpu or self.fwd_cfg[3] >= 3)
         self.tma = ((fp8_tma if self.v_t else TUNING["tma"] and not self.fp8) and not traced
                     and not self.varlen and not any(self.copy[1:]) and not self.split_v and self.n_splits == 1
+                    and not self.page
                     and all((s * es) % 16 == 0 for s in self.ks + self.vs)
                     and (not on_gpu or nvidia_hopper(q.device)))
         self.fwd_empty = self.fwd_grid[0] == 0
+        if self.n_splits > 1:  # the split workspace: o_part (n, B, sq, H, DV) | l_part (n, B, H, sq) | lse
+            n_o, n_l = self.n_splits * self.o_shape.numel(), self.n_splits * self.B * self.H * self.sq
+            self.split_l = round_multiple(n_o, 4)  # 16-byte aligned starts (the kernels assume aligned pointers)
+            self.split_s = self.split_l + round_multiple(n_l, 4)
+            self.split_ws = self.split_s + self.B * self.H * self.sq
         # Pointers besides q/k/v whose alignment the direct launch must check per call.
         self.extra_ptrs = self.has_alibi or self.varlen or self.k_range > 0 or self.descale or self.qv
         self.atomic_ok = (TUNING["atomic_dq"] or TUNING["tma_dq"]) and not self.deterministic and not self.qv
@@ -459,7 +488,7 @@ class AttnPlan:
             bm, bn, warps, stages, su = self.fwd_cfg
             meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=self.block_d, **self.flags, HEAVY_FIRST=self.flags["HAS_RIGHT"],
                         USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale,
-                        SPLIT=self.n_splits > 1, PAGE=self.page if self.n_splits > 1 else 0, V_T=self.v_t,
+                        SPLIT=self.n_splits > 1, PAGE=self.page, V_T=self.v_t,
                         EXP16=self.fp8 and self.on_gpu and TUNING["fp8_exp16"],
                         OVERLAP=(TUNING["fp8_overlap"] and tma if self.v_t else TUNING["fwd_overlap"]) and not self.qv)
             la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
@@ -541,27 +570,31 @@ class AttnPlan:
 
     def _forward_split(self, q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table, store_lse, aligned):
         """Split-KV (flash-decoding): one launch of ``n_splits`` programs per query block, each writing its
-        split's fp32 partial output and lse, merged by ``flash_attn_combine``. Fixed shapes, no host sync (CUDA
+        split's fp32 partial output and lse, merged by the combine kernel. Fixed shapes, no host sync (CUDA
         graphs capture it)."""
-        dev, n = self.device, self.n_splits
-        o_part = torch.empty((n, *self.o_shape), dtype=_F32, device=dev)
-        l_part = torch.empty((n, *self.lse_shape), dtype=_F32, device=dev)
+        dev = self.device
+        # One fp32 workspace holds the partial outputs, their lse and (when the caller wants no lse) the merge's
+        # lse: one allocation instead of three (each ~3 us of host time on the H100 machine, a slice ~1 us).
+        ws = torch.empty(self.split_ws, dtype=_F32, device=dev)
+        l_part = ws[self.split_l:]
         if aligned is None:
             aligned = _aligned(q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table)
         la = self._fwd.get(True) or self.fwd_launch(True)
         stream = self.stream()
-        la(stream, aligned, q, k, v, o_part, l_part, alibi, None, None, None, k_start, k_end, qd, kd, vd, qv,
+        la(stream, aligned, q, k, v, ws, l_part, alibi, None, None, None, k_start, k_end, qd, kd, vd, qv,
            table, *self.fwd_ints)
         out = self._new_out()
-        lse = torch.empty(self.lse_shape, dtype=_F32, device=dev)  # the merge writes it either way
+        lse = torch.empty(self.lse_shape, dtype=_F32, device=dev) if store_lse else ws[self.split_s:]
         # the merge's planned launch (flash_attn_combine re-checks and re-binds every call: ~65 us of host time)
         comb = self._fwd.get("combine") or self._combine_launch()
-        comb(stream, True, o_part, l_part, out, lse, *self.combine_ints)
+        comb(stream, True, ws, l_part, out, lse, *self.combine_ints)
         return out, (lse if store_lse else None), None
 
     def _new_out(self) -> Tensor:
         if self.out_strides is None:
             return torch.empty(self.o_shape, dtype=self.out_dtype, device=self.device)
+        if self.out_alloc is not None:  # the caller's shape, whose memory is out_strides' layout (no view made)
+            return torch.empty(self.out_alloc, dtype=self.out_dtype, device=self.device)
         return torch.empty_strided(self.o_shape, self.out_strides, dtype=self.out_dtype, device=self.device)
 
     def _combine_launch(self) -> Launch:
@@ -569,15 +602,22 @@ class AttnPlan:
         ``l_part (n, B, H, sq)`` contiguous, ``out (B, sq, H, DV)``, ``lse (B, H, sq)``; rows with no key get
         lse ``+inf`` (culmen's convention)."""
         n, (B, S, H, DV) = self.n_splits, self.o_shape
-        bm, bd, bs = combine_blocks(n, DV)
         rows = B * S * H
         o_st = (B * S * H * DV, S * H * DV, H * DV, DV, 1)
         l_st = (B * H * S, H * S, 1, S)  # l_part read as (n, B, sq, H)
         out_st = self.out_strides or (S * H * DV, H * DV, DV, 1)
-        self.combine_ints = (rows, S, H, DV, n, *o_st, *l_st, *out_st, H * S, 1, S)
-        la = self._fwd["combine"] = Launch(_combine_kernel, (cdiv(rows, bm), cdiv(DV, bd)),
-                                           dict(BLOCK_M=bm, BLOCK_D=bd, BLOCK_SPLIT=bs, EMPTY_LSE=float("inf")),
-                                           4, 3, device=self.device)
+        if TUNING["combine_rows"]:
+            bs, chunk, bd, warps = combine_rows_blocks(n, DV)
+            self.combine_ints = (S, H, DV, n, *o_st, *l_st, *out_st, H * S, 1, S)
+            la = Launch(_combine_rows_kernel, (rows, cdiv(DV, bd)),
+                        dict(BLOCK_SPLIT=bs, CHUNK=chunk, BLOCK_D=bd, EMPTY_LSE=float("inf")), warps, 1,
+                        device=self.device)
+        else:
+            bm, bd, bs = combine_blocks(n, DV)
+            self.combine_ints = (rows, S, H, DV, n, *o_st, *l_st, *out_st, H * S, 1, S)
+            la = Launch(_combine_kernel, (cdiv(rows, bm), cdiv(DV, bd)),
+                        dict(BLOCK_M=bm, BLOCK_D=bd, BLOCK_SPLIT=bs, EMPTY_LSE=float("inf")), 4, 3, device=self.device)
+        self._fwd["combine"] = la
         return la
 
     def check_cu(self, q, k, cu_q, cu_k) -> None:
