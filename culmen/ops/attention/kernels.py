@@ -593,10 +593,14 @@ def _transpose_rows_kernel(x_ptr, y_ptr, S, H, sxb, sxs, sxh, D: tl.constexpr, B
     """``y[b, h, :, s] = x[b, s, h, :]`` for one ``BLOCK_S``-row slab of one (batch, head): the FP8 forward's
     K-major V. Rows are read along ``d`` and written along ``s``, both coalesced (a strided torch copy of
     one-byte elements runs at a fraction of the bandwidth)."""
-    bh = tl.program_id(1).to(tl.int64)
+    # one flat grid (CUDA's second grid dimension stops at 65535 programs: batch * heads can pass it)
+    pid = tl.program_id(0).to(tl.int64)
+    n_s = tl.cdiv(S, BLOCK_S)
+    bh = pid // n_s
     b = bh // H
     h = bh % H
-    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s = (pid % n_s) * BLOCK_S + tl.arange(0, BLOCK_S)
     dd = tl.arange(0, D)
     x = tl.load(x_ptr + b * sxb + h * sxh + s[:, None].to(tl.int64) * sxs + dd[None, :], mask=s[:, None] < S)
-    tl.store(y_ptr + bh * D * S + dd[:, None] * S + s[None, :], tl.trans(x), mask=s[None, :] < S)
+    # int64 offsets: a varlen V of T tokens has D * T elements per head, past int32 for T beyond ~8M at d256
+    tl.store(y_ptr + bh * D * S + dd[:, None].to(tl.int64) * S + s[None, :], tl.trans(x), mask=s[None, :] < S)

@@ -824,10 +824,12 @@ def _transposed_v(v: Tensor, varlen: bool) -> Tensor:
     if not kernel or sd != 1 or D & (D - 1) or not 16 <= D <= 256 or out.numel() == 0:
         return out.copy_(v.permute(1, 2, 0) if varlen else v.permute(0, 2, 3, 1))
     block = 64 if D <= 128 else 32
-    key = (cdiv(S, block), B * H, D, v.device)
+    key = (cdiv(S, block) * B * H, D, v.device)
     la = _TRANSPOSE_LAUNCHES.get(key)
     if la is None:
-        la = _TRANSPOSE_LAUNCHES[key] = Launch(_transpose_rows_kernel, key[:2], dict(D=D, BLOCK_S=block), 4, 1,
+        if len(_TRANSPOSE_LAUNCHES) >= 64:  # varlen batches bring a new length each call: keep the cache bounded
+            _TRANSPOSE_LAUNCHES.clear()
+        la = _TRANSPOSE_LAUNCHES[key] = Launch(_transpose_rows_kernel, key[:1], dict(D=D, BLOCK_S=block), 4, 1,
                                                device=v.device)
     stream = torch.cuda.current_stream(v.device).cuda_stream if v.device.type == "cuda" else None
     la(stream, _aligned(v), v, out, S, H, sb, ss, sh)
