@@ -37,6 +37,10 @@ WS_TUNING: dict = {
     # TFLOP/s with 1 / 2 of 4; bf16 +-2%), and even no exponential at all (-1, an ablation) gave FP8 only
     # 921: MUFU is not what limits these kernels
     "exp_poly": {},
+    # Calls traced by torch.compile that the Gluon forward would take run as opaque custom ops calling the eager
+    # plans (op.py ``_ws_under_compile``; else the triton_ops, whose Triton kernels Inductor launches itself).
+    # Off: written after the session's GPU time ran out; tested on CPU only (the ops' fake and autograd wiring).
+    "compile": False,
 }
 # Registers per thread of a consumer / the loader, by consumer count: the kernel's warps (consumers plus the
 # loader warp rounded up to a warpgroup) share 64K registers, re-split by setmaxnreg.

@@ -35,8 +35,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.attention import checks
-from culmen.ops.attention.launch import AttnPlan
+from culmen.ops.attention import checks, launch_ws
+from culmen.ops.attention.launch import AttnPlan, use_kernels
+from culmen.ops.attention.tma import nvidia_hopper
 from culmen.ops.backend import register_op
 from culmen.ops.common.function import raw_apply
 from culmen.ops.common.outputs import nothing
@@ -278,6 +279,10 @@ def _attention_compiled(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_sc
         checks.check_common(q, k, v, dropout_p, window_size, softcap, alibi, cu_q.shape[0] - 1, 3,
                             "(total, nheads, headdim)")
     scale = int(q.shape[-1]) ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if cu_q is None and _ws_under_compile(q, k, v, dropout_p, causal, window_size, softcap, alibi, deterministic,
+                                          return_probs):
+        out, lse = flash_attn_ws_fwd_op(q, k, v, scale, bool(causal))
+        return (out, lse, nothing(q.device, q.dtype)) if return_lse else out
     rng = _rng_state(dropout_p, q.device) if dropout_p > 0.0 else None
     tail = (alibi, rng, float(dropout_p), scale, bool(causal), int(window_size[0]), int(window_size[1]),
             float(softcap), bool(return_probs), bool(deterministic))
@@ -286,6 +291,79 @@ def _attention_compiled(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_sc
     else:
         out, lse, probs = flash_attn_varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, *tail)
     return (out, lse, probs) if (return_lse or return_probs) else out
+
+
+def _ws_under_compile(q, k, v, dropout_p, causal, window_size, softcap, alibi, deterministic,
+                      return_probs) -> bool:
+    """Whether a dense call traced by ``torch.compile`` runs as the opaque ``culmen::flash_attn_ws_*`` ops
+    (``launch_ws.WS_TUNING["compile"]``): the eager plans inside, so the Gluon kernels, which Inductor cannot
+    launch through ``wrap_triton``, serve compiled models too. Only calls the Gluon forward takes eagerly, with
+    static shapes (the plans are keyed by them)."""
+    if not launch_ws.WS_TUNING["compile"] or q.device.type != "cuda":
+        return False
+    if (dropout_p > 0.0 or softcap > 0.0 or alibi is not None or deterministic or return_probs
+            or tuple(window_size) != (-1, -1)):
+        return False
+    if not all(isinstance(n, int) for t in (q, k, v) for n in (*t.shape, *t.stride())):
+        return False
+    if not use_kernels(q.device, q.dtype, int(q.shape[-1])):
+        return False
+    return launch_ws.ws_config(q, k, v, causal=bool(causal), extras=False, on_gpu=True,
+                               hopper=nvidia_hopper(q.device)) is not None
+
+
+def _ws_plan(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> AttnPlan:
+    """The eager plan of an opaque op's call (cached like ``attention``'s)."""
+    key = ("ws-compile", q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(),
+           scale, causal)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = AttnPlan("dense", q, k, v, None, softmax_scale=scale, causal=causal, return_lse=True)
+        PLANS.put(key, plan)
+    return plan
+
+
+@torch.library.custom_op("culmen::flash_attn_ws_fwd", mutates_args=())
+def flash_attn_ws_fwd_op(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Dense forward for ``torch.compile`` through the eager plan (``_ws_under_compile``): ``q (B, sq, h, d)``,
+    ``k``/``v`` ``(B, sk, hk, d)`` -> contiguous ``out`` like ``q`` and fp32 ``lse (B, h, sq)``."""
+    out, lse, _ = _ws_plan(q, k, v, softmax_scale, causal).forward(q, k, v, None, None, None, None, True)
+    return out.contiguous(), lse.contiguous()
+
+
+@flash_attn_ws_fwd_op.register_fake
+def _(q, k, v, softmax_scale, causal):
+    B, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("culmen::flash_attn_ws_bwd", mutates_args=())
+def flash_attn_ws_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of ``flash_attn_ws_fwd``: contiguous ``(dq, dk, dv)`` like ``q``, ``k``, ``v``, by the eager plan
+    (the Gluon backward unless deterministic algorithms are on, checked per call as in eager)."""
+    dq, dk, dv = _ws_plan(q, k, v, softmax_scale, causal).backward(dout, q, k, v, out, lse, None, None)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@flash_attn_ws_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, softmax_scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context_ws(ctx, inputs, output):
+    q, k, v, scale, causal = inputs
+    ctx.scale, ctx.causal = scale, causal
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _compiled_backward_ws(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attn_ws_bwd_op(dout, q, k, v, out, lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+torch.library.register_autograd("culmen::flash_attn_ws_fwd", _compiled_backward_ws, setup_context=_setup_context_ws)
 
 
 # ------------------------------------------------------------------------------------ FA3 features
