@@ -1,8 +1,8 @@
 """The opaque ops ``culmen::flash_attn_ws_fwd`` / ``_bwd`` that carry the Gluon forward's calls through
 ``torch.compile`` (``launch_ws.WS_TUNING["compile"]``).
 
-Inductor launches the ``triton_op`` kernels itself through ``wrap_triton``, which takes ``@triton.jit``
-functions only, so a compiled model never reached the Gluon kernels. With the switch on, dense calls the Gluon
+The ``triton_op`` path's traced plans never take the Gluon kernels (Inductor re-emits ``wrap_triton``'s kernels
+in its own code), so a compiled model ran culmen's Triton attention. With the switch on, dense calls the Gluon
 forward takes run as ``torch.library.custom_op``s that call the eager plans. On CPU the plans run the reference,
 which is enough to check what these ops add: their fake implementations, their autograd, the eligibility rule,
 and a compiled model's outputs and gradients against eager.

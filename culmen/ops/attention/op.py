@@ -296,9 +296,11 @@ def _attention_compiled(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_sc
 def _ws_under_compile(q, k, v, dropout_p, causal, window_size, softcap, alibi, deterministic,
                       return_probs) -> bool:
     """Whether a dense call traced by ``torch.compile`` runs as the opaque ``culmen::flash_attn_ws_*`` ops
-    (``launch_ws.WS_TUNING["compile"]``): the eager plans inside, so the Gluon kernels, which Inductor cannot
-    launch through ``wrap_triton``, serve compiled models too. Only calls the Gluon forward takes eagerly, with
-    static shapes (the plans are keyed by them)."""
+    (``launch_ws.WS_TUNING["compile"]``): the eager plans inside, so the Gluon kernels serve compiled models too.
+    The ``triton_op`` path's plans never take them (tracing is one of ``ws_config``'s extras): Inductor re-emits
+    the kernels of ``wrap_triton`` in its own generated code, untried with Gluon's explicit layouts, warp
+    specialization and device-side TMA descriptors. Only calls the Gluon forward takes eagerly, with static
+    shapes (the plans are keyed by them)."""
     if not launch_ws.WS_TUNING["compile"] or q.device.type != "cuda":
         return False
     if (dropout_p > 0.0 or softcap > 0.0 or alibi is not None or deterministic or return_probs
