@@ -8,6 +8,8 @@ forward runs). ``WsForward`` is a plan's launcher (its ``Launch`` from ``ws_laun
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from culmen.ops.attention import kernels_ws
@@ -39,8 +41,9 @@ WS_TUNING: dict = {
     "exp_poly": {},
     # Calls traced by torch.compile that the Gluon forward would take run as opaque custom ops calling the eager
     # plans (op.py ``_ws_under_compile``; else the triton_ops, whose Triton kernels Inductor launches itself).
-    # Off: written after the session's GPU time ran out; tested on CPU only (the ops' fake and autograd wiring).
-    "compile": False,
+    # Off unless CULMEN_WS_COMPILE=1: written after the session's GPU time ran out, tested on CPU only (the ops'
+    # fake and autograd wiring); the variable lets `culmen bench train_step --modes compile` measure it.
+    "compile": os.environ.get("CULMEN_WS_COMPILE", "0") == "1",
 }
 # Registers per thread of a consumer / the loader, by consumer count: the kernel's warps (consumers plus the
 # loader warp rounded up to a warpgroup) share 64K registers, re-split by setmaxnreg.
