@@ -82,25 +82,15 @@ AVAILABLE = gluon is not None
 if AVAILABLE:
     # Triton 3.9 renamed the TMA load (3.6: async_copy_global_to_shared).
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _EXP2_ASM_1 = gl.constexpr(_exp2_asm(1))
-    _EXP2_ASM_2 = gl.constexpr(_exp2_asm(2))
-    _EXP2_ASM_3 = gl.constexpr(_exp2_asm(3))
-    _EXP2_ASM_NONE = gl.constexpr(_exp2_asm(-1))
 
     @gluon.jit
-    def _ws_exp2(x, EXP_POLY: gl.constexpr):
-        """``2^x`` elementwise: ``gl.exp2`` (MUFU) for ``EXP_POLY`` 0, else ``EXP_POLY`` of every 4 values by
-        the FMA-pipe polynomial of ``_exp2_asm`` (-1: no exponential at all, an ablation for timing only)."""
-        if EXP_POLY == 0:
+    def _ws_exp2(x, EXP_ASM: gl.constexpr):
+        """``2^x`` elementwise: ``gl.exp2`` (MUFU) when ``EXP_ASM`` is empty, else the PTX of ``_exp2_asm`` over
+        4 packed values (some on the FMA pipe, or none at all: an ablation for timing only)."""
+        if EXP_ASM == "":
             y = gl.exp2(x)
-        elif EXP_POLY == 1:
-            y = gl.inline_asm_elementwise(_EXP2_ASM_1, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
-        elif EXP_POLY == 2:
-            y = gl.inline_asm_elementwise(_EXP2_ASM_2, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
-        elif EXP_POLY == 3:
-            y = gl.inline_asm_elementwise(_EXP2_ASM_3, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
         else:
-            y = gl.inline_asm_elementwise(_EXP2_ASM_NONE, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
+            y = gl.inline_asm_elementwise(EXP_ASM, "=r,=r,=r,=r,r,r,r,r", [x], gl.float32, True, 4)
         return y
 
     @gluon.jit
@@ -234,7 +224,7 @@ if AVAILABLE:
     def _ws_step(q, k_bufs, v_bufs, p_smem, k_ready, v_ready, empty, q_empty, turn, acc, p_op, m_i, l_i, j, kv_it,
                  slot, n_blocks, r0, sq, sk, qk_scale, full, s_layout: gl.constexpr, p_layout: gl.constexpr,
                  row_o: gl.constexpr, WG: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                 CAUSAL: gl.constexpr, FP8: gl.constexpr, EXP_POLY: gl.constexpr):
+                 CAUSAL: gl.constexpr, FP8: gl.constexpr, EXP_ASM: gl.constexpr):
         """Key block ``j >= 1`` of a tile: issue ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}``, then run the
         softmax of ``S_j`` while ``P V`` is still on the tensor cores (FA3's intra-warpgroup overlap)."""
         NB: gl.constexpr = k_bufs.type.shape[0]
@@ -258,21 +248,20 @@ if AVAILABLE:
             s = _ws_mask(s, j, r0, sq, sk, CAUSAL, BLOCK_N)
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        p = _ws_exp2(s * qk_scale - gl.expand_dims(m_new, 1), EXP_POLY)
+        p = _ws_exp2(s * qk_scale - gl.expand_dims(m_new, 1), EXP_ASM)
         l_i = l_i * alpha + gl.sum(p, axis=1)
+        # bf16/fp16: carried to the next block as the MMA's register operand (32 registers, not 64 of fp32)
+        p_next = _ws_p_keep(p, p_op, p_smem, WG, j, p_layout, FP8)
         if FP8:
-            p_next = _ws_p_keep(p, p_op, p_smem, WG, j, p_layout, FP8)
             acc = warpgroup_mma_wait(0, deps=(acc,))
         else:
-            # carried to the next block as bf16 MMA operand (32 registers, not 64 of fp32)
-            p_next = _ws_p_keep(p, p_op, p_smem, WG, j, p_layout, FP8)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(empty.index(pst), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         return acc, p_next, m_new, l_i
 
     @gluon.jit
-    def _ws_consumer(args, WG: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr, EXP_POLY: gl.constexpr):
+    def _ws_consumer(args, WG: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr, EXP_ASM: gl.constexpr):
         """Consumer warpgroup ``WG``: query rows ``m0 + 64 * WG ..`` of each of the program's tiles against every
         key block, then the epilogue (output and lse stored straight from registers, masked to the sequence).
         ``FP8``: float8 Q/K/V (P rounded to float8 for P V), the output in ``o``'s dtype; ``DESCALE``: the
@@ -326,14 +315,14 @@ if AVAILABLE:
             if full < 1:
                 s = _ws_mask(s, 0, r0, sq, sk, CAUSAL, BLOCK_N)
             m_i = gl.max(s, axis=1) * qk_t
-            p = _ws_exp2(s * qk_t - gl.expand_dims(m_i, 1), EXP_POLY)
+            p = _ws_exp2(s * qk_t - gl.expand_dims(m_i, 1), EXP_ASM)
             l_i = gl.sum(p, axis=1)
             p_op = _ws_p_keep(p, 0, p_smem, WG, 0, p_layout, FP8)
             for j in range(1, n_blocks):
                 acc, p_op, m_i, l_i = _ws_step(q, k_bufs, v_bufs, p_smem, k_ready, v_ready, empty, q_empty, turn,
                                                acc, p_op, m_i, l_i, j, kv_it, slot, n_blocks, r0, sq, sk, qk_t,
                                                full, s_layout, p_layout, row_o, WG, NUM_WG, PINGPONG, CAUSAL, FP8,
-                                               EXP_POLY)
+                                               EXP_ASM)
             it = kv_it + n_blocks - 1
             last = it % NB
             mbarrier.wait(v_ready.index(last), (it // NB) & 1)
@@ -371,7 +360,7 @@ if AVAILABLE:
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
                             PERSISTENT: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr,
-                            EXP_POLY: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                            EXP_ASM: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, vt_layout: gl.constexpr,
                             p_layout: gl.constexpr):
         """Persistent: program ``p`` runs tiles ``p, p + grid, ..`` of ``NUM_M * B * H`` (``64 * NUM_WG``
@@ -425,14 +414,14 @@ if AVAILABLE:
                        GROUP, BH_GROUP, sq, sk, NUM_M, n_tiles, CAUSAL, NUM_WG, PERSISTENT)
         if NUM_WG == 3:
             gl.warp_specialize([
-                (_ws_consumer, (args, 0, FP8, DESCALE, EXP_POLY)),
-                (_ws_consumer, (args, 1, FP8, DESCALE, EXP_POLY)),
-                (_ws_consumer, (args, 2, FP8, DESCALE, EXP_POLY)),
+                (_ws_consumer, (args, 0, FP8, DESCALE, EXP_ASM)),
+                (_ws_consumer, (args, 1, FP8, DESCALE, EXP_ASM)),
+                (_ws_consumer, (args, 2, FP8, DESCALE, EXP_ASM)),
                 (_ws_loader, (loader_args, FP8)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_ws_consumer, (args, 0, FP8, DESCALE, EXP_POLY)),
-                (_ws_consumer, (args, 1, FP8, DESCALE, EXP_POLY)),
+                (_ws_consumer, (args, 0, FP8, DESCALE, EXP_ASM)),
+                (_ws_consumer, (args, 1, FP8, DESCALE, EXP_ASM)),
                 (_ws_loader, (loader_args, FP8)),
             ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

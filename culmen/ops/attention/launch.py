@@ -41,7 +41,7 @@ from culmen.ops.attention.tma import ensure_allocator, nvidia_hopper, tma_reduce
 from culmen.ops.backend import check_values_on, choose_backend, deterministic_enabled, interpreter_enabled
 from culmen.ops.common.launch import Launch, PlanTuning, cdiv, next_pow2, stream_getter, traceable_kernels
 from culmen.ops.common.launch import aligned_16 as _aligned
-from culmen.ops.common.plans import clear_plans
+from culmen.ops.common.plans import PlanCache, clear_plans
 
 MAX_KERNEL_HEADDIM = 512
 SPLIT_MAX_SEQLEN_Q = 16
@@ -827,16 +827,15 @@ def _transposed_v(v: Tensor, varlen: bool) -> Tensor:
     key = (cdiv(S, block) * B * H, D, v.device)
     la = _TRANSPOSE_LAUNCHES.get(key)
     if la is None:
-        if len(_TRANSPOSE_LAUNCHES) >= 64:  # varlen batches bring a new length each call: keep the cache bounded
-            _TRANSPOSE_LAUNCHES.clear()
-        la = _TRANSPOSE_LAUNCHES[key] = Launch(_transpose_rows_kernel, key[:1], dict(D=D, BLOCK_S=block), 4, 1,
-                                               device=v.device)
+        la = _TRANSPOSE_LAUNCHES.put(key, Launch(_transpose_rows_kernel, key[:1], dict(D=D, BLOCK_S=block), 4, 1,
+                                                 device=v.device))
     stream = torch.cuda.current_stream(v.device).cuda_stream if v.device.type == "cuda" else None
     la(stream, _aligned(v), v, out, S, H, sb, ss, sh)
     return out
 
 
-_TRANSPOSE_LAUNCHES: dict = {}
+# (varlen batches bring a new length each call: bounded like the plans)
+_TRANSPOSE_LAUNCHES = PlanCache("attention_v_transpose", maxsize=64)
 
 
 class _BwdPlan:

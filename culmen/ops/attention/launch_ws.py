@@ -102,13 +102,18 @@ def ws_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, 
     creg, lreg = WS_REGS[nwg]
     meta = dict(PERSISTENT=persistent, CAUSAL=causal, HEAD_D=d, BLOCK_N=bn, STAGES=stages, NUM_WG=nwg,
                 PINGPONG=pingpong, FP8=fp8, DESCALE=bool(descale) and fp8,
-                EXP_POLY=WS_TUNING["exp_poly"].get((fp8, d), 0), CONSUMER_REGS=creg, LOADER_REGS=lreg,
+                EXP_ASM=_exp_asm(WS_TUNING["exp_poly"].get((fp8, d), 0)), CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([64, d], gdt),
                 kv_layout=gl.NVMMASharedLayout.get_default_for([bn, d], gdt),
                 vt_layout=gl.NVMMASharedLayout.get_default_for([d, bn], gdt),
                 p_layout=gl.NVMMASharedLayout.get_default_for([64, bn], gdt))
     return Launch(kernels_ws._attn_fwd_ws_kernel, (grid,), meta, 4, 1, device=device,
                   options={"maxnreg": (creg * nwg + lreg) // (nwg + 1)})
+
+
+def _exp_asm(n_poly: int) -> str:
+    """The consumers' ``EXP_ASM``: empty for MUFU's ``exp2`` alone, else ``kernels_ws._exp2_asm(n_poly)``."""
+    return kernels_ws._exp2_asm(n_poly) if n_poly else ""
 
 
 class WsForward:
