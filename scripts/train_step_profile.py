@@ -61,6 +61,11 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 5 * 1e3
         print(f"== {impl} {style} {size}: host {host:.2f} ms/step (enqueue), wall {wall:.2f} ms/step", flush=True)
+        if "compile" in sys.argv[3:]:
+            from torch._dynamo.utils import counters
+
+            print(f"   graph breaks {dict(counters['graph_break'])}, stats {dict(counters['stats'])}", flush=True)
+            counters.clear()
         if "kernels" in sys.argv[3:]:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
