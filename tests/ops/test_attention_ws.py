@@ -27,6 +27,13 @@ from culmen.testing.attention import plain
 BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
 
 
+@pytest.fixture(autouse=True)
+def _no_work_floor(monkeypatch):
+    """The Gluon forward at any size: these tests' shapes are far below ``WS_TUNING["min_work"]``
+    (``test_small_calls_keep_the_triton_forward`` checks the floor itself)."""
+    monkeypatch.setitem(launch_ws.WS_TUNING, "min_work", {})
+
+
 def _cfg(q, k, v, causal=False, extras=False):
     return launch_ws.ws_config(q, k, v, causal=causal, extras=extras, on_gpu=True, hopper=True)
 
@@ -44,6 +51,28 @@ def test_eligible_calls_get_the_tuned_tile():
     # q as the head slice of a packed (B, s, h + 2 hk, d) projection: batches and heads still packed
     qkv = _t(2, 33, 12, 64)
     assert _cfg(qkv[:, :, :8], qkv[:, :, 8:10], qkv[:, :, 10:]) is not None
+
+
+def test_small_calls_keep_the_triton_forward(monkeypatch):
+    floor = {(64, True): 1 << 28, (64, False): 1 << 30}
+    monkeypatch.setitem(launch_ws.WS_TUNING, "min_work", floor)
+    small, large = _t(8, 1024, 12, 64), _t(8, 2048, 32, 64)  # B*h*sq*sk: 2^30 * 3/32 and 2^30
+    assert _cfg(small, small, small, causal=True) is None
+    assert _cfg(small, small, small) is None
+    assert _cfg(large, large, large, causal=True) == launch_ws.WS_TUNING["tiles"][(64, True)]
+    assert _cfg(large, large, large) == launch_ws.WS_TUNING["tiles"][(64, False)]
+    # the floor counts keys: one query row over a long cache is little work
+    q1, kl = _t(4, 1, 32, 64), _t(4, 1 << 20, 32, 64)
+    assert _cfg(q1, kl, kl) is None
+    # d128 has no floor; the backward asks without it (it has its own min_sk)
+    q128 = _t(1, 7, 4, 128)
+    assert _cfg(q128, q128, q128, causal=True) == launch_ws.WS_TUNING["tiles"][(128, True)]
+    assert launch_ws.ws_config(small, small, small, causal=True, extras=False, on_gpu=True, hopper=True,
+                               min_work=False) is not None
+    # FP8 keeps its own tiles and no floor
+    if launch_ws._FP8 is not None and launch_ws.WS_TUNING["fp8"]:
+        f8 = _t(1, 64, 4, 64, launch_ws._FP8)
+        assert _cfg(f8, f8, f8) == launch_ws.WS_TUNING["tiles_fp8"][(64, False)]
 
 
 @pytest.mark.parametrize("case", ["fp32", "d96", "dv", "causal_sq_gt_sk", "extras", "cpu", "off", "heads_strided",

@@ -39,6 +39,11 @@ WS_TUNING: dict = {
     # TFLOP/s with 1 / 2 of 4; bf16 +-2%), and even no exponential at all (-1, an ablation) gave FP8 only
     # 921: MUFU is not what limits these kernels
     "exp_poly": {},
+    # least work (B * h * sq * sk) per (head dim, causal) for the bf16/fp16 Gluon forward; below it the Triton
+    # forward is faster (H200, s12 `scripts/ws_threshold.py`, ms Gluon / Triton: d64 causal B8 h12 s1k 0.074 /
+    # 0.064, B8 h8 s512 0.029 / 0.021, but B32 h32 s512 0.198 / 0.216; d64 full B16 h32 s1k 0.410 / 0.398, B8 h32
+    # s2k 0.662 / 0.748). d128 wins from the smallest case measured (B4 h16 s2k causal 0.219 / 0.218).
+    "min_work": {(64, True): 1 << 28, (64, False): 1 << 30},
     # Calls traced by torch.compile that the Gluon forward would take run as opaque custom ops calling the eager
     # plans (op.py ``_ws_under_compile``; else the triton_ops, whose Triton kernels Inductor launches itself).
     # Off unless CULMEN_WS_COMPILE=1: written after the session's GPU time ran out, tested on CPU only (the ops'
@@ -52,13 +57,15 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
-def ws_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool) -> tuple | None:
+def ws_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool,
+              min_work: bool = True) -> tuple | None:
     """``(BLOCK_N, STAGES, consumer warpgroups, ping-pong)`` when the Gluon forward takes this dense call, else
     ``None``.
 
     ``extras``: any feature the Gluon kernel lacks (dropout, window, softcap, ALiBi, qv, varlen, split V
     head dim, KV-cache ranges, torch.compile tracing; FP8 unless ``ws_fp8_ok``). Inputs must be 16-byte
-    aligned in their row and head strides (TMA), ``d`` 64 or 128, and causal calls need ``sq <= sk``. FP8
+    aligned in their row and head strides (TMA), ``d`` 64 or 128, and causal calls need ``sq <= sk``;
+    ``min_work``: bf16/fp16 calls also need ``WS_TUNING["min_work"]`` of work (the backward asks without). FP8
     (``WS_TUNING["fp8"]``) reads V through its transposed copy, so only q and k need the TMA layout."""
     if not (WS_TUNING["on"] and kernels_ws.AVAILABLE and on_gpu and hopper) or extras:
         return None
@@ -70,6 +77,9 @@ def ws_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool
     if tile is None or k.shape[-1] != d or v.shape[-1] != d:
         return None
     if causal and q.shape[1] > k.shape[1]:
+        return None
+    if min_work and not fp8 and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] < WS_TUNING["min_work"].get(
+            (int(d), bool(causal)), 0):
         return None
     if 0 in q.shape[:3] or k.shape[1] == 0:  # a tile with no key block would wait forever
         return None
@@ -176,7 +186,7 @@ def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: 
     """``(BLOCK_M, STAGES)`` when the Gluon backward takes this dense call (the forward's conditions,
     ``ws_config``), else ``None``. The caller also needs dout TMA-readable and non-deterministic mode."""
     if not WS_BWD_TUNING["on"] or ws_config(q, k, v, causal=causal, extras=extras, on_gpu=on_gpu,
-                                            hopper=hopper) is None:
+                                            hopper=hopper, min_work=False) is None:
         return None
     d = int(q.shape[-1])
     if k.shape[1] < WS_BWD_TUNING["min_sk"].get(d, 0):
