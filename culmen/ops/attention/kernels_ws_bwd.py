@@ -180,7 +180,7 @@ if AVAILABLE:
             b, hk, pair, n_blocks = _bwd_unit(u, NUM_N, B, HK, BH_GROUP, CAUSAL)
             for half in range(n_blocks):
                 n0, m_lo, cnt = _bwd_block(pair, half, NUM_N, sq, sk, CAUSAL, BLOCK_M, BLOCK_N)
-                bh0 = b * (HK * GROUP)
+                q_row0 = b * (num_m * BLOCK_M)  # this batch's first row of the dQ accumulator
                 n_lo = n0 + WG * COLS
                 # query blocks from m_full on see all of this warpgroup's keys (causal) ...
                 m_full = 0
@@ -238,7 +238,7 @@ if AVAILABLE:
                     tma.store_wait(0)  # the last reduce has read the staging tile
                     dq_stage.store(dq)
                     fence_async_shared()
-                    _tma_reduce_add(dq_desc, [(bh0 + h) * (num_m * BLOCK_M) + m0, WG * DQ_N], dq_stage)
+                    _tma_reduce_add(dq_desc, [q_row0 + m0, h * D + WG * DQ_N], dq_stage)
                 # K and V are free: the next tile's load runs under this epilogue
                 mbarrier.arrive(kv_empty, count=1)
                 it += GROUP * cnt
@@ -270,14 +270,15 @@ if AVAILABLE:
         are read through 2-D TMA descriptors over ``(B * s, heads * D)`` with row strides
         ``sqs``/``sdos``/``sks``/``svs`` (batch stride = s * row stride, head stride = D: the caller checks);
         dK / dV are stored with strides ``(dkb, dkn, dkh)`` / ``(dvb, dvn, dvh)``; ``dq_ptr`` is a zeroed fp32
-        ``(B, H, sq rounded up to BLOCK_M, D)`` buffer; ``lse`` (natural log) and ``delta = rowsum(dO * O)``
-        are fp32 ``(B, H, sq)`` with strides ``slb``, ``slh``. ``qk_scale = softmax_scale * log2(e)``."""
+        ``(B, sq rounded up to BLOCK_M, H, D)`` buffer (dQ's own layout: its conversion is a contiguous cast);
+        ``lse`` (natural log) and ``delta = rowsum(dO * O)`` are fp32 ``(B, H, sq)`` with strides ``slb``, ``slh``.
+        ``qk_scale = softmax_scale * log2(e)``."""
         HK = H // GROUP
         BLOCK_N: gl.constexpr = 64 * NUM_WG
         q_desc = tma.make_tensor_descriptor(q_ptr, [B * sq, H * HEAD_D], [sqs, 1], [BLOCK_M, HEAD_D], q_layout)
         do_desc = tma.make_tensor_descriptor(do_ptr, [B * sq, H * HEAD_D], [sdos, 1], [BLOCK_M, HEAD_D], q_layout)
         s_pad = gl.cdiv(sq, BLOCK_M) * BLOCK_M
-        dq_desc = tma.make_tensor_descriptor(dq_ptr, [B * H * s_pad, HEAD_D], [HEAD_D, 1],
+        dq_desc = tma.make_tensor_descriptor(dq_ptr, [B * s_pad, H * HEAD_D], [H * HEAD_D, 1],
                                              [BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * sk, HK * HEAD_D], [sks, 1], [BLOCK_N, HEAD_D], kv_layout)
         v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D], kv_layout)

@@ -237,7 +237,7 @@ class WsBackward:
         # row strides of q, k, v, dout; lse strides; sizes; scales (dk/dv strides come per call)
         self.ints = (row_strides, lse_strides,
                      (B, H, H // hk, bh_group, sq, sk, num_n, scale * LOG2E_F, scale))
-        self.acc_shape = (B, H, cdiv(sq, tile[0]) * tile[0], d)
+        self.acc_shape = (B, cdiv(sq, tile[0]) * tile[0], H, d)
         self.sq = sq
 
     def __call__(self, stream, q, k, v, dout, lse, delta, dq, dk, dv) -> None:
@@ -246,4 +246,4 @@ class WsBackward:
         self.launch(stream, True, q, k, v, dout, dk, dv, acc, lse, delta, *rows,
                     dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
                     *lse_st, *sizes)
-        dq.copy_(acc[:, :, :self.sq].transpose(1, 2))
+        dq.copy_(acc[:, :self.sq])
