@@ -7,7 +7,9 @@ through the Triton (deterministic) one. For d128 at 2k and 8k tokens per sequenc
 host us per call (``culmen.bench.runner.host_us``: calls queued behind a sleeping GPU) of: the Gluon backward,
 the Triton backward, and the Gluon backward with its fp32 dQ accumulator taken from a cache instead of a fresh
 ``torch.zeros`` per call; beside each, the caching allocator's device mallocs / frees / retries during the
-measurement, and the top of a cProfile of two calls.
+measurement, and the top of a cProfile of two calls (the main thread only: the backward runs in autograd's
+device thread). ``--launches``: instead, the host us spent inside each ``Launch`` call (Triton's launcher
+included, both threads) per fwd+bwd, with whether the launch is bound to the direct path.
 """
 
 from __future__ import annotations
@@ -31,7 +33,60 @@ def _stats() -> dict:
                                      "num_sync_all_streams")}
 
 
+def launches() -> None:
+    """Host us inside each kernel's ``Launch.__call__`` per fwd+bwd call (GPU asleep), Gluon vs Triton paths."""
+    import statistics
+    import sys
+    import time
+    from collections import defaultdict
+
+    from culmen.ops.common import launch as common_launch
+
+    orig = common_launch.Launch.__call__
+    spent: dict = defaultdict(list)
+    seen: dict = {}
+
+    def timed(self, stream, aligned, *args):
+        t0 = time.perf_counter()
+        orig(self, stream, aligned, *args)
+        name = getattr(self.fn, "__name__", None) or getattr(getattr(self.fn, "fn", None), "__name__", str(self.fn))
+        spent[name].append(time.perf_counter() - t0)
+        seen[name] = (self._run is not None, self.error)
+
+    common_launch.Launch.__call__ = timed
+    dev = torch.device("cuda")
+    for s, causal, det in ((2048, False, False), (2048, False, True), (8192, True, False)):
+        B, H, d = 16384 // s, 16, 128
+        q, k, v = (torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        g = torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16)
+        clear_plans()
+        for _ in range(3):
+            flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(g)
+        torch.cuda.synchronize()
+        spent.clear()
+        torch.cuda._sleep(int(3e9))
+        t0 = time.perf_counter()
+        n = 10
+        for _ in range(n):
+            q.grad = k.grad = v.grad = None
+            flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(g)
+        total = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        print(f"d{d} s{s} {'causal' if causal else 'full'} {'triton bwd' if det else 'gluon bwd'}: "
+              f"{total:.0f} us per fwd+bwd (GPU asleep)", flush=True)
+        for name, ts in spent.items():
+            print(f"    {name:<36} x{len(ts) // n}  median {statistics.median(ts) * 1e6:7.1f} us  max "
+                  f"{max(ts) * 1e6:7.1f}  bound {seen[name][0]} {seen[name][1] or ''}", flush=True)
+    common_launch.Launch.__call__ = orig
+    sys.stdout.flush()
+
+
 def main() -> None:
+    import sys
+
+    if "--launches" in sys.argv:
+        launches()
+        return
     dev = torch.device("cuda")
     orig_call = launch_ws.WsBackward.__call__
     cache: dict = {}
