@@ -63,5 +63,8 @@ def test_kvcache_gpu_paged_equals_contiguous():
     seqlens = torch.tensor([300, 1000], dtype=torch.int32, device=dev)
     a = flash_attn_with_kvcache(q, pages_k, pages_v, kn, vn, cache_seqlens=seqlens, block_table=table, causal=True)
     b = flash_attn_with_kvcache(q, dense_k, dense_v, kn, vn, cache_seqlens=seqlens, causal=True)
-    torch.testing.assert_close(a, b)
+    # The two calls split the keys differently (paged: 4 splits of 128-key blocks, dense: 8 of 64), so their fp32
+    # sums round differently and a bf16 output may differ by one ulp (2.4e-4 seen on an H200); an addressing error
+    # would be of the outputs' size (~0.05).
+    torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=1.6e-2)
     torch.testing.assert_close(pages_k[table.long()].reshape(B, nb * page, hk, d), dense_k)

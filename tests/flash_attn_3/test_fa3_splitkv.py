@@ -57,6 +57,11 @@ def test_choose_num_splits():
     assert choose_num_splits(16, 8, 4, 8192, 16, 128, 132) == 1
     assert choose_num_splits(16, 8, 4, 8192, 16, 128, 132, paged=True) == 2
     assert choose_num_splits(64, 8, 4, 8192, 16, 128, 132, paged=True) == 1
+    # ... read a key block at a time and merged in the split kernel: at most one chunk of the merge
+    assert choose_num_splits(1, 8, 4, 32768, 16, 128, 132, paged=True) == 33
+    assert choose_num_splits(1, 8, 4, 32768, 16, 128, 132, paged=True, merge_cap=16) == 16
+    assert choose_num_splits(8, 8, 4, 8192, 16, 128, 132, paged=True, merge_cap=16) == 4
+    assert choose_num_splits(1, 8, 4, 32768, 16, 128, 132, merge_cap=8) == 16  # dense caches: no cap
 
 
 @pytest.mark.parametrize("splits", [2, 5])

@@ -151,3 +151,31 @@ def test_kvcache_decode_pack_gqa(fake, splits, python, c, allocs):
     assert _allocs(n) + n.c_names["_VariableFunctionsClass.empty_strided"] == allocs
     for name in ("Tensor.reshape", "Tensor.contiguous", "Tensor.as_strided", "Tensor.transpose", "Tensor.view"):
         assert n.c_names[name] == 0, f"{name} on the cached path: {n}"
+
+
+@pytest.mark.parametrize("fused,python", [(True, 23), (False, 24)], ids=["fused_merge", "two_launch"])
+def test_kvcache_split_merge_launches(fake, fused, python):
+    """Split-KV decoding (no new tokens, 4 splits): with TUNING["fused_merge"] the split kernel merges its own
+    partials, one launch a call; its counters are zeroed once per plan and stream, not per call (no torch.zeros on
+    the cached path). The two-launch merge (off) adds the planned merge launch."""
+    from culmen.flash_attn import flash_attn_with_kvcache
+    from culmen.ops.attention import launch
+
+    saved = launch.TUNING["fused_merge"]
+    launch.TUNING["fused_merge"] = fused
+    try:
+        kc, vc = torch.randn(1, 512, 2, 64, dtype=BF16), torch.randn(1, 512, 2, 64, dtype=BF16)
+        q = torch.randn(1, 1, 8, 64, dtype=BF16)
+        seqlens = torch.tensor([300], dtype=torch.int32)
+
+        def call():
+            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=4)
+
+        n = assert_host_budget(call, python=python, c=17)
+        before = len(fake)
+        call()
+        assert len(fake) - before == (1 if fused else 2)
+        assert n.c_names["_VariableFunctionsClass.zeros"] == 0
+        assert _allocs(n) + n.c_names["_VariableFunctionsClass.empty_strided"] == 2  # partials, out
+    finally:
+        launch.TUNING["fused_merge"] = saved

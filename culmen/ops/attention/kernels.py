@@ -44,7 +44,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 # Integer arguments that change with the batch's sizes (see "Compilation" above).
 _STRIDES = ("sqb", "sqs", "sqh", "skb", "sks", "skh", "svb", "svs", "svh", "sob", "sos", "soh", "sdb", "sds", "sdh",
-            "sdkb", "sdks", "sdkh", "sdvb", "sdvs", "sdvh", "sdqb", "sdqs", "sdqh", "slb", "slh")
+            "sdkb", "sdks", "sdkh", "sdvb", "sdvs", "sdvh", "sdqb", "sdqs", "sdqh", "slb", "slh", "sfb", "sfs", "sfh")
 _SIZES = ("SQ", "SK", "SQS", "SKS", "TQ", "TK", "NUM_M", "NUM_N", "K_ADD", "left", "right")
 
 
@@ -271,10 +271,27 @@ def _exp2(x, EXP16: tl.constexpr):
 
 
 @triton.jit
-def _load_paged(base, table_row, TK, k0, sb, ss, j, dd, dmask, sk, PAGE: tl.constexpr):
-    """Rows ``j`` (``< sk``) of a paged cache: position ``k0 + j`` lives in row ``pos % PAGE`` of page
-    ``table_row[pos // PAGE]`` (page stride ``sb``, row stride ``ss``). Page numbers are clamped into
-    ``[0, TK)`` (``TK``: the cache's number of pages), so no table value reads outside the cache."""
+def _load_paged(base, table_row, TK, k0, sb, ss, n0, j, dd, dmask, sk, PAGE: tl.constexpr, PAGE_BLOCK: tl.constexpr,
+                MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """Rows ``j = n0 + arange(BLOCK_N)`` (``< sk``) of a paged cache: position ``k0 + j`` lives in row ``pos % PAGE``
+    of page ``table_row[pos // PAGE]`` (page stride ``sb``, row stride ``ss``). Page numbers are clamped into
+    ``[0, TK)`` (``TK``: the cache's number of pages), so no table value reads outside the cache.
+
+    ``PAGE_BLOCK`` (the launcher's promise that ``PAGE % BLOCK_N == 0`` and ``k0 == 0``; ``n0`` is a multiple of
+    ``BLOCK_N``): the block's rows are consecutive rows of one page, found by one table load for the block instead
+    of one per row, and read unmasked when ``MASK`` is off (a block every row of which is ``< sk``). Otherwise each
+    row looks its page up (any page size, any ``k0``)."""
+    if PAGE_BLOCK:
+        pos0 = k0 + n0
+        pg = tl.load(table_row + pos0 // PAGE).to(tl.int64)
+        pg = tl.minimum(tl.maximum(pg, 0), TK - 1)
+        rows = (j - n0).to(tl.int64)
+        ptr = base + pg * sb + (pos0 % PAGE) * ss + rows[:, None] * ss + dd[None, :]
+        if MASK:
+            return tl.load(ptr, mask=(j < sk)[:, None] & dmask[None, :], other=0.0)
+        if EVEN_D:
+            return tl.load(ptr)
+        return tl.load(ptr, mask=dmask[None, :], other=0.0)
     valid = j < sk
     pos = k0 + j.to(tl.int64)
     pg = tl.load(table_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
@@ -286,11 +303,11 @@ def _load_paged(base, table_row, TK, k0, sb, ss, j, dd, dmask, sk, PAGE: tl.cons
 @triton.jit
 def _qk_block(q, k_base, k_desc, sks, dd, dmask, n0, sk, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
               UPCAST: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, table_row, TK,
-              k0, skb, PAGE: tl.constexpr):
+              k0, skb, PAGE: tl.constexpr, PAGE_BLOCK: tl.constexpr):
     """``q @ k.T`` of the key block at ``n0`` (fp32 ``(BLOCK_M, BLOCK_N)``, unscaled)."""
     j = n0 + tl.arange(0, BLOCK_N)
     if PAGE > 0:
-        k = _load_paged(k_base, table_row, TK, k0, skb, sks, j, dd, dmask, sk, PAGE)
+        k = _load_paged(k_base, table_row, TK, k0, skb, sks, n0, j, dd, dmask, sk, PAGE, PAGE_BLOCK, MASK, EVEN_D)
     else:
         k = _load_rows(k_desc, k_base, sks, n0, j.to(tl.int64)[:, None], dd, dmask, sk, MASK, EVEN_D, USE_TMA)
     return _dot(q, tl.trans(k), DOT_PREC, UPCAST)
@@ -302,7 +319,7 @@ def _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, s
               MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
               EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, table_row, TK, k0, svb, PAGE: tl.constexpr, V_T: tl.constexpr,
-              EXP16: tl.constexpr, v_pre, HAS_V: tl.constexpr):
+              EXP16: tl.constexpr, v_pre, HAS_V: tl.constexpr, PAGE_BLOCK: tl.constexpr):
     """The online-softmax update of ``(acc, l_i, m_i)`` by the scores ``qk`` of the key block at ``n0`` and its V
     rows (``v_pre`` when ``HAS_V``: already loaded for ``qv``)."""
     j = n0 + tl.arange(0, BLOCK_N)
@@ -323,7 +340,7 @@ def _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, s
     if HAS_V:
         v = v_pre
     elif PAGE > 0:
-        v = _load_paged(v_base, table_row, TK, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+        v = _load_paged(v_base, table_row, TK, k0, svb, svs, n0, j, ddv, dvmask, sk, PAGE, PAGE_BLOCK, MASK, EVEN_DV)
     elif V_T and USE_TMA:
         # Triton 3.6 never pipelines the pointer load of FP8 V (3.9 does): TMA loads always are
         v = tl.trans(v_desc.load([0, n0]))
@@ -345,21 +362,65 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, d
                EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, USE_TMA: tl.constexpr, ddv, dvmask,
                EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, qv, QV: tl.constexpr, table_row, TK, k0, skb, svb,
-               PAGE: tl.constexpr, V_T: tl.constexpr, EXP16: tl.constexpr):
+               PAGE: tl.constexpr, V_T: tl.constexpr, EXP16: tl.constexpr, PAGE_BLOCK: tl.constexpr):
     """One key block: scores, then the softmax update and ``P @ V``."""
     qk = _qk_block(q, k_base, k_desc, sks, dd, dmask, n0, sk, BLOCK_N, DOT_PREC, UPCAST, MASK, EVEN_D, USE_TMA,
-                   table_row, TK, k0, skb, PAGE)
+                   table_row, TK, k0, skb, PAGE, PAGE_BLOCK)
     v = qk
     if QV:  # FA3's qv (MLA): the scores gain qv . v, so V is needed before the softmax
         j = n0 + tl.arange(0, BLOCK_N)
         if PAGE > 0:
-            v = _load_paged(v_base, table_row, TK, k0, svb, svs, j, ddv, dvmask, sk, PAGE)
+            v = _load_paged(v_base, table_row, TK, k0, svb, svs, n0, j, ddv, dvmask, sk, PAGE, PAGE_BLOCK, MASK,
+                            EVEN_DV)
         else:
             v = _load_rows(v_desc, v_base, svs, n0, j.to(tl.int64)[:, None], ddv, dvmask, sk, MASK, EVEN_DV, USE_TMA)
         qk = _dot_acc(qv, tl.trans(v), qk, DOT_PREC, UPCAST)
     return _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, softcap, slope2, left, right,
                      p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST, MASK, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
-                     HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, v, QV)
+                     HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, v, QV,
+                     PAGE_BLOCK)
+
+
+@triton.jit
+def _merge_splits(o_part, l_part, out_ptr, lse_out_ptr, out_row, l_row, n_splits, split_o, split_l, sos, sfs, m0, sq,
+                  ddv, dvmask, STORE_LSE_OUT: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
+                  BLOCK_DV: tl.constexpr):
+    """The split-KV merge of query rows ``m0 .. m0 + MERGE_M`` (those ``< sq``) of one head, inside the split kernel:
+    the math of ``combine._combine_rows_kernel`` (weights ``exp(lse_s - max)``, their sum, ``+inf`` lse and 0 output
+    for a row no split saw a key of), as one online pass over chunks of ``MERGE_S`` splits whose partial outputs
+    (``o_part + s * split_o``, rows ``sos`` apart) and lse (``l_part + s * split_l``) are all loaded at once (one
+    memory latency per chunk; a chunk of ``(MERGE_S, MERGE_M, BLOCK_DV)`` fp32). Writes ``out_ptr + out_row`` (rows
+    ``sfs`` apart) and, ``STORE_LSE_OUT``, ``lse_out_ptr + l_row``. An empty split's partial is its kernel's 0 output
+    (never garbage), weighted 0."""
+    r = m0 + tl.arange(0, MERGE_M)
+    rmask = r < sq
+    r64 = r.to(tl.int64)
+    m = tl.full([MERGE_M], float("-inf"), tl.float32)
+    tot = tl.zeros([MERGE_M], tl.float32)
+    acc = tl.zeros([MERGE_M, BLOCK_DV], tl.float32)
+    o_rows = o_part + (r64 * sos)[:, None] + ddv[None, :]
+    omask = rmask[:, None] & dvmask[None, :]
+    for c0 in range(0, n_splits, MERGE_S):
+        sp = c0 + tl.arange(0, MERGE_S)
+        sp64 = sp.to(tl.int64)
+        smask = sp < n_splits
+        ls = tl.load(l_part + sp64[:, None] * split_l + r64[None, :], mask=smask[:, None] & rmask[None, :],
+                     other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(o_rows[None, :, :] + (sp64 * split_o)[:, None, None], mask=smask[:, None, None] & omask[None, :, :],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(ls, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split seen yet: exp2 gives 0, not NaN
+        alpha = tl.math.exp2((m - m_ref) * LOG2E)
+        w = tl.math.exp2((ls - m_ref[None, :]) * LOG2E)
+        tot = tot * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m = m_new
+    seen = tot > 0.0
+    safe = tl.where(seen, tot, 1.0)
+    res = acc * tl.where(seen, 1.0 / safe, 0.0)[:, None]
+    tl.store(out_ptr + out_row + (r64 * sfs)[:, None] + ddv[None, :], res.to(out_ptr.dtype.element_ty), mask=omask)
+    if STORE_LSE_OUT:
+        tl.store(lse_out_ptr + l_row + r64, tl.where(seen, m + tl.log(safe), float("inf")), mask=rmask)
 
 
 @_jit
@@ -370,13 +431,15 @@ def _attn_fwd_kernel(
     stride_ab,
     H, GROUP, SQ, SK, SQS, SKS, TQ, TK, D, NUM_M, K_ADD,
     qk_scale, softcap, p_drop, left, right,
+    sfb, sfs, sfh, out_ptr, lse_out_ptr, ctr_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     EVEN_D: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, HEAVY_FIRST: tl.constexpr,
     USE_TMA: tl.constexpr, K_RANGE: tl.constexpr, STORE_LSE: tl.constexpr, SU: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, CHUNK: tl.constexpr, DESCALE: tl.constexpr,
     QV: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, V_T: tl.constexpr = False,
-    EXP16: tl.constexpr = False, OVERLAP: tl.constexpr = False,
+    EXP16: tl.constexpr = False, OVERLAP: tl.constexpr = False, PAGE_BLOCK: tl.constexpr = False,
+    MERGE: tl.constexpr = 0, MERGE_M: tl.constexpr = 1, MERGE_S: tl.constexpr = 1,
 ):
     """Output (and, with ``STORE_LSE``, the log-sum-exp) of one query block of one head.
 
@@ -390,9 +453,16 @@ def _attn_fwd_kernel(
 
     Split-KV decoding (``K_RANGE`` only): ``SPLIT`` splits each row's visible keys into ``num_programs(1)`` runs of
     whole key blocks; program ``(.., s)`` writes split ``s``'s normalized partial output and lse (``-inf`` when it
-    saw no key) at ``o_ptr`` / ``lse_ptr`` + ``s`` times one output / lse (``flash_attn_combine`` merges them).
+    saw no key) at ``o_ptr`` / ``lse_ptr`` + ``s`` times one output / lse, merged by a second launch
+    (``combine._combine_rows_kernel``) or, ``MERGE > 0``, by the last of the row block's split programs to finish
+    (``_merge_splits``: it writes ``out_ptr``, strides ``sfb, sfs, sfh``, and with ``MERGE == 2`` the lse at
+    ``lse_out_ptr``, laid out like ``lse_ptr``'s). The programs of a row block count themselves in
+    ``ctr_ptr[program_id(0)]`` (int32, 0 before the launch); the last one puts it back to 0 (see
+    ``launch.AttnPlan._forward_split`` for the rules that keeps).
     ``PAGE > 0``: K/V are a paged cache of ``PAGE`` rows a page read through ``table_ptr`` (contiguous ``(B,
-    SK // PAGE)``, page numbers already clamped); ``skb``/``svb`` are then the page strides.
+    SK // PAGE)``, page numbers clamped in-kernel); ``skb``/``svb`` are then the page strides. ``PAGE_BLOCK``: one
+    page-table load per key block (``_load_paged``; the launcher sets it when ``PAGE % BLOCK_N == 0`` and keys
+    start at 0).
     ``OVERLAP`` (no ``qv``): the loop over the unmasked key blocks issues block ``n + 1``'s ``q @ k.T`` before
     block ``n``'s softmax (FA3's intra-warpgroup overlap, left to the compiler's async MMA). ``EXP16`` (FP8 on a
     GPU): the softmax numerators in fp16 (``_exp2``). ``V_T`` (dense, no ``qv``): V is stored with its sequence dim
@@ -487,36 +557,40 @@ def _attn_fwd_kernel(
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, TK, k0, skb, svb, PAGE, V_T, EXP16)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, TK, k0, skb, svb, PAGE, V_T, EXP16,
+                                   PAGE_BLOCK)
     if OVERLAP:  # the unmasked run rotated: block n+1's q @ k.T is issued before block n's softmax and P @ V
         if f1 > f0:
             qk = _qk_block(q, k_base, k_desc, sks, dd, dmask, f0, sk, BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D,
-                           USE_TMA, table_row, TK, k0, skb, PAGE)
+                           USE_TMA, table_row, TK, k0, skb, PAGE, PAGE_BLOCK)
             for n0 in range(f0, f1 - BLOCK_N, BLOCK_N):
                 qk_next = _qk_block(q, k_base, k_desc, sks, dd, dmask, n0 + BLOCK_N, sk, BLOCK_N, DOT_PREC, UPCAST,
-                                    False, EVEN_D, USE_TMA, table_row, TK, k0, skb, PAGE)
+                                    False, EVEN_D, USE_TMA, table_row, TK, k0, skb, PAGE, PAGE_BLOCK)
                 acc, l_i, m_i = _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, n0, sq, sk, qk_scale, softcap,
                                           slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC, UPCAST,
                                           False, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv, dvmask,
-                                          EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, qk, False)
+                                          EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, qk, False,
+                                      PAGE_BLOCK)
                 qk = qk_next
             acc, l_i, m_i = _pv_block(acc, l_i, m_i, qk, v_base, v_desc, svs, i, f1 - BLOCK_N, sq, sk, qk_scale,
                                       softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N, DOT_PREC,
                                       UPCAST, False, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv, dvmask,
-                                      EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, qk, False)
+                                      EVEN_DV, CHUNK, table_row, TK, k0, svb, PAGE, V_T, EXP16, qk, False,
+                                      PAGE_BLOCK)
     else:
         for n0 in range(f0, f1, BLOCK_N):
             acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0,
                                        sq, sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS,
                                        BLOCK_N, DOT_PREC, UPCAST, False, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT,
                                        HAS_RIGHT, USE_TMA, ddv, dvmask, EVEN_DV, CHUNK, qv, QV, table_row, TK, k0, skb,
-                                       svb, PAGE, V_T, EXP16)
+                                       svb, PAGE, V_T, EXP16, PAGE_BLOCK)
     for n0 in range(f1, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, sks, svs, dd, dmask, i, n0, sq,
                                    sk, qk_scale, softcap, slope2, left, right, p_drop, rng_ptr, bh, SQS, SKS, BLOCK_N,
                                    DOT_PREC,
                                    UPCAST, True, EVEN_D, SOFTCAP, ALIBI, DROPOUT, HAS_LEFT, HAS_RIGHT, USE_TMA, ddv,
-                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, TK, k0, skb, svb, PAGE, V_T, EXP16)
+                                   dvmask, EVEN_DV, CHUNK, qv, QV, table_row, TK, k0, skb, svb, PAGE, V_T, EXP16,
+                                   PAGE_BLOCK)
     empty = l_i == 0.0
     inv = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if DROPOUT:
@@ -524,20 +598,36 @@ def _attn_fwd_kernel(
     if DESCALE:
         inv = inv * tl.load(vd_ptr + sc)
     out = acc * inv[:, None]
+    o_row = b64 * sob + h.to(tl.int64) * soh + q0 * sos  # this head's first row, in the output's strides
+    l_row = b64 * slb + h.to(tl.int64) * slh + q0
     if SPLIT:  # a split that saw no key weighs nothing in the merge
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
         one = tl.cast(tl.num_programs(0) // NUM_M, tl.int64) * SQ  # rows of one split's output (B * H * SQ)
         if DV > 0:
-            o_ptr += tl.program_id(1) * one * DV
+            split_o = one * DV
         else:
-            o_ptr += tl.program_id(1) * one * D
+            split_o = one * D
+        o_part = o_ptr + o_row
+        l_part = lse_ptr + l_row
+        o_ptr += tl.program_id(1) * split_o
         lse_ptr += tl.program_id(1) * one
     else:
         lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    o_base = o_ptr + b64 * sob + h.to(tl.int64) * soh + q0 * sos
-    tl.store(o_base + i64 * sos + ddv[None, :], out.to(o_ptr.dtype.element_ty), mask=rowmask & dvmask[None, :])
+    tl.store(o_ptr + o_row + i64 * sos + ddv[None, :], out.to(o_ptr.dtype.element_ty), mask=rowmask & dvmask[None, :])
     if STORE_LSE:
-        tl.store(lse_ptr + b64 * slb + h.to(tl.int64) * slh + q0 + i, lse, mask=i < sq)
+        tl.store(lse_ptr + l_row + i, lse, mask=i < sq)
+    if MERGE > 0:  # (SPLIT and STORE_LSE) the last split program of this row block to get here merges them all
+        # Release: every thread's partial stores above come before thread 0's atomic (the barrier, CTA scope), which
+        # publishes them at GPU scope (acq_rel is cumulative); the last program's acquire (the same atomic) makes
+        # the other programs' partials visible to it, and the merge reads them from L2 (.cg), past this SM's L1.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ctr_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            fs = tl.cast(sfs, tl.int64)
+            out_row = b64 * tl.cast(sfb, tl.int64) + h.to(tl.int64) * tl.cast(sfh, tl.int64) + q0 * fs
+            _merge_splits(o_part, l_part, out_ptr, lse_out_ptr, out_row, l_row, tl.num_programs(1), split_o, one, sos,
+                          fs, m0, sq, ddv, dvmask, MERGE == 2, MERGE_M, MERGE_S, BLOCK_DV)
+            tl.store(ctr_ptr + tl.program_id(0), 0)  # ready for the next launch (no other program touches it now)
 
 
 @triton.jit(do_not_specialize=["sknb", "skns", "sknh", "svnb", "svns", "svnh", "skcb", "skcs", "skch", "svcb", "svcs",

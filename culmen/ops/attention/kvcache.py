@@ -8,8 +8,11 @@ and the ``AttnPlan`` of the attention, whose forward kernel reads each row's key
 ``K_RANGE``, the end computed in-kernel as ``cache_seqlens[b] + seqlen_new``). A paged cache
 (``block_table``) or ``cache_batch_idx`` is gathered into a dense ``(B, seqlen_k, hk, d)`` tensor first, except
 when the Triton kernel decodes (at most ``SPLIT_MAX_SEQLEN_Q`` query rows) or splits the keys (``num_splits > 1``,
-or chosen by ``launch.kvcache_splits``): it then reads the pages through the (clamped) page table. Under split-KV a
-second kernel merges the splits' partial results by their lse.
+or chosen by ``launch.kvcache_splits``): it then reads the pages through the (clamped) page table, one table load
+per key block where the page size is a multiple of the block (``TUNING["paged_block"]``). Under split-KV the splits'
+partial results are merged by their lse, in the split kernel itself by the last split program of each row block
+to finish (``TUNING["fused_merge"]``; counters cached per plan and stream, see ``AttnPlan._forward_split``) or by
+a second kernel.
 
 Bad values (memory safety first, DESIGN.md): what shapes alone decide is checked when the plan is built
 (``seqlen_new`` larger than the cache, a cache with fewer rows than the batch, rotary tables shorter than
@@ -195,7 +198,7 @@ class KVCachePlan:
         # Split-KV (flash-decoding): num_splits > 1 as given, 0 automatic (GPU decoding that would not fill the
         # SMs), fixed per plan; the work units are the programs' (batch, query head) pairs.
         self.n_splits = kvcache_splits(num_splits, q.device, q.dtype, B, heads, rows, capacity, d, dv,
-                                       paged=self.paged)
+                                       paged=self.paged, page=page or 0, k_range=2 if cache_leftpad is not None else 1)
         # A paged cache is read by the kernel through its page table (no gather) under split-KV and, unsplit, when
         # decoding: gathering the pages into a dense copy first costs a read and a write of the whole cache per
         # call (H100, B8 L8192 page 256: 0.30 ms unsplit through the gather against 0.10 ms for a dense cache).

@@ -83,9 +83,19 @@ TUNING = PlanTuning({
     # blocks, 32k 0.0658 vs 0.0672, 128k 0.1926 vs 0.1957; unsplit calls (batch 64) and the paged split (batch 8,
     # 4 splits: 0.119 vs 0.111) were slower with it.
     "decode_split": [(64, 16, 128, 4, 3), (128, 16, 64, 4, 3), (256, 16, 64, 4, 2), (512, 16, 32, 4, 1)],
+    # Decoding over a paged cache read one page-table load per key block ("paged_block"; split or not); other paged
+    # caches keep "decode".
+    "decode_paged": [(64, 16, 128, 4, 3), (128, 16, 128, 4, 3), (256, 16, 64, 4, 2), (512, 16, 32, 4, 1)],
     # Split-KV's merge by combine._combine_rows_kernel (one program per query row, a chunk of splits loaded at
     # once) instead of _combine_kernel (row blocks, one split after another).
     "combine_rows": True,
+    # Split-KV decoding (at most SPLIT_MAX_SEQLEN_Q query rows) merged inside the split kernel: the last program
+    # of a row block to finish merges the splits' partials (kernels._merge_splits), counted in a small int32
+    # workspace cached per plan and stream (AttnPlan._forward_split), instead of a second launch (combine above).
+    "fused_merge": True,
+    # Paged caches whose page size is a multiple of the key block (and whose keys start at 0: no cache_leftpad):
+    # one page-table load per key block instead of one per row (kernels._load_paged).
+    "paged_block": True,
     # Forward K/V loads through per-program TMA tensor descriptors (Hopper+, 16-byte aligned inputs).
     # Off: +2% at d128 and nothing at d64 on the H100 (Triton 3.6), and ptxas crashed on the
     # num_stages=2 variants; Triton's warp specialization on top of it gained nothing either.
@@ -177,13 +187,21 @@ def _bwd_options(kind: str, block_d: int, on_gpu: bool, dtype: torch.dtype) -> d
     return {"maxnreg": n} if n else None
 
 
+def merge_chunk(rows: int, block_m: int, warps: int, block_dv: int) -> int:
+    """The splits the fused split-KV merge (``kernels._merge_splits``) loads at once, programs of ``rows`` query rows
+    (at most ``block_m``) and ``warps`` warps, V head dim padded to ``block_dv``: about 64 fp32 values a thread."""
+    m = next_pow2(min(rows, block_m))
+    return max(1, min(next_pow2(MAX_SPLITS), 64 * 32 * warps // (m * block_dv)))
+
+
 def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, block_m: int, block_n: int,
-                      num_sms: int, paged: bool = False) -> int:
+                      num_sms: int, paged: bool = False, merge_cap: int = 0) -> int:
     """The automatic split-KV factor of a KV-cache call (``num_splits=0``): 1 unless the call decodes
     (``seqlen_q <= SPLIT_MAX_SEQLEN_Q``) and its ``batch * nheads_kv * ceil(seqlen_q / block_m)`` work units fill
     at most half of the ``num_sms`` SMs; then as many splits as fit one wave. A ``paged`` cache: as many as fit
-    two waves, at any batch. At most one split per two key blocks of the cache (``seqlen_k``, its capacity: a host
-    number, so the choice is fixed per plan, no sync) and ``MAX_SPLITS``."""
+    two waves, at any batch, and at most ``merge_cap`` when that is given (a paged cache read a key block at a
+    time and merged in the split kernel: one chunk of the merge). At most one split per two key blocks of the cache
+    (``seqlen_k``, its capacity: a host number, so the choice is fixed per plan, no sync) and ``MAX_SPLITS``."""
     if seqlen_q > SPLIT_MAX_SEQLEN_Q or seqlen_q <= 0 or seqlen_k <= 0:
         return 1
     units = batch * nheads_kv * cdiv(seqlen_q, block_m)
@@ -195,7 +213,9 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, 
         # streams about half as fast as a dense one (H100, batch 8 L8192, one split: 0.208 ms paged, 0.103 dense),
         # so more programs in flight pay (batch 8 page 256: 2 splits 0.127 ms, 3 0.115, 4 0.111, 8 0.116; batch
         # 1 L32k: 16 0.0744, 33 0.0716; batch 4 L16k: 4 0.128, 8 0.114; batch 16 L4k: 1 0.126, 2 0.114).
-        return max(1, min(2 * num_sms // units, cap))
+        # Read a block at a time (page 256) with the fused merge, batch 1 L32k ran 16 splits in 0.0554 ms and 33 (a
+        # merge of three chunks) in 0.0598; batch 8 L8k: 2 0.0920, 4 0.0827, 8 0.0861 (H200, s12 sweep log).
+        return max(1, min(2 * num_sms // units, cap, merge_cap or cap))
     if 2 * units > num_sms:
         return 1
     # Dense caches: as many splits as one wave holds. A partial second wave cost more than it gained (H200, d128
@@ -205,22 +225,35 @@ def choose_num_splits(batch: int, nheads_kv: int, seqlen_q: int, seqlen_k: int, 
     return max(1, min(num_sms // units, cap))
 
 
+def paged_block_tile(page: int, k_range: int, width: int, on_gpu: bool, dtype: torch.dtype) -> bool:
+    """Whether decoding over a paged cache of ``page`` rows a page reads it one page-table load per key block
+    (``TUNING["paged_block"]``, keys from 0: ``k_range == 1``, the page a multiple of the ``"decode_paged"`` tile's
+    key block): it then runs that tile."""
+    return bool(page and k_range == 1 and TUNING["paged_block"]
+                and page % _blocks("decode_paged", width, on_gpu, dtype)[1] == 0)
+
+
 def kvcache_splits(num_splits: int, device: torch.device, dtype: torch.dtype, batch: int, nheads_kv: int,
-                   seqlen_q: int, seqlen_k: int, head_dim: int, head_dim_v: int, paged: bool = False) -> int:
+                   seqlen_q: int, seqlen_k: int, head_dim: int, head_dim_v: int, paged: bool = False, page: int = 0,
+                   k_range: int = 1) -> int:
     """The number of key splits a KV-cache call runs with: ``num_splits > 1`` as given (at most one per key block
     and ``MAX_SPLITS``), ``1`` as given, ``0`` (or negative) ``choose_num_splits`` on GPUs when ``AUTO_SPLIT`` is on
-    (1 on CPU, where there are no SMs to fill). Always 1 when the Triton kernels do not run the call."""
+    (1 on CPU, where there are no SMs to fill). Always 1 when the Triton kernels do not run the call. ``page``: the
+    paged cache's page size, ``k_range`` the attention plan's (2 with ``cache_leftpad``)."""
     if num_splits == 1 or not use_kernels(device, dtype, max(head_dim, head_dim_v)):
         return 1
     width = max(16, next_pow2(head_dim), next_pow2(head_dim_v))
-    bm, bn, _, _ = _blocks("decode" if seqlen_q <= SPLIT_MAX_SEQLEN_Q else "fwd", width, device.type == "cuda",
-                           dtype)
+    on_gpu = device.type == "cuda"
+    decode = seqlen_q <= SPLIT_MAX_SEQLEN_Q
+    block = decode and paged_block_tile(page, k_range, width, on_gpu, dtype)
+    bm, bn, warps, _ = _blocks("decode_paged" if block else "decode" if decode else "fwd", width, on_gpu, dtype)
     if num_splits > 1:
         return max(1, min(num_splits, cdiv(seqlen_k, bn), MAX_SPLITS))
-    if device.type != "cuda" or not AUTO_SPLIT:
+    if not on_gpu or not AUTO_SPLIT:
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return choose_num_splits(batch, nheads_kv, seqlen_q, seqlen_k, bm, bn, sms, paged)
+    cap = merge_chunk(seqlen_q, bm, warps, max(16, next_pow2(head_dim_v))) if block and TUNING["fused_merge"] else 0
+    return choose_num_splits(batch, nheads_kv, seqlen_q, seqlen_k, bm, bn, sms, paged, cap)
 
 
 def _stride_unit(strides) -> int:
@@ -263,12 +296,13 @@ class TensorSpec:
 
 
 class AttnPlan:
-    """Everything attention derives from one call signature. Holds no tensors.
+    """Everything attention derives from one call signature.
 
     ``kind``: ``"dense"`` (``q (B, sq, h, d)``, ``k``/``v`` ``(B, sk, hk, d)``), ``"varlen"`` (packed
     ``(total, h, d)`` with ``cu_seqlens``/``max_seqlen``) or ``"kvcache"`` (dense, batch row ``b`` attends
     to keys ``[k_start[b], k_end[b] + k_add)`` only; validated by the caller). Built from example
-    arguments (real tensors in eager mode, fake ones under ``torch.compile`` with ``traced=True``).
+    arguments (real tensors in eager mode, fake ones under ``torch.compile`` with ``traced=True``). Holds no
+    tensors but the fused split merge's small int32 counters (``_counters``).
     """
 
     def __init__(self, kind: str, q, k, v, alibi, cu_q=None, cu_k=None, max_q=None, max_k=None, *,
@@ -423,16 +457,32 @@ class AttnPlan:
             CHUNK=self.chunk, QV=self.qv,
         )
         decode = self.kind == "kvcache" and self.sq <= SPLIT_MAX_SEQLEN_Q
-        tiles = (("decode_split" if self.n_splits > 1 and not self.page else "decode") if decode
-                 else "fwd_fp8" if self.fp8 else "fwd")
+        # a paged cache read with one page-table load per key block (TUNING["paged_block"]: pages a multiple of the
+        # key block, keys from 0) takes the "decode_paged" tile
+        paged_block = (paged_block_tile(self.page, self.k_range, self.block_w, on_gpu, q.dtype) if decode
+                       else self.page and self.k_range == 1 and TUNING["paged_block"])
+        tiles = (("decode_split" if self.n_splits > 1 and not self.page else "decode_paged" if paged_block
+                  else "decode") if decode else "fwd_fp8" if self.fp8 else "fwd")
         bm, bn, warps, stages = _blocks(tiles, self.block_w, on_gpu, q.dtype)
         su = _stride_unit(self.qs + self.ks + self.vs + self.os)
         self.num_m = cdiv(self.sq, bm)
         self.fwd_grid = ((self.num_m * self.B * self.H, self.n_splits) if self.n_splits > 1
                          else (self.num_m * self.B * self.H,))
         self.fwd_cfg = (bm, bn, warps, stages, su)
+        # Split-KV decoding merged in the split kernel (TUNING["fused_merge"]): its final output's strides (the
+        # partials are contiguous), the merge's rows (a power of two >= the rows of one program) and the chunk of
+        # splits it loads at once (about 64 fp32 values a thread).
+        self.fused = self.n_splits > 1 and decode and TUNING["fused_merge"]
+        self.fs = (self._out_bsh(self.o_shape) if self.out_strides is None
+                   else tuple(0 if self.o_shape[i] == 1 else self.out_strides[i] for i in range(3)))
+        self.merge_m = next_pow2(min(self.sq, bm))
+        self.merge_s = merge_chunk(self.sq, bm, warps, self.block_dv)
+        self.page_block = bool(paged_block and self.page % bn == 0)
         self.fwd_ints = (*(s // su for s in self.qs + self.ks + self.vs + self.os), self.slb, self.slh, self.stride_ab,
-                         self.H, self.H // self.HK, *self.sizes, self.D, self.num_m, self.k_add, *self.scal)
+                         self.H, self.H // self.HK, *self.sizes, self.D, self.num_m, self.k_add, *self.scal,
+                         *self.fs, None, None, None)  # (sfb, sfs, sfh, out, lse out, counters): the fused merge's
+        self.fused_ints = self.fwd_ints[:-3]  # the fused merge's launch passes its out, lse and counters after these
+        self._ctrs: dict = {}  # the fused merge's counters per stream (_counters)
         # TMA descriptors need 16-byte aligned row strides and a Hopper-class GPU (or the interpreter).
         es = q.element_size()
         # FP8 through TMA only on GPU tiles of 3+ stages: ptxas crashed (-11) on every 2-stage TMA variant swept
@@ -490,8 +540,21 @@ class AttnPlan:
                         USE_TMA=tma, K_RANGE=self.k_range, STORE_LSE=store_lse, SU=su, DESCALE=self.descale,
                         SPLIT=self.n_splits > 1, PAGE=self.page, V_T=self.v_t,
                         EXP16=self.fp8 and self.on_gpu and TUNING["fp8_exp16"],
-                        OVERLAP=(TUNING["fp8_overlap"] and tma if self.v_t else TUNING["fwd_overlap"]) and not self.qv)
+                        OVERLAP=(TUNING["fp8_overlap"] and tma if self.v_t else TUNING["fwd_overlap"]) and not self.qv,
+                        PAGE_BLOCK=self.page_block, MERGE=0, MERGE_M=1, MERGE_S=1)
             la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, warps, stages, device=self.device)
+        return la
+
+    def fused_launch(self, store_lse: bool) -> Launch:
+        """The split kernel that merges its splits itself (``fused``): writes ``out`` and, when ``store_lse``, the
+        final lse (built on first use)."""
+        key = ("fused", store_lse)
+        la = self._fwd.get(key)
+        if la is None:
+            base = self.fwd_launch(True)
+            meta = dict(base.meta, MERGE=2 if store_lse else 1, MERGE_M=self.merge_m, MERGE_S=self.merge_s)
+            la = self._fwd[key] = Launch(_attn_fwd_kernel, self.fwd_grid, meta, base.num_warps, base.num_stages,
+                                         device=self.device)
         return la
 
     # ------------------------------------------------------------------------------------- forward
@@ -570,8 +633,20 @@ class AttnPlan:
 
     def _forward_split(self, q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table, store_lse, aligned):
         """Split-KV (flash-decoding): one launch of ``n_splits`` programs per query block, each writing its
-        split's fp32 partial output and lse, merged by the combine kernel. Fixed shapes, no host sync (CUDA
-        graphs capture it)."""
+        split's fp32 partial output and lse, merged by the combine kernel, or (``fused``) by the last of a row
+        block's split programs to finish, in the same launch. Fixed shapes, no host sync (CUDA graphs capture it).
+
+        The fused merge counts finished splits in an int32 counter per row block (``_counters``), which the merging
+        program puts back to 0: the counters are 0 between launches, so they are zeroed once (when allocated) and
+        reused by every later call on the same stream (no memset per call). The rules that keeps: calls on one
+        stream are ordered, and each stream has its own counters (a plan used on two streams at once is safe). A
+        CUDA graph captured on a stream with no counters yet gets counters of its own for that call, allocated in
+        the graph's memory pool like the call's other buffers, their zeroing captured and replayed with it (one
+        small memset node); a graph captured on a stream that has counters (eager calls of this plan ran on it
+        before) replays on those, so it must not be replayed on another stream while eager calls of the plan run on
+        the capture stream. A launch cut short would leave counts behind, but only a device fault cuts one short,
+        and that ends the CUDA context and every tensor in it, the counters included; an error raised on the host
+        before the launch (a value check) leaves them untouched."""
         dev = self.device
         # One fp32 workspace holds the partial outputs, their lse and (when the caller wants no lse) the merge's
         # lse: one allocation instead of three (each ~3 us of host time on the H100 machine, a slice ~1 us).
@@ -579,8 +654,18 @@ class AttnPlan:
         l_part = ws[self.split_l:]
         if aligned is None:
             aligned = _aligned(q, k, v, alibi, k_start, k_end, qd, kd, vd, qv, table)
-        la = self._fwd.get(True) or self.fwd_launch(True)
         stream = self.stream()
+        if self.fused:
+            out = self._new_out()
+            lse = torch.empty(self.lse_shape, dtype=_F32, device=dev) if store_lse else None
+            la = self._fwd.get(("fused", store_lse)) or self.fused_launch(store_lse)
+            ctr = self._ctrs.get(stream)
+            if ctr is None:
+                ctr = self._counters(stream)
+            la(stream, aligned, q, k, v, ws, l_part, alibi, None, None, None, k_start, k_end, qd, kd, vd, qv, table,
+               *self.fused_ints, out, lse, ctr)
+            return out, lse, None
+        la = self._fwd.get(True) or self.fwd_launch(True)
         la(stream, aligned, q, k, v, ws, l_part, alibi, None, None, None, k_start, k_end, qd, kd, vd, qv,
            table, *self.fwd_ints)
         out = self._new_out()
@@ -589,6 +674,16 @@ class AttnPlan:
         comb = self._fwd.get("combine") or self._combine_launch()
         comb(stream, True, ws, l_part, out, lse, *self.combine_ints)
         return out, (lse if store_lse else None), None
+
+    def _counters(self, stream) -> Tensor:
+        """Zeroed int32 counters of the fused merge, one per row block, cached for ``stream`` (see
+        ``_forward_split``); inside a CUDA graph capture on a stream without them, fresh ones for this call (their
+        zeroing is captured and replayed with the graph), and past 16 streams fresh ones every call."""
+        ctr = torch.zeros(self.fwd_grid[0], dtype=torch.int32, device=self.device)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing and len(self._ctrs) < 16:
+            self._ctrs[stream] = ctr
+        return ctr
 
     def _new_out(self) -> Tensor:
         if self.out_strides is None:
