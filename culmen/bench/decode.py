@@ -13,11 +13,16 @@ of ``L`` positions, no new tokens):
 - ``torch``: ``F.scaled_dot_product_attention`` on ``(B, h, 1, d)`` queries over the ``(B, hk, L, d)`` cache
   with ``enable_gqa`` (PyTorch's own choice of backend), the same bytes read.
 
-A paged case (page 256) reads the cache through a shuffled page table.
+Paged cases (pages of 256 and of 16 rows) read the cache through a shuffled page table.
+
+Two environment variables serve GPU sessions that compare settings in one process: ``CULMEN_BENCH_DECODE_SHAPES``
+(``"batch,length,page ..."``) replaces the shape grid, and ``CULMEN_BENCH_FUSED_MERGE`` (``0`` / ``1``) sets
+``launch.TUNING["fused_merge"]`` (the split-KV merge inside the split kernel, or a second launch) for the run.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -29,7 +34,7 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (batch, cache length, page size or 0): issue 17's grid (batch 1 / 16 / 64 over caches of 4k / 32k / 128k
 # tokens; batch 64 at 128k would need 34 GB of cache plus SDPA's copy, so it stops at 32k) and one paged case.
 SHAPES: list[tuple[int, int, int]] = [(1, 4096, 0), (1, 32768, 0), (1, 131072, 0), (16, 4096, 0), (16, 32768, 0),
-                                      (16, 131072, 0), (64, 4096, 0), (64, 32768, 0), (8, 8192, 256)]
+                                      (16, 131072, 0), (64, 4096, 0), (64, 32768, 0), (8, 8192, 256), (8, 8192, 16)]
 QUICK_SHAPES: list[tuple[int, int, int]] = [(1, 64, 0), (2, 64, 16)]
 FIXED_SPLITS = (4, 16)
 
@@ -43,7 +48,8 @@ def _auto_splits(B: int, L: int, page: int, device: torch.device, dtype: torch.d
     saved = launch.AUTO_SPLIT
     launch.AUTO_SPLIT = True
     try:
-        return launch.kvcache_splits(0, device, dtype, B, HEADS // rows, rows, L, HEAD_DIM, HEAD_DIM, paged=page > 0)
+        return launch.kvcache_splits(0, device, dtype, B, HEADS // rows, rows, L, HEAD_DIM, HEAD_DIM, paged=page > 0,
+                                     page=page)
     finally:
         launch.AUTO_SPLIT = saved
 
@@ -52,12 +58,18 @@ def _auto_splits(B: int, L: int, page: int, device: torch.device, dtype: torch.d
 def bench_kvcache_decode(cfg: BenchConfig) -> Iterator[Case]:
     """One-token decoding over a KV cache (bf16, 32 heads over 8 KV heads, d 128) vs SDPA: bandwidth."""
     from culmen.flash_attn import flash_attn_with_kvcache
+    from culmen.ops.attention import launch
 
+    shapes = QUICK_SHAPES if cfg.quick else SHAPES
+    if os.environ.get("CULMEN_BENCH_DECODE_SHAPES"):
+        shapes = [tuple(int(x) for x in s.split(",")) for s in os.environ["CULMEN_BENCH_DECODE_SHAPES"].split()]
+    if os.environ.get("CULMEN_BENCH_FUSED_MERGE") in ("0", "1"):
+        launch.TUNING["fused_merge"] = os.environ["CULMEN_BENCH_FUSED_MERGE"] == "1"
     dev = cfg.device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
     dgen = torch.Generator(device=dev).manual_seed(0)  # gigabyte caches: drawn on the device
-    for B, L, page in (QUICK_SHAPES if cfg.quick else SHAPES):
+    for B, L, page in shapes:
         def rnd(*shape):
             return torch.randn(*shape, generator=dgen, dtype=dtype, device=dev)
 
@@ -91,7 +103,8 @@ def bench_kvcache_decode(cfg: BenchConfig) -> Iterator[Case]:
             providers[f"culmen-s{s}"] = ours(s)
         providers["torch"] = sdpa
         label = f"B{B} L{L} h{HEADS}/{KV_HEADS} d{HEAD_DIM}" + (f" page{page}" if page else "")
-        notes = [f"culmen-auto runs {auto} split(s) (the automatic rule with AUTO_SPLIT on)"]
+        notes = [f"culmen-auto runs {auto} split(s) (the automatic rule with AUTO_SPLIT on); fused merge "
+                 f"{'on' if launch.TUNING['fused_merge'] else 'off'}"]
         if page:
             notes.append("torch reads the same rows from a dense (B, hk, L, d) copy (SDPA has no page table)")
         yield Case(label, providers, bytes=2 * B * L * KV_HEADS * HEAD_DIM * k.element_size(),
