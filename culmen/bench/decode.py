@@ -7,7 +7,7 @@ Providers on the same values (bf16, ``h = 32`` query heads over ``hk = 8`` KV he
 of ``L`` positions, no new tokens):
 
 - ``culmen``: the default call (``num_splits=0``: split-KV chosen automatically when
-  ``culmen.ops.attention.launch.AUTO_SPLIT`` is on, else one split);
+  ``culmen.ops.attention.tiles.AUTO_SPLIT`` is on, else one split);
 - ``culmen-s1`` / ``culmen-auto`` / ``culmen-s<n>``: one split, the automatic choice forced on, fixed splits
   (informational: they decide the automatic rule);
 - ``torch``: ``F.scaled_dot_product_attention`` on ``(B, h, 1, d)`` queries over the ``(B, hk, L, d)`` cache
@@ -41,17 +41,17 @@ FIXED_SPLITS = (4, 16)
 
 def _auto_splits(B: int, L: int, page: int, device: torch.device, dtype: torch.dtype) -> int:
     """What the automatic rule picks for this call with ``AUTO_SPLIT`` on (the flag restored after)."""
-    from culmen.ops.attention import launch
+    from culmen.ops.attention import tiles
     from culmen.ops.attention.kvcache import pack_gqa_rows
 
     rows = pack_gqa_rows(HEADS, KV_HEADS)  # one-token decoding runs HEADS / rows packed heads of `rows` rows
-    saved = launch.AUTO_SPLIT
-    launch.AUTO_SPLIT = True
+    saved = tiles.AUTO_SPLIT
+    tiles.AUTO_SPLIT = True
     try:
-        return launch.kvcache_splits(0, device, dtype, B, HEADS // rows, rows, L, HEAD_DIM, HEAD_DIM, paged=page > 0,
-                                     page=page)
+        return tiles.kvcache_splits(0, device, dtype, B, HEADS // rows, rows, L, HEAD_DIM, HEAD_DIM, paged=page > 0,
+                                    page=page)
     finally:
-        launch.AUTO_SPLIT = saved
+        tiles.AUTO_SPLIT = saved
 
 
 @register_benchmark("kvcache_decode", "attention")

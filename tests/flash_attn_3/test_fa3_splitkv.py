@@ -164,11 +164,11 @@ def test_automatic_choice_does_not_split_on_cpu_or_for_prefill(triton_backend):
 @pytest.mark.parametrize("page", [None, 1, 256])
 def test_gpu_decode_auto_split_equals_unsplit(page, monkeypatch):
     """Decode at issue 17's shape (GQA 8:1, d 128, bf16), batch 1, 4k-token cache: the automatic choice splits
-    (launch.AUTO_SPLIT forced on, whatever its default), and its result equals the unsplit
+    (tiles.AUTO_SPLIT forced on, whatever its default), and its result equals the unsplit
     one within bf16 rounding (and float64 within the tolerance rule)."""
-    from culmen.ops.attention import launch
+    from culmen.ops.attention import tiles
 
-    monkeypatch.setattr(launch, "AUTO_SPLIT", True)
+    monkeypatch.setattr(tiles, "AUTO_SPLIT", True)
     kvcache.PLANS.clear()
     dev, B, h, hk, d, S = "cuda", 1, 32, 4, 128, 4096
     if page is None:

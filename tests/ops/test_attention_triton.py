@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from culmen.ops.attention import attention_ref, dropout_keep_mask, flash_attn, flash_attn_varlen, launch
+from culmen.ops.attention import attention_ref, dropout_keep_mask, flash_attn, flash_attn_varlen, launch, tiles
 from culmen.ops.attention import op as attn_op
 from culmen.ops.backend import set_backend
 from culmen.testing import assert_close_tolerance
@@ -153,20 +153,20 @@ def test_return_probs_uses_reference(triton_backend):
 
 def test_cuda_kernels_by_default_with_escape_hatch(monkeypatch):
     cuda, f16 = torch.device("cuda"), torch.float16
-    monkeypatch.setattr(launch, "choose_backend", lambda dev: "triton")
-    assert launch.use_kernels(cuda, f16, 64)
-    assert not launch.use_kernels(cuda, f16, 64, return_probs=True)
-    assert launch.use_kernels(cuda, f16, 512)
-    assert not launch.use_kernels(cuda, torch.float32, 512)  # fp32 tiles: head dim <= 256
-    assert not launch.use_kernels(cuda, torch.float64, 64)  # fp64 runs the reference
+    monkeypatch.setattr(tiles, "choose_backend", lambda dev: "triton")
+    assert tiles.use_kernels(cuda, f16, 64)
+    assert not tiles.use_kernels(cuda, f16, 64, return_probs=True)
+    assert tiles.use_kernels(cuda, f16, 512)
+    assert not tiles.use_kernels(cuda, torch.float32, 512)  # fp32 tiles: head dim <= 256
+    assert not tiles.use_kernels(cuda, torch.float64, 64)  # fp64 runs the reference
     try:
-        launch.set_kernels_on_gpu(False)  # the escape hatch (CULMEN_FLASH_TRITON=0)
-        assert not launch.use_kernels(cuda, f16, 64)
-        assert launch.use_kernels(torch.device("cpu"), f16, 64)  # CULMEN_BACKEND=triton on CPU is not affected
+        tiles.set_kernels_on_gpu(False)  # the escape hatch (CULMEN_FLASH_TRITON=0)
+        assert not tiles.use_kernels(cuda, f16, 64)
+        assert tiles.use_kernels(torch.device("cpu"), f16, 64)  # CULMEN_BACKEND=triton on CPU is not affected
     finally:
-        launch.set_kernels_on_gpu(True)
-    monkeypatch.setattr(launch, "choose_backend", lambda dev: "reference")
-    assert not launch.use_kernels(torch.device("cpu"), f16, 64)
+        tiles.set_kernels_on_gpu(True)
+    monkeypatch.setattr(tiles, "choose_backend", lambda dev: "reference")
+    assert not tiles.use_kernels(torch.device("cpu"), f16, 64)
 
 
 VARLEN_CASES = {
