@@ -11,7 +11,8 @@ round after round, so drift hits all of them alike. Variants (``--variants``, de
 * ``culmen-compile-ws``: compiled with the Gluon attention kernels reached through the opaque custom ops
   (``WS_TUNING["compile"]``);
 * ``culmen-trifwd`` / ``culmen-compile-ws-trifwd``: as above with the Triton forward for every causal d64 call
-  (``WS_TUNING["tiles"]`` without ``(64, True)``).
+  (``WS_TUNING["tiles"]`` without ``(64, True)``);
+* ``culmen-compile-splitrot``: compiled, Q and K rotated after unbinding (``models.COMPILE_ROTARY = "split"``).
 
 Prints per variant the median wall ms/step over rounds, the host (enqueue) ms/step, and Dynamo's compile count.
 """
@@ -24,15 +25,17 @@ import time
 
 import torch
 
+from culmen.bench import models
 from culmen.bench.models import build_model, build_optimizer, compile_model, make_batch, model_config
 from culmen.ops.attention import launch_ws
 from culmen.ops.common.plans import clear_plans
 
 VARIANTS = ("torch", "torch-compile", "culmen", "culmen-trifwd", "culmen-compile", "culmen-compile-ws",
-            "culmen-compile-ws-trifwd")
+            "culmen-compile-ws-trifwd", "culmen-compile-splitrot")
 
 
 def _flags(name: str) -> None:
+    models.COMPILE_ROTARY = "split" if "splitrot" in name else "packed"
     launch_ws.WS_TUNING["compile"] = "-ws" in name
     tiles = launch_ws.WS_TUNING["tiles"]
     if "trifwd" in name:

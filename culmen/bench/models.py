@@ -42,6 +42,13 @@ from torch import Tensor, nn
 
 STYLES = ("llama", "gpt2")
 IMPLS = ("torch", "culmen")
+# How culmen's LLaMA block rotates Q and K while torch.compile traces it: "packed" (one rotation of the q|k slice
+# of the packed projection: one forward kernel, but its backward writes the packed gradient in two passes, a
+# slice-backward and a select-backward) or "split" (q, k, v unbound first and q, k rotated each, as torch's model
+# does: the backward stacks three gradients). H200 profile (s12), per step at d768: packed rotary forward 0.453
+# ms, backward 0.599 + 0.574; torch's model 0.226 and 0.441 + 0.453. "split" is unmeasured: an A/B variant of
+# scripts/ab_train_step.py until a GPU run decides.
+COMPILE_ROTARY = "packed"
 
 
 @dataclass(frozen=True)
@@ -253,7 +260,10 @@ class CulmenLlamaBlock(nn.Module):
         B, S, d = h.shape
         x, residual = self.attn_norm(h, residual, prenorm=True)
         qkv = self.qkv(x).view(B, S, 3, self.heads, d // self.heads)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and COMPILE_ROTARY == "split":
+            q, k, v = qkv.unbind(2)
+            q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        elif torch.compiler.is_compiling():
             # Out of place under torch.compile: Inductor cannot rotate a slice of qkv in place (each element
             # needs its pair), so the in-place form costs an fp32 buffer plus two copies of Q and K per layer
             # (scripts/compile_graph_dump.py); rotated out of place, Q and K come from one fused kernel.

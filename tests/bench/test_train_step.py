@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from culmen.bench import models
 from culmen.bench.models import IMPLS, STYLES, build_model, build_optimizer, make_batch, model_config
 from culmen.cli import main
 
@@ -41,10 +42,13 @@ def test_twin_models_start_equal_and_agree(style):
     assert not torch.equal(other.layers[0].qkv.weight, models["torch"].layers[0].qkv.weight)
 
 
-@pytest.mark.parametrize("style", STYLES)
-def test_culmen_model_compiled_equals_eager(style, compile_fusion):
-    """The culmen model under torch.compile (its LLaMA block rotates Q and K out of place there, and the norms,
-    rotary and activations trace as PyTorch with the fusion switch on) gives the eager loss and gradients."""
+@pytest.mark.parametrize("style,rotary", [("llama", "packed"), ("llama", "split"), ("gpt2", "packed")])
+def test_culmen_model_compiled_equals_eager(style, rotary, compile_fusion, monkeypatch):
+    """The culmen model under torch.compile (its LLaMA block rotates Q and K out of place there, as the packed
+    q|k slice or after unbinding, ``models.COMPILE_ROTARY``, and the norms, rotary and activations trace as
+    PyTorch with the fusion switch on) gives the eager loss and gradients."""
+    monkeypatch.setattr(models, "COMPILE_ROTARY", rotary)
+    torch._dynamo.reset()
     cfg = model_config(style, "tiny")
     dev = torch.device("cpu")
     model = build_model(cfg, "culmen", dev, torch.float32, seed=3)
