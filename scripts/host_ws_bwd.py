@@ -9,7 +9,8 @@ the Triton backward, and the Gluon backward with its fp32 dQ accumulator taken f
 ``torch.zeros`` per call; beside each, the caching allocator's device mallocs / frees / retries during the
 measurement, and the top of a cProfile of two calls (the main thread only: the backward runs in autograd's
 device thread). ``--launches``: instead, the host us spent inside each ``Launch`` call (Triton's launcher
-included, both threads) per fwd+bwd, with whether the launch is bound to the direct path.
+included, both threads) per fwd+bwd, with whether the launch is bound to the direct path. ``--phases``: the host
+us of the forward call, the ``backward()`` call, ``AttnPlan.backward`` and the Gluon backward's own steps.
 """
 
 from __future__ import annotations
@@ -81,11 +82,87 @@ def launches() -> None:
     sys.stdout.flush()
 
 
+def phases() -> None:
+    """Host us per fwd+bwd call (GPU asleep) split into: the whole ``AttnPlan.backward``, and inside the Gluon
+    backward (``WsBackward.__call__``) the accumulator's ``torch.zeros``, the launch, the ``dq.copy_``; against the
+    same call through the Triton backward."""
+    import statistics
+    import time
+    from collections import defaultdict
+
+    from culmen.ops.attention import launch as attn_launch
+
+    spent: dict = defaultdict(list)
+    orig_bwd = attn_launch.AttnPlan.backward
+
+    def timed_bwd(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = orig_bwd(self, *args, **kwargs)
+        spent["AttnPlan.backward"].append(time.perf_counter() - t0)
+        return out
+
+    def timed_ws(self, stream, q, k, v, dout, lse, delta, dq, dk, dv):
+        t0 = time.perf_counter()
+        acc = torch.zeros(self.acc_shape, dtype=torch.float32, device=q.device)
+        t1 = time.perf_counter()
+        rows, lse_st, sizes = self.ints
+        self.launch(stream, True, q, k, v, dout, dk, dv, acc, lse, delta, *rows,
+                    dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                    *lse_st, *sizes)
+        t2 = time.perf_counter()
+        dq.copy_(acc[:, :self.sq])
+        t3 = time.perf_counter()
+        spent["  ws zeros"].append(t1 - t0)
+        spent["  ws launch"].append(t2 - t1)
+        spent["  ws dq copy"].append(t3 - t2)
+
+    orig_ws = launch_ws.WsBackward.__call__
+    attn_launch.AttnPlan.backward = timed_bwd
+    launch_ws.WsBackward.__call__ = timed_ws
+    dev = torch.device("cuda")
+    try:
+        for s, causal in ((2048, False), (8192, True)):
+            B, H, d = 16384 // s, 16, 128
+            q, k, v = (torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            g = torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16)
+            for det in (False, True):
+                clear_plans()
+                for _ in range(3):
+                    flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(g)
+                torch.cuda.synchronize()
+                spent.clear()
+                torch.cuda._sleep(int(3e9))
+                n = 10
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    q.grad = k.grad = v.grad = None
+                    t1 = time.perf_counter()
+                    y = flash_attn_func(q, k, v, causal=causal, deterministic=det)
+                    spent["forward call"].append(time.perf_counter() - t1)
+                    t1 = time.perf_counter()
+                    y.backward(g)
+                    spent["backward() call"].append(time.perf_counter() - t1)
+                total = (time.perf_counter() - t0) / n * 1e6
+                torch.cuda.synchronize()
+                print(f"d{d} s{s} {'causal' if causal else 'full'} {'triton' if det else 'gluon'} bwd: {total:.0f} us "
+                      f"per fwd+bwd (GPU asleep)", flush=True)
+                for name, ts in spent.items():
+                    print(f"    {name:<22} median {statistics.median(ts) * 1e6:7.1f} us  max {max(ts) * 1e6:7.1f}",
+                          flush=True)
+    finally:
+        attn_launch.AttnPlan.backward = orig_bwd
+        launch_ws.WsBackward.__call__ = orig_ws
+
+
 def main() -> None:
     import sys
 
     if "--launches" in sys.argv:
         launches()
+        return
+    if "--phases" in sys.argv:
+        phases()
         return
     dev = torch.device("cuda")
     orig_call = launch_ws.WsBackward.__call__
