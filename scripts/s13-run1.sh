@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Prepared in session 12 for the next session's first GPU call (see bench/notes/attention.md v13, "Next"):
+# the suspect d64 cell, the host phases of the Gluon backward, the compiled LLaMA's rotary form, and the compile
+# switch at d128 (LLaMA 1b, whose attention takes the Gluon kernels)
+set -u
+export PYTHONPATH=$PWD
+timeout 120 python3 scripts/ws_threshold.py > $OUT/ws-threshold.log 2>&1; echo "threshold rc=$?"; cat $OUT/ws-threshold.log
+timeout 60 python3 scripts/host_ws_bwd.py --phases > $OUT/host-phases.log 2>&1; echo "phases rc=$?"; cat $OUT/host-phases.log
+timeout 240 python3 scripts/ab_train_step.py d768 --variants torch-compile,culmen-compile,culmen-compile-splitrot > $OUT/ab-rotary.log 2>&1; echo "ab rc=$?"; grep -v Warning $OUT/ab-rotary.log | tail -5
