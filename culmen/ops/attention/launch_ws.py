@@ -46,8 +46,9 @@ WS_TUNING: dict = {
     "min_work": {(64, True): 1 << 28, (64, False): 1 << 30},
     # Calls traced by torch.compile that the Gluon forward would take run as opaque custom ops calling the eager
     # plans (op.py ``_ws_under_compile``; else the triton_ops, whose Triton kernels Inductor launches itself).
-    # Off unless CULMEN_WS_COMPILE=1: written after the session's GPU time ran out, tested on CPU only (the ops'
-    # fake and autograd wiring); the variable lets `culmen bench train_step --modes compile` measure it.
+    # Off unless CULMEN_WS_COMPILE=1: measured slower (LLaMA d768 compiled, H100 17.82 -> 21.20 ms a step; H200
+    # A/B 18.18 -> 21.44, s12), the opaque ops' dispatch being the suspect; the variable lets `culmen bench
+    # train_step --modes compile` measure it again.
     "compile": os.environ.get("CULMEN_WS_COMPILE", "0") == "1",
 }
 # Registers per thread of a consumer / the loader, by consumer count: the kernel's warps (consumers plus the
