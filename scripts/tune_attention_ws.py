@@ -220,7 +220,9 @@ def main() -> None:
     ap.add_argument("--exp-poly", default="0", help="comma list: exponentials of every 4 on the FMA pipe "
                     "(-1: none at all, an ablation)")
     ap.add_argument("--persistent-only", action="store_true")
+    ap.add_argument("--q-double", action="store_true", help="two Q buffers where they fit (WS_TUNING['q_double'])")
     a = ap.parse_args()
+    launch_ws.WS_TUNING["q_double"] = a.q_double
     EXP_POLYS[:] = [int(x) for x in a.exp_poly.split(",")]
     if a.persistent_only:
         PERSISTENT[:] = [True]

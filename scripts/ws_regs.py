@@ -80,6 +80,9 @@ def main() -> None:
         print("no Gluon in this Triton")
         sys.exit(2)
     args = sys.argv[1:]
+    if "--q-double" in args:  # the forward with WS_TUNING["q_double"] (two Q buffers where they fit)
+        args.remove("--q-double")
+        launch_ws.WS_TUNING["q_double"] = True
     if len(args) == 4 and args[0] == "bwd":
         configs = [("bwd", int(args[1]), args[2] == "1", tuple(int(x) for x in args[3].split(",")))]
     elif len(args) in (3, 4):

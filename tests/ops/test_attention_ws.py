@@ -153,12 +153,25 @@ def test_backward_takes_the_forwards_calls(monkeypatch):
 
 
 @pytest.mark.skipif(not kernels_ws.AVAILABLE, reason="this Triton has no Gluon")
-def test_kernels_compile_for_sm90_with_bounded_spills():
+def test_q_buffers_double_only_where_they_fit(monkeypatch):
+    monkeypatch.setitem(launch_ws.WS_TUNING, "q_double", False)
+    assert launch_ws.q_buffers(64, (64, 3, 3, True)) == 1
+    monkeypatch.setitem(launch_ws.WS_TUNING, "q_double", True)
+    assert launch_ws.q_buffers(128, (64, 3, 3, True)) == 2  # 96 KB of Q, 96 KB of K/V
+    assert launch_ws.q_buffers(128, (128, 3, 2, True)) == 1  # 64 KB of Q would not fit beside 192 KB of K/V
+    assert launch_ws.q_buffers(128, (128, 2, 2, True)) == 2
+    assert launch_ws.q_buffers(128, (128, 3, 3, False), fp8=True) == 2  # one byte an element, P tiles included
+
+
+@pytest.mark.parametrize("q_double", [False, True])
+def test_kernels_compile_for_sm90_with_bounded_spills(q_double):
     """Every shipped forward and backward config through ``scripts/ws_regs.py`` (a subprocess: Gluon does not
-    compile under the interpreter the CPU tests run in)."""
+    compile under the interpreter the CPU tests run in), with one or (``q_double``, where they fit) two Q
+    buffers."""
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ws_regs.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=900)
+    res = subprocess.run([sys.executable, script] + (["--q-double"] if q_double else []), capture_output=True,
+                         text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     fwd = [ln for ln in res.stdout.splitlines() if ln.startswith("d=")]
     fp8 = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("fp8 d=")]
@@ -259,6 +272,44 @@ def test_polynomial_exp2_literals_reach_fp32_accuracy():
     assert ((r[fin].double() - want[fin]).abs() / want[fin]).max().item() < 1e-4
     assert (r[~fin] == 0).all()
     assert kernels_ws._exp2_asm(1).count("ex2.approx") == 3 and kernels_ws._exp2_asm(3).count("ex2.approx") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("case", [(40, 512, 512, 8, 8, 64, False), (2, 1000, 1000, 4, 4, 128, True),
+                                  (1, 777, 1531, 8, 2, 64, True), (3, 300, 300, 2, 1, 64, True)])
+def test_ws_q_double_equals_single(case, fp8, fresh_plans, monkeypatch):
+    """``WS_TUNING["q_double"]`` only changes which shared buffer each tile's Q sits in: the persistent programs
+    (several tiles each, consecutive tiles in alternating buffers) give bitwise the output and lse of one
+    buffer."""
+    if not _hopper():
+        pytest.skip("the Gluon forward runs on Hopper-class NVIDIA GPUs")
+    B, sq, sk, h, hk, d, causal = case
+    torch.manual_seed(sq + d)
+    q = torch.randn(B, sq, h, d, device="cuda", dtype=BF16)
+    k, v = (torch.randn(B, sk, hk, d, device="cuda", dtype=BF16) for _ in range(2))
+    if fp8:
+        from culmen.flash_attn_3 import flash_attn_func as fa3
+        from culmen.flash_attn_3 import quantize_fp8
+
+        if sk % 16:
+            pytest.skip("the FP8 Gluon forward needs sk % 16 == 0")
+        monkeypatch.setitem(launch_ws.WS_TUNING, "fp8", True)
+        q, k, v, qd, kd, vd = quantize_fp8(q, k, v)
+        run = lambda: fa3(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,  # noqa: E731
+                          return_attn_probs=True)[:2]
+        plan_kw = dict(descale=True, fa3=True)
+    else:
+        run = lambda: flash_attn(q, k, v, 0.0, causal=causal)[:2]  # noqa: E731
+        plan_kw = {}
+    runs = []
+    for double in (False, True):
+        monkeypatch.setitem(launch_ws.WS_TUNING, "q_double", double)
+        attn_launch.clear_plans()
+        plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal, **plan_kw)
+        assert plan.ws is not None and plan.ws.launch.meta["Q_BUFS"] == (2 if double else 1)
+        runs.append(run())
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 @pytest.mark.gpu

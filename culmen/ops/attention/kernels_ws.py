@@ -119,16 +119,18 @@ if AVAILABLE:
 
     @gluon.jit
     def _ws_loader(args, FP8: gl.constexpr):
-        """Producer (one warp; its own subset of the kernel's values): per tile, Q once the consumers released
-        the last tile's, then K and V of every key block into the stage ring (its counters run on across
-        tiles). ``FP8``: V comes from its transposed copy ``(B, HK, D, sk)``, a ``(D, BLOCK_N)`` tile per key
-        block."""
+        """Producer (one warp; its own subset of the kernel's values): per tile, Q into buffer ``tile % Q_BUFS`` once
+        the consumers released that buffer's last tile, then K and V of every key block into the stage ring (its
+        counters run on across tiles). With two Q buffers the next tile's Q (and then its first K/V blocks) load
+        while the consumers still read this tile's Q. ``FP8``: V comes from its transposed copy ``(B, HK, D, sk)``,
+        a ``(D, BLOCK_N)`` tile per key block."""
         (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, empty, H, GROUP,
          BH_GROUP, sq, sk, NUM_M, n_tiles, CAUSAL, NUM_WG, PERSISTENT) = args
         BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
         D: gl.constexpr = k_bufs.type.shape[2]
         NB: gl.constexpr = k_bufs.type.shape[0]
-        NUM_Q: gl.constexpr = q_smem.type.shape[0]
+        Q_BUFS: gl.constexpr = q_ready.type.shape[0]
+        NUM_Q: gl.constexpr = q_smem.type.shape[0] // Q_BUFS  # one 64-row Q tile per consumer warpgroup
         kv_it = 0
         tile_i = 0
         pid = gl.program_id(0)
@@ -137,10 +139,11 @@ if AVAILABLE:
             b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, BH_GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N,
                                               n_tiles)
             # barriers start with phase 1 complete, so the first tile's waits pass at once
-            mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
-            mbarrier.expect(q_ready, NUM_Q * q_desc.block_type.nbytes)
+            qb = tile_i % Q_BUFS
+            mbarrier.wait(q_empty.index(qb), ((tile_i // Q_BUFS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qb), NUM_Q * q_desc.block_type.nbytes)
             for w in gl.static_range(NUM_Q):
-                _tma_load(q_desc, [b * sq + m0 + w * 64, h * D], q_ready, q_smem.index(w))
+                _tma_load(q_desc, [b * sq + m0 + w * 64, h * D], q_ready.index(qb), q_smem.index(qb * NUM_Q + w))
             for j in range(n_blocks):
                 it = kv_it + j
                 s = it % NB
@@ -283,7 +286,8 @@ if AVAILABLE:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=KW)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q = q_smem.index(WG)
+        Q_BUFS: gl.constexpr = q_ready.type.shape[0]
+        NUM_Q: gl.constexpr = q_smem.type.shape[0] // Q_BUFS
         kv_it = 0
         slot = 0
         tile_i = 0
@@ -293,6 +297,9 @@ if AVAILABLE:
             b, h, hk, m0, n_blocks = _ws_tile(t, NUM_M, H, GROUP, BH_GROUP, sq, sk, CAUSAL, 64 * NUM_WG, BLOCK_N,
                                               n_tiles)
             r0 = m0 + WG * ROWS
+            qb = tile_i % Q_BUFS
+            q = q_smem.index(qb * NUM_Q + WG)
+            q_free = q_empty.index(qb)
             qk_t = qk_scale
             if DESCALE:
                 dsc = b * (H // GROUP) + hk
@@ -302,7 +309,7 @@ if AVAILABLE:
             if CAUSAL:
                 full = gl.minimum(full, (r0 + sk - sq + 1) // BLOCK_N)
             acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-            mbarrier.wait(q_ready, tile_i & 1)
+            mbarrier.wait(q_ready.index(qb), (tile_i // Q_BUFS) & 1)
             st = kv_it % NB
             mbarrier.wait(k_ready.index(st), (kv_it // NB) & 1)
             _ws_turn_wait(turn, slot, WG, PINGPONG)
@@ -311,7 +318,7 @@ if AVAILABLE:
             _ws_turn_pass(turn, WG, NUM_WG, PINGPONG)
             s = warpgroup_mma_wait(0, deps=(s,))
             # Q is released right after its last read, so the next tile's Q loads under this one's tail
-            mbarrier.arrive(q_empty, count=1, pred=n_blocks == 1)
+            mbarrier.arrive(q_free, count=1, pred=n_blocks == 1)
             if full < 1:
                 s = _ws_mask(s, 0, r0, sq, sk, CAUSAL, BLOCK_N)
             m_i = gl.max(s, axis=1) * qk_t
@@ -319,7 +326,7 @@ if AVAILABLE:
             l_i = gl.sum(p, axis=1)
             p_op = _ws_p_keep(p, 0, p_smem, WG, 0, p_layout, FP8)
             for j in range(1, n_blocks):
-                acc, p_op, m_i, l_i = _ws_step(q, k_bufs, v_bufs, p_smem, k_ready, v_ready, empty, q_empty, turn,
+                acc, p_op, m_i, l_i = _ws_step(q, k_bufs, v_bufs, p_smem, k_ready, v_ready, empty, q_free, turn,
                                                acc, p_op, m_i, l_i, j, kv_it, slot, n_blocks, r0, sq, sk, qk_t,
                                                full, s_layout, p_layout, row_o, WG, NUM_WG, PINGPONG, CAUSAL, FP8,
                                                EXP_ASM)
@@ -359,7 +366,7 @@ if AVAILABLE:
                             slh, B, H, GROUP, BH_GROUP, sq, sk, NUM_M, qk_scale,
                             CAUSAL: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PINGPONG: gl.constexpr,
-                            PERSISTENT: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr,
+                            PERSISTENT: gl.constexpr, FP8: gl.constexpr, DESCALE: gl.constexpr, Q_BUFS: gl.constexpr,
                             EXP_ASM: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, vt_layout: gl.constexpr,
                             p_layout: gl.constexpr):
@@ -371,8 +378,8 @@ if AVAILABLE:
         is contiguous ``(B, sq, H, HEAD_D)``, ``lse`` ``(B, H, sq)`` with strides ``slb``, ``slh``.
         ``FP8``: float8 Q/K, V as its transposed copy ``(B, HK, HEAD_D, sk)`` with row stride ``svs``
         (16-byte aligned), ``o`` bf16; ``DESCALE``: fp32 ``(B, HK)`` descales ``qd``/``kd``/``vd`` (else
-        any pointers, unread). Launched with 4 warps (consumer 0) plus ``NUM_WG - 1`` consumers and a
-        one-warp loader."""
+        any pointers, unread). ``Q_BUFS``: 1 or 2 Q buffers (two let the next tile's Q load under this one).
+        Launched with 4 warps (consumer 0) plus ``NUM_WG - 1`` consumers and a one-warp loader."""
         HK = H // GROUP
         q_desc = tma.make_tensor_descriptor(q_ptr, [B * sq, H * HEAD_D], [sqs, 1], [64, HEAD_D], q_layout)
         k_desc = tma.make_tensor_descriptor(k_ptr, [B * sk, HK * HEAD_D], [sks, 1], [BLOCK_N, HEAD_D], kv_layout)
@@ -383,7 +390,7 @@ if AVAILABLE:
             v_desc = tma.make_tensor_descriptor(v_ptr, [B * sk, HK * HEAD_D], [svs, 1], [BLOCK_N, HEAD_D],
                                                 kv_layout)
         n_tiles = NUM_M * B * H
-        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NUM_WG, 64, HEAD_D], q_layout)
+        q_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [Q_BUFS * NUM_WG, 64, HEAD_D], q_layout)
         k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D], kv_layout)
         if FP8:
             v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, HEAD_D, BLOCK_N], vt_layout)
@@ -393,14 +400,15 @@ if AVAILABLE:
             p_smem = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [NUM_WG * 2, 64, BLOCK_N], p_layout)
         else:
             p_smem = q_smem  # a placeholder of the input dtype: bf16/fp16 P stays in registers
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=NUM_WG)
+        for i in gl.static_range(Q_BUFS):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=NUM_WG)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)

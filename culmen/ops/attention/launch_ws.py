@@ -44,6 +44,11 @@ WS_TUNING: dict = {
     # 0.064, B8 h8 s512 0.029 / 0.021, but B32 h32 s512 0.198 / 0.216; d64 full B16 h32 s1k 0.410 / 0.398, B8 h32
     # s2k 0.662 / 0.748). d128 wins from the smallest case measured (B4 h16 s2k causal 0.219 / 0.218).
     "min_work": {(64, True): 1 << 28, (64, False): 1 << 30},
+    # Two Q buffers where shared memory holds them (``q_buffers``): the loader then loads the next tile's Q and its
+    # first K/V blocks while the consumers still read this tile's Q, instead of after they release it (short
+    # sequences pay that wait once a tile: d128 s2k runs 16 key blocks a tile, s8k 64). Written and compiled for
+    # sm_90 without a GPU (s12), off until measured.
+    "q_double": False,
     # Calls traced by torch.compile that the Gluon forward would take run as opaque custom ops calling the eager
     # plans (op.py ``_ws_under_compile``; else the triton_ops, whose Triton kernels Inductor launches itself).
     # Off unless CULMEN_WS_COMPILE=1: measured slower (LLaMA d768 compiled, H100 17.82 -> 21.20 ms a step; H200
@@ -112,7 +117,7 @@ def ws_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, 
     bn, stages, nwg, pingpong = tile
     creg, lreg = WS_REGS[nwg]
     meta = dict(PERSISTENT=persistent, CAUSAL=causal, HEAD_D=d, BLOCK_N=bn, STAGES=stages, NUM_WG=nwg,
-                PINGPONG=pingpong, FP8=fp8, DESCALE=bool(descale) and fp8,
+                PINGPONG=pingpong, FP8=fp8, DESCALE=bool(descale) and fp8, Q_BUFS=q_buffers(d, tile, fp8),
                 EXP_ASM=_exp_asm(WS_TUNING["exp_poly"].get((fp8, d), 0)), CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([64, d], gdt),
                 kv_layout=gl.NVMMASharedLayout.get_default_for([bn, d], gdt),
@@ -120,6 +125,20 @@ def ws_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, 
                 p_layout=gl.NVMMASharedLayout.get_default_for([64, bn], gdt))
     return Launch(kernels_ws._attn_fwd_ws_kernel, (grid,), meta, 4, 1, device=device,
                   options={"maxnreg": (creg * nwg + lreg) // (nwg + 1)})
+
+
+_SMEM_BYTES = 227 * 1024  # an sm_90 block's shared memory
+
+
+def q_buffers(d: int, tile: tuple, fp8: bool = False) -> int:
+    """How many Q buffers the Gluon forward of this config gets: 2 with ``WS_TUNING["q_double"]`` when they fit
+    beside the K/V stages (and FP8's P tiles) with 8 KB to spare for barriers and layout conversions, else 1."""
+    if not WS_TUNING["q_double"]:
+        return 1
+    bn, stages, nwg, _ = tile
+    es = 1 if fp8 else 2
+    used = 2 * nwg * 64 * d * es + 2 * stages * bn * d * es + (2 * nwg * 64 * bn if fp8 else 0)
+    return 2 if used + 8 * 1024 <= _SMEM_BYTES else 1
 
 
 def _exp_asm(n_poly: int) -> str:
