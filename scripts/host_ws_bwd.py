@@ -34,6 +34,20 @@ def _stats() -> dict:
                                      "num_sync_all_streams")}
 
 
+def _inputs(s: int, causal: bool, det: bool):
+    """``(q, k, v, dout)`` of d128 attention at ``s`` tokens a sequence (16k tokens, 16 heads), fresh plans and three
+    warm-up fwd+bwd calls (``det``: deterministic, the Triton backward) done."""
+    B, H, d = 16384 // s, 16, 128
+    dev = torch.device("cuda")
+    q, k, v = (torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16)
+    clear_plans()
+    for _ in range(3):
+        flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(g)
+    torch.cuda.synchronize()
+    return q, k, v, g
+
+
 def launches() -> None:
     """Host us inside each kernel's ``Launch.__call__`` per fwd+bwd call (GPU asleep), Gluon vs Triton paths."""
     import statistics
@@ -55,15 +69,9 @@ def launches() -> None:
         seen[name] = (self._run is not None, self.error)
 
     common_launch.Launch.__call__ = timed
-    dev = torch.device("cuda")
+    d = 128
     for s, causal, det in ((2048, False, False), (2048, False, True), (8192, True, False)):
-        B, H, d = 16384 // s, 16, 128
-        q, k, v = (torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        g = torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16)
-        clear_plans()
-        for _ in range(3):
-            flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(g)
-        torch.cuda.synchronize()
+        q, k, v, g = _inputs(s, causal, det)
         spent.clear()
         torch.cuda._sleep(int(3e9))
         t0 = time.perf_counter()
@@ -119,18 +127,11 @@ def phases() -> None:
     orig_ws = launch_ws.WsBackward.__call__
     attn_launch.AttnPlan.backward = timed_bwd
     launch_ws.WsBackward.__call__ = timed_ws
-    dev = torch.device("cuda")
+    d = 128
     try:
         for s, causal in ((2048, False), (8192, True)):
-            B, H, d = 16384 // s, 16, 128
-            q, k, v = (torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                       for _ in range(3))
-            g = torch.randn(B, s, H, d, device=dev, dtype=torch.bfloat16)
             for det in (False, True):
-                clear_plans()
-                for _ in range(3):
-                    flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(g)
-                torch.cuda.synchronize()
+                q, k, v, g = _inputs(s, causal, det)
                 spent.clear()
                 torch.cuda._sleep(int(3e9))
                 n = 10
