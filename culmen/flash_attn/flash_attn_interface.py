@@ -424,6 +424,22 @@ def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, m
     return q.new_empty((h, total_q + 128 * (cu_seqlens_q.shape[0] - 1)), dtype=torch.float32)
 
 
+def noop_custom_op_wrapper(name, fn=None, /, *, mutates_args, device_types=None, schema=None):
+    """flash_attn's stand-in for ``torch.library.custom_op`` on torch < 2.4: a decorator (or, given ``fn``, a
+    call) that returns the function unchanged. culmen needs torch >= 2.4, so ``_torch_custom_op_wrapper`` is the
+    real one; this exists for code that imports it."""
+    return fn if fn is not None else (lambda func: func)
+
+
+def noop_register_fake_wrapper(op, fn=None, /, *, lib=None, _stacklevel=1):
+    """flash_attn's stand-in for ``torch.library.register_fake`` on torch < 2.4 (see ``noop_custom_op_wrapper``)."""
+    return fn if fn is not None else (lambda func: func)
+
+
+# what flash_attn decorates its ops with on torch >= 2.4 (the versions culmen supports)
+_torch_custom_op_wrapper = torch.library.custom_op
+_torch_register_fake_wrapper = torch.library.register_fake
+
 _wrapped_flash_attn_forward = torch.ops.culmen.fa_forward
 _wrapped_flash_attn_varlen_forward = torch.ops.culmen.fa_varlen_forward
 _wrapped_flash_attn_backward = torch.ops.culmen.fa_backward

@@ -127,6 +127,19 @@ def test_module_level_names():
     assert fi.round_multiple(130, 128) == 256 and fi.maybe_contiguous(None) is None
     x = torch.randn(4, 3).t()
     assert fi.maybe_contiguous(x).stride(-1) == 1 and fi.maybe_contiguous(x.t()) is not None
+    # flash_attn >= 2.7's op decorators: the real ones on the torch versions culmen supports, and the no-op
+    # stand-ins for older torch, usable as decorators (with or without the function) like the real ones
+    assert fi._torch_custom_op_wrapper is torch.library.custom_op
+    assert fi._torch_register_fake_wrapper is torch.library.register_fake
+
+    def f(t):
+        return t + 1
+
+    assert fi.noop_custom_op_wrapper("lib::f", mutates_args=())(f) is f
+    assert fi.noop_custom_op_wrapper("lib::f", f, mutates_args=(), device_types="cuda") is f
+    assert fi.noop_register_fake_wrapper("lib::f")(f) is f and fi.noop_register_fake_wrapper("lib::f", f) is f
+    with pytest.raises(TypeError):  # mutates_args is required, as in flash_attn
+        fi.noop_custom_op_wrapper("lib::f", f)
 
 
 # ------------------------------------------------------------------------------ forward / backward
