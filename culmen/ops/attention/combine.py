@@ -26,6 +26,20 @@ _MAX_SPLITS = 256  # FA3's limit; the kernel holds every split's lse of a row bl
 
 
 @triton.jit
+def _merge_stats(lse, AXIS: tl.constexpr, EMPTY_LSE: tl.constexpr):
+    """``(reference max, 1 / sum of the weights, merged lse)`` of the splits' ``lse`` (fp32, splits along
+    ``AXIS``): the weights are ``exp(lse_s - max)``. A row no split saw (every ``lse_s`` ``-inf``) gets a 0
+    reference (``exp()`` stays finite, every weight 0), ``1 / sum`` 0 and lse ``EMPTY_LSE``, with no ``1 / 0`` or
+    ``log(0)`` evaluated."""
+    m = tl.max(lse, AXIS)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse - tl.expand_dims(m_safe, AXIS)), AXIS)
+    seen = total > 0.0
+    safe_total = tl.where(seen, total, 1.0)
+    return m_safe, tl.where(seen, 1.0 / safe_total, 0.0), tl.where(seen, tl.log(safe_total) + m, EMPTY_LSE)
+
+
+@triton.jit
 def _combine_kernel(O_part, LSE_part, Out, LSE_out, n_rows, S, H, D, num_splits,
                     so_split, so_b, so_s, so_h, so_d,
                     sl_split, sl_b, sl_s, sl_h,
@@ -46,15 +60,8 @@ def _combine_kernel(O_part, LSE_part, Out, LSE_out, n_rows, S, H, D, num_splits,
     lse_row = b * sl_b + s * sl_s + h * sl_h
     lse = tl.load(LSE_part + lse_row[:, None] + splits[None, :].to(tl.int64) * sl_split,
                   mask=rmask[:, None] & smask[None, :], other=float("-inf")).to(tl.float32)
-    m = tl.max(lse, 1)
-    # All splits empty: a 0 reference keeps exp() finite (every weight is then exp(-inf) = 0).
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse - m_safe[:, None]), 1)
-    seen = total > 0.0
-    safe_total = tl.where(seen, total, 1.0)  # no 1/0 or log(0) evaluated for rows with no key
-    inv = tl.where(seen, 1.0 / safe_total, 0.0)
+    m_safe, inv, lse_final = _merge_stats(lse, 1, EMPTY_LSE)
     if pid_d == 0:
-        lse_final = tl.where(seen, tl.log(safe_total) + m, EMPTY_LSE)
         tl.store(LSE_out + b * lo_b + s * lo_s + h * lo_h, lse_final, mask=rmask)
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -93,14 +100,9 @@ def _combine_rows_kernel(O_part, LSE_part, Out, LSE_out, S, H, D, num_splits,
     lse_row = b * sl_b + s * sl_s + h * sl_h
     lse = tl.load(LSE_part + lse_row + splits.to(tl.int64) * sl_split, mask=splits < num_splits,
                   other=float("-inf")).to(tl.float32)
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight exp(-inf) = 0
-    total = tl.sum(tl.exp(lse - m_safe), 0)
-    seen = total > 0.0
-    safe_total = tl.where(seen, total, 1.0)
-    inv = tl.where(seen, 1.0 / safe_total, 0.0)
+    m_safe, inv, lse_final = _merge_stats(lse, 0, EMPTY_LSE)
     if tl.program_id(1) == 0:
-        tl.store(LSE_out + b * lo_b + s * lo_s + h * lo_h, tl.where(seen, tl.log(safe_total) + m, EMPTY_LSE))
+        tl.store(LSE_out + b * lo_b + s * lo_s + h * lo_h, lse_final)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
     o_row = O_part + b * so_b + s * so_s + h * so_h + cols.to(tl.int64)[None, :] * so_d
