@@ -12,7 +12,8 @@ round after round, so drift hits all of them alike. Variants (``--variants``, de
   (``WS_TUNING["compile"]``);
 * ``culmen-trifwd`` / ``culmen-compile-ws-trifwd``: as above with the Triton forward for every causal d64 call
   (``WS_TUNING["tiles"]`` without ``(64, True)``);
-* ``culmen-compile-splitrot``: compiled, Q and K rotated after unbinding (``models.COMPILE_ROTARY = "split"``).
+* ``culmen-compile-packedrot``: compiled, Q and K rotated as one slice of the packed projection
+  (``models.COMPILE_ROTARY = "packed"``; shipped: ``"split"``, rotated after unbinding).
 
 Prints per variant the median wall ms/step over rounds, the host (enqueue) ms/step, and Dynamo's compile count.
 """
@@ -31,11 +32,11 @@ from culmen.ops.attention import launch_ws
 from culmen.ops.common.plans import clear_plans
 
 VARIANTS = ("torch", "torch-compile", "culmen", "culmen-trifwd", "culmen-compile", "culmen-compile-ws",
-            "culmen-compile-ws-trifwd", "culmen-compile-splitrot")
+            "culmen-compile-ws-trifwd", "culmen-compile-packedrot")
 
 
 def _flags(name: str) -> None:
-    models.COMPILE_ROTARY = "split" if "splitrot" in name else "packed"
+    models.COMPILE_ROTARY = "packed" if "packedrot" in name else "split"
     launch_ws.WS_TUNING["compile"] = "-ws" in name
     tiles = launch_ws.WS_TUNING["tiles"]
     if "trifwd" in name:

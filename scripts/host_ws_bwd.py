@@ -11,6 +11,7 @@ measurement, and the top of a cProfile of two calls (the main thread only: the b
 device thread). ``--launches``: instead, the host us spent inside each ``Launch`` call (Triton's launcher
 included, both threads) per fwd+bwd, with whether the launch is bound to the direct path. ``--phases``: the host
 us of the forward call, the ``backward()`` call, ``AttnPlan.backward`` and the Gluon backward's own steps.
+``--torch-profile``: torch.profiler's CPU ops of both backwards.
 """
 
 from __future__ import annotations
@@ -124,36 +125,68 @@ def phases() -> None:
         spent["  ws launch"].append(t2 - t1)
         spent["  ws dq copy"].append(t3 - t2)
 
+    from culmen.ops.attention import op as attn_op
+
+    orig_node = attn_op._AttnFn.backward
+
+    def timed_node(ctx, *args):
+        t0 = time.perf_counter()
+        out = orig_node(ctx, *args)
+        spent["_AttnFn.backward"].append(time.perf_counter() - t0)
+        return out
+
     orig_ws = launch_ws.WsBackward.__call__
     attn_launch.AttnPlan.backward = timed_bwd
     launch_ws.WsBackward.__call__ = timed_ws
+    attn_op._AttnFn.backward = staticmethod(timed_node)
     d = 128
     try:
-        for s, causal in ((2048, False), (8192, True)):
-            for det in (False, True):
-                q, k, v, g = _inputs(s, causal, det)
-                spent.clear()
-                torch.cuda._sleep(int(3e9))
-                n = 10
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    q.grad = k.grad = v.grad = None
-                    t1 = time.perf_counter()
-                    y = flash_attn_func(q, k, v, causal=causal, deterministic=det)
-                    spent["forward call"].append(time.perf_counter() - t1)
-                    t1 = time.perf_counter()
-                    y.backward(g)
-                    spent["backward() call"].append(time.perf_counter() - t1)
-                total = (time.perf_counter() - t0) / n * 1e6
-                torch.cuda.synchronize()
-                print(f"d{d} s{s} {'causal' if causal else 'full'} {'triton' if det else 'gluon'} bwd: {total:.0f} us "
-                      f"per fwd+bwd (GPU asleep)", flush=True)
-                for name, ts in spent.items():
-                    print(f"    {name:<22} median {statistics.median(ts) * 1e6:7.1f} us  max {max(ts) * 1e6:7.1f}",
-                          flush=True)
+        # the Triton backward both before and after the Gluon one at s2k: an order effect would show
+        for s, causal, det in ((2048, False, True), (2048, False, False), (2048, False, True), (8192, True, False),
+                               (8192, True, True)):
+            q, k, v, g = _inputs(s, causal, det)
+            spent.clear()
+            torch.cuda._sleep(int(3e9))
+            n = 10
+            t0 = time.perf_counter()
+            for _ in range(n):
+                q.grad = k.grad = v.grad = None
+                t1 = time.perf_counter()
+                y = flash_attn_func(q, k, v, causal=causal, deterministic=det)
+                spent["forward call"].append(time.perf_counter() - t1)
+                t1 = time.perf_counter()
+                y.backward(g)
+                spent["backward() call"].append(time.perf_counter() - t1)
+            total = (time.perf_counter() - t0) / n * 1e6
+            torch.cuda.synchronize()
+            print(f"d{d} s{s} {'causal' if causal else 'full'} {'triton' if det else 'gluon'} bwd: {total:.0f} us "
+                  f"per fwd+bwd (GPU asleep)", flush=True)
+            for name, ts in spent.items():
+                print(f"    {name:<22} median {statistics.median(ts) * 1e6:7.1f} us  max {max(ts) * 1e6:7.1f}",
+                      flush=True)
     finally:
         attn_launch.AttnPlan.backward = orig_bwd
         launch_ws.WsBackward.__call__ = orig_ws
+        attn_op._AttnFn.backward = staticmethod(orig_node)
+
+
+def torch_profile() -> None:
+    """torch.profiler's CPU ops (both threads: the backward runs in autograd's device thread) of ten fwd+bwd
+    calls queued behind a sleeping GPU, d128 s2k full, the Gluon backward against the Triton (deterministic)
+    one: which op holds the host time ``--phases`` finds outside ``AttnPlan.backward``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for det in (False, True):
+        q, k, v, g = _inputs(2048, False, det)
+        torch.cuda._sleep(int(3e9))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                q.grad = k.grad = v.grad = None
+                flash_attn_func(q, k, v, causal=False, deterministic=det).backward(g)
+        torch.cuda.synchronize()
+        print(f"== d128 s2048 full, {'triton' if det else 'gluon'} backward: 10 fwd+bwd, self CPU time", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60),
+              flush=True)
 
 
 def main() -> None:
@@ -164,6 +197,9 @@ def main() -> None:
         return
     if "--phases" in sys.argv:
         phases()
+        return
+    if "--torch-profile" in sys.argv:
+        torch_profile()
         return
     dev = torch.device("cuda")
     orig_call = launch_ws.WsBackward.__call__

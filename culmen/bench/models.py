@@ -46,9 +46,9 @@ IMPLS = ("torch", "culmen")
 # of the packed projection: one forward kernel, but its backward writes the packed gradient in two passes, a
 # slice-backward and a select-backward) or "split" (q, k, v unbound first and q, k rotated each, as torch's model
 # does: the backward stacks three gradients). H200 profile (s12), per step at d768: packed rotary forward 0.453
-# ms, backward 0.599 + 0.574; torch's model 0.226 and 0.441 + 0.453. "split" is unmeasured: an A/B variant of
-# scripts/ab_train_step.py until a GPU run decides.
-COMPILE_ROTARY = "packed"
+# ms, backward 0.599 + 0.574; torch's model 0.226 and 0.441 + 0.453. A/B in one process (s13, H200,
+# scripts/ab_train_step.py, median of 5 rounds x 10 steps): split 16.28 ms/step, packed 16.43, torch 15.33.
+COMPILE_ROTARY = "split"
 
 
 @dataclass(frozen=True)

@@ -282,6 +282,8 @@ def test_ws_q_double_equals_single(case, fp8, fresh_plans, monkeypatch):
     """``WS_TUNING["q_double"]`` only changes which shared buffer each tile's Q sits in: the persistent programs
     (several tiles each, consecutive tiles in alternating buffers) give bitwise the output and lse of one
     buffer."""
+    from culmen.ops.common.plans import clear_plans
+
     if not _hopper():
         pytest.skip("the Gluon forward runs on Hopper-class NVIDIA GPUs")
     B, sq, sk, h, hk, d, causal = case
@@ -305,7 +307,7 @@ def test_ws_q_double_equals_single(case, fp8, fresh_plans, monkeypatch):
     runs = []
     for double in (False, True):
         monkeypatch.setitem(launch_ws.WS_TUNING, "q_double", double)
-        attn_launch.clear_plans()
+        clear_plans()
         plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal, **plan_kw)
         assert plan.ws is not None and plan.ws.launch.meta["Q_BUFS"] == (2 if double else 1)
         runs.append(run())

@@ -47,14 +47,17 @@ WS_TUNING: dict = {
     # Two Q buffers where shared memory holds them (``q_buffers``): the loader then loads the next tile's Q and its
     # first K/V blocks while the consumers still read this tile's Q, instead of after they release it (short
     # sequences pay that wait once a tile: d128 s2k runs 16 key blocks a tile, s8k 64). Written and compiled for
-    # sm_90 without a GPU (s12), off until measured.
+    # sm_90 without a GPU (s12). Measured (s13, H200, d128 16k tokens, ms): bitwise equal, no faster (s2k full
+    # 0.549 one buffer / 0.558 two, causal 0.351 / 0.350; s8k full 1.910 / 1.911): the per-tile cost is not the
+    # loader's wait for Q. Off.
     "q_double": False,
     # Calls traced by torch.compile that the Gluon forward would take run as opaque custom ops calling the eager
     # plans (op.py ``_ws_under_compile``; else the triton_ops, whose Triton kernels Inductor launches itself).
-    # Off unless CULMEN_WS_COMPILE=1: measured slower (LLaMA d768 compiled, H100 17.82 -> 21.20 ms a step; H200
-    # A/B 18.18 -> 21.44, s12), the opaque ops' dispatch being the suspect; the variable lets `culmen bench
-    # train_step --modes compile` measure it again.
-    "compile": os.environ.get("CULMEN_WS_COMPILE", "0") == "1",
+    # Same eligibility as eager, the ``min_work`` floor included. Before the floor existed the d64 calls of LLaMA
+    # d768 took it and lost (H200 A/B 18.18 -> 21.44 ms a step, s12: 24 small host-bound calls); with the floor
+    # those stay on the traced Triton kernels and LLaMA 1b (d128, B4 s2k h16) gains: H200 A/B (s13) 127.62 ->
+    # 124.95 ms a step (torch.compile 119.09). CULMEN_WS_COMPILE=0 turns it off.
+    "compile": os.environ.get("CULMEN_WS_COMPILE", "1") != "0",
 }
 # Registers per thread of a consumer / the loader, by consumer count: the kernel's warps (consumers plus the
 # loader warp rounded up to a warpgroup) share 64K registers, re-split by setmaxnreg.
