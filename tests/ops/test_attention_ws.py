@@ -20,6 +20,7 @@ import torch
 from culmen.ops.attention import flash_attn, kernels_ws, launch_ws
 from culmen.ops.attention import launch as attn_launch
 from culmen.ops.attention.tma import nvidia_hopper
+from culmen.ops.common.plans import clear_plans
 from culmen.testing import assert_close_tolerance
 from culmen.testing.attention import grads as _grads
 from culmen.testing.attention import plain
@@ -195,8 +196,6 @@ def test_kernels_compile_for_sm90_with_bounded_spills(q_double):
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.fixture
 def fresh_plans():
-    from culmen.ops.common.plans import clear_plans
-
     clear_plans()
     yield
     clear_plans()
@@ -282,8 +281,6 @@ def test_ws_q_double_equals_single(case, fp8, fresh_plans, monkeypatch):
     """``WS_TUNING["q_double"]`` only changes which shared buffer each tile's Q sits in: the persistent programs
     (several tiles each, consecutive tiles in alternating buffers) give bitwise the output and lse of one
     buffer."""
-    from culmen.ops.common.plans import clear_plans
-
     if not _hopper():
         pytest.skip("the Gluon forward runs on Hopper-class NVIDIA GPUs")
     B, sq, sk, h, hk, d, causal = case
@@ -332,7 +329,7 @@ def test_ws_polynomial_exp2_within_flash_attn_rule(case, poly, fresh_plans, monk
     hi = plain(q, k, v, F64, causal=causal)
     assert_close_tolerance(out, hi, plain(q, k, v, BF16, causal=causal), factor=2.0, name="out")
     monkeypatch.setitem(launch_ws.WS_TUNING, "exp_poly", {})
-    attn_launch.clear_plans()
+    clear_plans()
     _, lse_mufu, _ = flash_attn(q, k, v, 0.0, causal=causal)
     torch.testing.assert_close(lse, lse_mufu, atol=2e-3, rtol=0)
 
@@ -346,7 +343,7 @@ def test_ws_matches_triton_forward(persistent, fresh_plans, monkeypatch):
     q, k, v = (torch.randn(4, 1037, 8, 128, device="cuda", dtype=BF16) for _ in range(3))
     o_ws, l_ws, _ = flash_attn(q, k, v, 0.0, causal=True)
     monkeypatch.setitem(launch_ws.WS_TUNING, "on", False)
-    attn_launch.clear_plans()
+    clear_plans()
     o_tr, l_tr, _ = flash_attn(q, k, v, 0.0, causal=True)
     torch.testing.assert_close(o_ws, o_tr, atol=2e-2, rtol=0)
     torch.testing.assert_close(l_ws, l_tr, atol=1e-4, rtol=0)
@@ -376,7 +373,7 @@ def test_ws_backward_matches_triton_backward(shape, persistent, l2_bytes, causal
     assert plan.ws_bwd is not None
     g_ws = _grads(out, dout, (q, k, v))
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "on", False)
-    attn_launch.clear_plans()
+    clear_plans()
     out2, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
     g_tr = _grads(out2, dout, (q, k, v))
     for name, a, b in zip("qkv", g_ws, g_tr):
@@ -426,7 +423,7 @@ def _fp8_ws_against_triton(B, sq, sk, h, hk, d, causal, monkeypatch, descale=Tru
     assert plan.ws is not None
     o_ws, lse_ws = fa3(q8, k8, v8, causal=causal, return_attn_probs=True, **kw)
     monkeypatch.setitem(launch_ws.WS_TUNING, "fp8", False)
-    attn_launch.clear_plans()
+    clear_plans()
     o_tr, lse_tr = fa3(q8, k8, v8, causal=causal, return_attn_probs=True, **kw)
     assert o_ws.dtype == BF16
     torch.testing.assert_close(lse_ws, lse_tr, atol=1e-3, rtol=0)
