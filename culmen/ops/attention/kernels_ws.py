@@ -12,9 +12,9 @@ so one's softmax runs under the others' GEMMs. ``PERSISTENT``: one program per S
 first, and the loader fetches the next tile's Q and K/V while the consumers finish the current one.
 
 Scope (``launch_ws.ws_config`` decides; everything else runs the Triton kernel): dense BSHD, bf16/fp16 or FA3's
-float8_e4m3fn (V through its transposed copy, descales, bf16 out; ``FP8``), head dim 64 or 128 (``D == DV``; d256
-compiles but measured slower than the Triton kernel), no dropout, window, softcap, ALiBi, qv or KV-cache ranges;
-causal only with ``sq <= sk``
+float8_e4m3fn (V through its transposed copy, descales, bf16 out; ``FP8``), head dim 64 or 128, and 256 without the
+causal mask (``D == DV``; causal d256 measured no faster than the Triton kernel), no dropout, window,
+softcap, ALiBi, qv or KV-cache ranges; causal only with ``sq <= sk``
 (every row sees key 0, so no row is empty); batches and heads packed in memory (a contiguous tensor or a head
 slice of a packed qkv). Same conventions as ``kernels.py``: scores in base 2 with
 ``softmax_scale * log2(e)`` folded in, the causal mask bottom-right aligned, ``lse`` fp32 natural log

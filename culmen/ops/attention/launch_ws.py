@@ -27,7 +27,11 @@ WS_TUNING: dict = {
     "persistent": True,
     "l2_bytes": 20 << 20,
     "tiles": {(64, False): (128, 3, 3, False), (64, True): (128, 3, 2, True),
-              (128, False): (128, 3, 2, True), (128, True): (64, 3, 3, True)},
+              (128, False): (128, 3, 2, True), (128, True): (64, 3, 3, True),
+              # d256 without mask, two ping-ponged warpgroups over 64-key blocks (the one tile that fits in
+              # shared memory and registers): H200 s13, ms Gluon / Triton, s2k 0.615 / 0.643, s4k 1.132 / 1.207
+              # (cuDNN 0.438 / 0.839). Causal d256 stays on Triton (s4k 0.701 / 0.693).
+              (256, False): (64, 2, 2, True)},
     # float8_e4m3fn Q/K/V (bf16 output, V through the transposed copy). H100, 16k tokens, s8k, TFLOP/s against
     # the Triton FP8 forward: d128 full 847-863 vs 731 (3 warpgroups; 2 ping-ponged 781), causal 677-681 vs
     # 637; d64 full 587 vs 446, causal 461 vs 422 (bench/results/h100/2026-11-28-s11-fp8-*.log)
@@ -73,7 +77,7 @@ def ws_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool
 
     ``extras``: any feature the Gluon kernel lacks (dropout, window, softcap, ALiBi, qv, varlen, split V
     head dim, KV-cache ranges, torch.compile tracing; FP8 unless ``ws_fp8_ok``). Inputs must be 16-byte
-    aligned in their row and head strides (TMA), ``d`` 64 or 128, and causal calls need ``sq <= sk``;
+    aligned in their row and head strides (TMA), ``d`` one of the tiles' head dims, and causal calls need ``sq <= sk``;
     ``min_work``: bf16/fp16 calls also need ``WS_TUNING["min_work"]`` of work (the backward asks without). FP8
     (``WS_TUNING["fp8"]``) reads V through its transposed copy, so only q and k need the TMA layout."""
     if not (WS_TUNING["on"] and kernels_ws.AVAILABLE and on_gpu and hopper) or extras:
