@@ -138,10 +138,21 @@ def _bwd_cfg(q, k, v, causal=False, extras=False):
 
 def test_backward_takes_the_forwards_calls(monkeypatch):
     q, k = _t(2, 100, 8, 128), _t(2, 100, 2, 128)
-    assert _bwd_cfg(q, k, k) == launch_ws.WS_BWD_TUNING["tiles"][128]
-    assert _bwd_cfg(q, k, k, causal=True) == launch_ws.WS_BWD_TUNING["tiles"][128]
+    switches = (launch_ws.WS_BWD_TUNING["persistent"], launch_ws.WS_BWD_TUNING["st"])
+    assert _bwd_cfg(q, k, k) == (*launch_ws.WS_BWD_TUNING["tiles"][128], *switches)
+    assert _bwd_cfg(q, k, k, causal=True) == (*launch_ws.WS_BWD_TUNING["tiles"][128], *switches)
     q64 = _t(1, 2048, 4, 64, F16)
-    assert _bwd_cfg(q64, q64, q64) == launch_ws.WS_BWD_TUNING["tiles"][64]
+    assert _bwd_cfg(q64, q64, q64) == (*launch_ws.WS_BWD_TUNING["tiles"][64], *switches)
+    # the switches as they are when the forward plans the call travel with the tile
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "st", not switches[1])
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", not switches[0])
+    assert _bwd_cfg(q, k, k)[2:] == (not switches[0], not switches[1])
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "st", switches[1])
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", switches[0])
+    # d256: the Gluon forward without the causal mask, never the Gluon backward
+    q256 = _t(1, 300, 2, 256)
+    assert _cfg(q256, q256, q256) is not None and _cfg(q256, q256, q256, causal=True) is None
+    assert _bwd_cfg(q256, q256, q256) is None
     # d64 below 2048 keys keeps the Triton backward (as fast there)
     short = _t(1, 2047, 4, 64, F16)
     assert _bwd_cfg(short, short, short) is None
@@ -380,6 +391,41 @@ def test_ws_backward_matches_triton_backward(shape, persistent, l2_bytes, causal
     for name, a, b in zip("qkv", g_ws, g_tr):
         scale = b.abs().max().item()
         torch.testing.assert_close(a, b, atol=2e-2 * scale, rtol=0, msg=f"d{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(5, 1000, 1100, 6, 3, 128), (2, 2000, 2100, 4, 2, 64), (1, 129, 300, 2, 1, 128)])
+def test_ws_backward_transposed_matches_triton_backward(shape, causal, stages, fresh_plans, monkeypatch):
+    """``WS_BWD_TUNING["st"]`` (S^T and dP^T, P^T and dS^T as register operands; three Q/dO stages fit then at
+    d128) against the deterministic Triton backward on the same forward outputs, and within flash_attn's rule
+    against float64."""
+    if not _hopper():
+        pytest.skip("the Gluon backward runs on Hopper-class NVIDIA GPUs")
+    B, sq, sk, h, hk, d = shape
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "st", True)
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "tiles", {64: (64, stages), 128: (64, stages)})
+    torch.manual_seed(5)
+    q = torch.randn(B, sq, h, d, device="cuda", dtype=BF16, requires_grad=True)
+    k = torch.randn(B, sk, hk, d, device="cuda", dtype=BF16, requires_grad=True)
+    v = torch.randn(B, sk, hk, d, device="cuda", dtype=BF16, requires_grad=True)
+    out, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
+    dout = torch.randn_like(out)
+    plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal)
+    assert plan.ws_bwd is not None and plan.ws_bwd[3] is True
+    g_ws = _grads(out, dout, (q, k, v))
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "on", False)
+    clear_plans()
+    out2, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
+    g_tr = _grads(out2, dout, (q, k, v))
+    for name, a, b in zip("qkv", g_ws, g_tr):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, atol=2e-2 * scale, rtol=0, msg=f"d{name}")
+    hi = _grads(plain(q, k, v, F64, causal=causal), dout, (q, k, v))
+    lo = _grads(plain(q, k, v, BF16, causal=causal), dout, (q, k, v))
+    for name, g, gh, gl_ in zip("qkv", g_ws, hi, lo):
+        assert_close_tolerance(g, gh, gl_, factor=3.0, name=f"d{name}")
 
 
 @pytest.mark.gpu

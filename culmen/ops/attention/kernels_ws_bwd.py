@@ -132,22 +132,75 @@ if AVAILABLE:
                 tile_i += 1
 
     @gluon.jit
-    def _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL: gl.constexpr):
-        """``-inf`` where key ``n_lo + col`` is past ``sk`` or (causal) after query ``m0 + row``'s diagonal."""
+    def _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL: gl.constexpr, ST: gl.constexpr):
+        """``-inf`` where key ``n_lo + k`` is past ``sk`` or (causal) after query ``m0 + q``'s diagonal; ``s`` is
+        ``(queries, keys)``, or ``(keys, queries)`` when ``ST``."""
         rows = gl.arange(0, s.type.shape[0], layout=gl.SliceLayout(1, s.type.layout))
         cols = gl.arange(0, s.type.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        n = gl.expand_dims(n_lo + cols, 0)
-        if CAUSAL:
-            keep = (n < sk) & (n <= gl.expand_dims(m0 + rows + (sk - sq), 1))
+        if ST:
+            n = gl.expand_dims(n_lo + rows, 1)
+            if CAUSAL:
+                keep = (n < sk) & (n <= gl.expand_dims(m0 + cols + (sk - sq), 0))
+            else:
+                keep = (n < sk) & gl.expand_dims(cols >= 0, 0)
         else:
-            keep = (n < sk) & gl.expand_dims(rows >= 0, 1)
+            n = gl.expand_dims(n_lo + cols, 0)
+            if CAUSAL:
+                keep = (n < sk) & (n <= gl.expand_dims(m0 + rows + (sk - sq), 1))
+            else:
+                keep = (n < sk) & gl.expand_dims(rows >= 0, 1)
         return gl.where(keep, s, float("-inf"))
 
     @gluon.jit
+    def _bwd_step_st(q_s, do_s, k_rows, v_rows, ds_s, k_dq, q_ready, do_ready, ds_ready, ph, ds_ph, dk, dv,
+                     lse_ptrs, delta_ptrs, in_q, masked, m0, n_lo, sq, sk, qk_scale, sm_scale, WG: gl.constexpr,
+                     CAUSAL: gl.constexpr, st_layout: gl.constexpr, a_layout: gl.constexpr,
+                     dq_layout: gl.constexpr):
+        """One query block of the transposed form (``WS_BWD_TUNING["st"]``): ``S^T = K Q^T``, P^T in registers
+        as dV's A operand, then ``dP^T = V dO^T`` (issued after the softmax, so S^T and dP^T are never live
+        together), dS^T in registers as dK's A operand and in shared memory (``ds_s``, keys by queries) for
+        ``dQ = dS K``. Returns this block's dQ columns of this warpgroup and the updated dK, dV."""
+        COLS: gl.constexpr = 64
+        BLOCK_M: gl.constexpr = q_s.type.shape[0]
+        DQ_N: gl.constexpr = k_dq.type.shape[1]
+        LOG2E: gl.constexpr = 1.4426950408889634
+        dtype: gl.constexpr = q_s.dtype
+        mbarrier.wait(q_ready, ph)
+        s = warpgroup_mma(k_rows, q_s.permute((1, 0)), gl.zeros([COLS, BLOCK_M], gl.float32, st_layout),
+                          use_acc=False, is_async=True)
+        # rows past sq get lse = +inf: P = dS = 0 there
+        lse = gl.load(lse_ptrs, mask=in_q, other=float("inf")) * LOG2E
+        s = warpgroup_mma_wait(0, deps=(s,))
+        if masked:
+            s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL, True)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
+        p_a = gl.convert_layout(p.to(dtype), a_layout)
+        mbarrier.wait(do_ready, ph)
+        dv = warpgroup_mma(p_a, do_s, dv, is_async=True)
+        dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), gl.zeros([COLS, BLOCK_M], gl.float32, st_layout),
+                           use_acc=False, is_async=True)
+        delta = gl.load(delta_ptrs, mask=in_q, other=0.0)
+        dp, dv, p_a = warpgroup_mma_wait(0, deps=(dp, dv, p_a))
+        ds = (p * (dp - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
+        ds_s.slice(WG * COLS, COLS).store(ds)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready, count=1)
+        ds_a = gl.convert_layout(ds, a_layout)
+        dk = warpgroup_mma(ds_a, q_s, dk, is_async=True)
+        # dQ = dS K needs every warpgroup's dS^T of this block
+        mbarrier.wait(ds_ready, ds_ph)
+        dq = warpgroup_mma(ds_s.permute((1, 0)), k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+        dq, dk, ds_a = warpgroup_mma_wait(0, deps=(dq, dk, ds_a))
+        return dq, dk, dv
+
+    @gluon.jit
     def _bwd_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
+                      PERSISTENT: gl.constexpr, ST: gl.constexpr):
         """Consumer warpgroup ``WG``: per tile, keys ``n0 + 64 * WG ..`` of its block against every query block of
-        every head of the group; dK and dV stay in registers and are stored at the end of the tile."""
+        every head of the group; dK and dV stay in registers and are stored at the end of the tile. ``ST``: the
+        scores transposed (``S^T = K Q^T``, ``dP^T = V dO^T``), so ``P^T`` and ``dS^T`` are dV's and dK's A
+        operands in registers (no P in shared memory; dS^T is stored for dQ only)."""
         (dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
          empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP,
          BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale) = args
@@ -164,11 +217,19 @@ if AVAILABLE:
                                                              instr_shape=[16, D, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_N, 16])
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        # ST: S^T / dP^T are (64 keys, BLOCK_M queries); a query's lse and delta run along the columns
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        if ST:
+            vec_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+        else:
+            vec_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         LOG2E: gl.constexpr = 1.4426950408889634
         k_wg = k_smem.slice(WG * COLS, COLS).permute((1, 0))  # (D, 64): S = Q K^T's B operand
         v_wg = v_smem.slice(WG * COLS, COLS).permute((1, 0))
-        p_wg = p_smem.slice(WG * COLS, COLS, dim=1).permute((1, 0))  # P^T (64 keys, BLOCK_M): dV's A operand
+        k_rows = k_smem.slice(WG * COLS, COLS)  # (64, D): S^T = K Q^T's A operand
+        v_rows = v_smem.slice(WG * COLS, COLS)
         k_dq = k_smem.slice(WG * DQ_N, DQ_N, dim=1)  # dQ's columns of this warpgroup: dS K[:, cols]'s B
         dq_stage = dq_bufs.index(WG)
         num_m = gl.cdiv(sq, BLOCK_M)
@@ -197,43 +258,56 @@ if AVAILABLE:
                     h = hk * GROUP + j // cnt
                     mb = m_lo + j % cnt
                     m0 = mb * BLOCK_M
-                    rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+                    rows = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
                     in_q = rows < sq
-                    # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before the
-                    # waits so their latency hides under them.
-                    lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
-                    delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
+                    if not ST:
+                        # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before
+                        # the waits so their latency hides under them (ST: 16 values a thread each, loaded in
+                        # _bwd_step_st under the GEMM before their use)
+                        lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
+                        delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
                     i = it + j
                     st = i % NS
                     ph = (i // NS) & 1
                     q_s = q_bufs.index(st)
                     do_s = do_bufs.index(st)
-                    mbarrier.wait(q_ready.index(st), ph)
-                    s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
-                                      is_async=True)
-                    mbarrier.wait(do_ready.index(st), ph)
-                    dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout), use_acc=False,
-                                       is_async=True)
-                    s = warpgroup_mma_wait(1, deps=(s,))
-                    if (mb < m_full) | tail:
-                        s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
-                    p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
-                    p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
-                    dp = warpgroup_mma_wait(0, deps=(dp,))
-                    ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
-                    buf = i % 2
-                    ds_s = ds_bufs.index(buf)
-                    ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
-                    fence_async_shared()
-                    # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
-                    mbarrier.arrive(ds_ready.index(buf), count=1)
-                    dv = warpgroup_mma(p_wg, do_s, dv, is_async=True)
-                    dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk, is_async=True)
-                    # dQ = dS K needs every warpgroup's dS of this block
-                    mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-                    dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout), use_acc=False,
-                                       is_async=True)
-                    dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+                    if ST:
+                        buf = i % 2
+                        dq, dk, dv = _bwd_step_st(q_s, do_s, k_rows, v_rows, ds_bufs.index(buf), k_dq,
+                                                  q_ready.index(st), do_ready.index(st), ds_ready.index(buf), ph,
+                                                  (i // 2) & 1, dk, dv, lse_base + h * slh + rows,
+                                                  delta_base + h * slh + rows, in_q, (mb < m_full) | tail, m0,
+                                                  n_lo, sq, sk, qk_scale, sm_scale, WG, CAUSAL, st_layout,
+                                                  a_layout, dq_layout)
+                    else:
+                        mbarrier.wait(q_ready.index(st), ph)
+                        s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                                          use_acc=False, is_async=True)
+                        mbarrier.wait(do_ready.index(st), ph)
+                        dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
+                                           use_acc=False, is_async=True)
+                        s = warpgroup_mma_wait(1, deps=(s,))
+                        if (mb < m_full) | tail:
+                            s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL, False)
+                        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+                        p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
+                        dp = warpgroup_mma_wait(0, deps=(dp,))
+                        ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
+                        buf = i % 2
+                        ds_s = ds_bufs.index(buf)
+                        ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
+                        fence_async_shared()
+                        # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
+                        mbarrier.arrive(ds_ready.index(buf), count=1)
+                        dv = warpgroup_mma(p_smem.slice(WG * COLS, COLS, dim=1).permute((1, 0)), do_s, dv,
+                                           is_async=True)
+                        dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk,
+                                           is_async=True)
+                        # dQ = dS K needs every warpgroup's dS of this block
+                        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+                        dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout),
+                                           use_acc=False, is_async=True)
+                        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
                     mbarrier.arrive(empty.index(st), count=1)
                     tma.store_wait(0)  # the last reduce has read the staging tile
                     dq_stage.store(dq)
@@ -264,7 +338,7 @@ if AVAILABLE:
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PERSISTENT: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr,
-                            dq_layout: gl.constexpr):
+                            dq_layout: gl.constexpr, ST: gl.constexpr = False):
         """Tiles are ``(key block of 64 * NUM_WG, batch, KV head)``: one per program, or (``PERSISTENT``) one
         program per SM walking ``t = pid, pid + grid, ..``. Q, dO ``(B, sq, H, D)`` and K, V ``(B, sk, HK, D)``
         are read through 2-D TMA descriptors over ``(B * s, heads * D)`` with row strides
@@ -290,8 +364,12 @@ if AVAILABLE:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
-        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+        if ST:  # dS^T (keys, queries) only: P^T stays in registers
+            ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+            p_smem = ds_bufs  # unused
+        else:
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
+            ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
         # fp32 staging tiles of the dQ reduce, one per consumer warpgroup
         dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_WG, BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -314,7 +392,7 @@ if AVAILABLE:
         loader_args = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty, q_ready,
                        do_ready, empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units)
         gl.warp_specialize([
-            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PERSISTENT)),
-            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PERSISTENT)),
+            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PERSISTENT, ST)),
+            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PERSISTENT, ST)),
             (_bwd_loader, (loader_args, CAUSAL, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -205,38 +205,49 @@ WS_BWD_TUNING: dict = {
     # shortest key sequence per head dim: below it the Triton backward is as fast or faster (d64: H100 s1k
     # 1.67 vs 1.73 ms fwd+bwd, H200 s2k within 1-3% both ways; s4k-8k the Gluon kernel wins by 3-11%)
     "min_sk": {64: 2048},
+    # The scores transposed (kernels_ws_bwd ``ST``): S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T feed dV's and
+    # dK's GEMMs from registers (FA3's register-A form): 16 KB less shared memory read per warpgroup and block
+    # (144 -> 128 KB at d128, where the loop sits near the shared-memory bandwidth, notes v11), no P buffer,
+    # and dV's GEMM issued before dP^T is waited for. lse and delta become per-column vectors (16 values a
+    # thread instead of 2). Written and compiled for sm_90 without a GPU (s13); off until measured.
+    "st": False,
 }
 WS_BWD_REGS = (240, 24)
 
 
 def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool) -> tuple | None:
-    """``(BLOCK_M, STAGES)`` when the Gluon backward takes this dense call (the forward's conditions,
-    ``ws_config``), else ``None``. The caller also needs dout TMA-readable and non-deterministic mode."""
+    """``(BLOCK_M, STAGES, persistent, ST)`` when the Gluon backward takes this dense call (the forward's
+    conditions, ``ws_config``), else ``None``. The caller also needs dout TMA-readable and non-deterministic
+    mode."""
     if not WS_BWD_TUNING["on"] or ws_config(q, k, v, causal=causal, extras=extras, on_gpu=on_gpu,
                                             hopper=hopper, min_work=False) is None:
         return None
     d = int(q.shape[-1])
     if k.shape[1] < WS_BWD_TUNING["min_sk"].get(d, 0):
         return None
-    return WS_BWD_TUNING["tiles"].get(d)
+    tile = WS_BWD_TUNING["tiles"].get(d)
+    # the switches are read here, when the forward plans the call, so its backward runs what was asked then
+    return None if tile is None else (*tile[:2], bool(WS_BWD_TUNING["persistent"]), bool(WS_BWD_TUNING["st"]))
 
 
 def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device,
                   persistent: bool) -> Launch:
-    """A ``Launch`` of ``_attn_bwd_ws_kernel`` for one config and grid."""
+    """A ``Launch`` of ``_attn_bwd_ws_kernel`` for one config and grid; ``tile`` is ``(BLOCK_M, STAGES)`` or
+    ``ws_bwd_config``'s ``(BLOCK_M, STAGES, persistent, ST)`` (without ST, ``WS_BWD_TUNING["st"]``)."""
     from triton.experimental.gluon import language as gl
 
     from culmen.ops.attention import kernels_ws_bwd
 
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    bm, stages = tile
+    bm, stages = tile[:2]
     creg, lreg = WS_BWD_REGS
+    st = bool(tile[3]) if len(tile) > 3 else bool(WS_BWD_TUNING["st"])
     meta = dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=bm, STAGES=stages, NUM_WG=2, PERSISTENT=persistent,
                 CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
                 kv_layout=gl.NVMMASharedLayout.get_default_for([128, d], gdt),
-                ds_layout=gl.NVMMASharedLayout.get_default_for([bm, 128], gdt),
-                dq_layout=gl.NVMMASharedLayout.get_default_for([bm, d // 2], gl.float32))
+                ds_layout=gl.NVMMASharedLayout.get_default_for([128, bm] if st else [bm, 128], gdt),
+                dq_layout=gl.NVMMASharedLayout.get_default_for([bm, d // 2], gl.float32), ST=st)
     return Launch(kernels_ws_bwd._attn_bwd_ws_kernel, (grid,), meta, 4, 1, device=device,
                   options={"maxnreg": (creg * 2 + lreg) // 3})
 
@@ -254,7 +265,7 @@ class WsBackward:
         sk, hk = int(k_shape[1]), int(k_shape[2])
         num_n = cdiv(sk, 128)
         grid = (cdiv(num_n, 2) if causal else num_n) * B * hk  # causal work units pair key blocks n, num_n-1-n
-        persistent = WS_BWD_TUNING["persistent"]
+        persistent = bool(tile[2]) if len(tile) > 2 else WS_BWD_TUNING["persistent"]
         if persistent:
             grid = min(grid, num_programs_hint(torch.device(device)))
         self.launch = ws_bwd_launch(dtype, d, causal, tile, grid, device, persistent)
