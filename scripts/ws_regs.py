@@ -4,6 +4,7 @@
     python scripts/ws_regs.py 128 1 128,3,2,1      # forward: d, causal, BLOCK_N,STAGES,warpgroups,pingpong
     python scripts/ws_regs.py fp8 128 1 128,3,2,1  # the FP8 forward (float8 Q/K/V with descales)
     python scripts/ws_regs.py bwd 128 1 64,2       # backward: d, causal, BLOCK_M,STAGES
+    python scripts/ws_regs.py --st                 # the backward's transposed form, 2 and 3 stages
 
 One line per config: ``[fp8 |bwd ]d=.. causal=.. tile=.. shared=<bytes> regs=<maxnreg> stack=<bytes> ptx=..``. The
 stack is the register spill of the hottest partition (ptxas counts the whole kernel): the tuned tiles keep it
@@ -83,7 +84,14 @@ def main() -> None:
     if "--q-double" in args:  # the forward with WS_TUNING["q_double"] (two Q buffers where they fit)
         args.remove("--q-double")
         launch_ws.WS_TUNING["q_double"] = True
-    if len(args) == 4 and args[0] == "bwd":
+    st = "--st" in args
+    if st:  # the backward's transposed form (WS_BWD_TUNING["st"]) with two and three Q/dO stages
+        args.remove("--st")
+        launch_ws.WS_BWD_TUNING["st"] = True
+    if st and not args:
+        configs = [("bwd", d, c, (64, stages)) for d in sorted(launch_ws.WS_BWD_TUNING["tiles"])
+                   for c in (False, True) for stages in (2, 3)]
+    elif len(args) == 4 and args[0] == "bwd":
         configs = [("bwd", int(args[1]), args[2] == "1", tuple(int(x) for x in args[3].split(",")))]
     elif len(args) in (3, 4):
         t = tuple(int(x) for x in args[-1].split(","))

@@ -175,6 +175,23 @@ def test_q_buffers_double_only_where_they_fit(monkeypatch):
     assert launch_ws.q_buffers(128, (128, 3, 3, False), fp8=True) == 2  # one byte an element, P tiles included
 
 
+def test_transposed_backward_compiles_for_sm90_in_shared_memory():
+    """``WS_BWD_TUNING["st"]``: the backward's transposed form compiles for sm_90 at d64 and d128, causal or
+    not, with two and with three Q/dO stages (three fit only because P stays in registers), with its register
+    A operands and the loader's lse/delta vectors."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ws_regs.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, script, "--st"], capture_output=True, text=True, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    bwd = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("bwd d=")]
+    assert len(bwd) == 4 * len(launch_ws.WS_BWD_TUNING["tiles"]), res.stdout
+    for ln in bwd:
+        f = dict(kv.split("=") for kv in ln.split())
+        assert f["ptx"] == "setmaxnreg,wgmma,tma,tma_reduce", ln
+        assert int(f["shared"]) <= 232448, ln
+        assert 0 <= int(f["stack"]) <= 512, ln
+
+
 @pytest.mark.parametrize("q_double", [False, True])
 def test_kernels_compile_for_sm90_with_bounded_spills(q_double):
     """Every shipped forward and backward config through ``scripts/ws_regs.py`` (a subprocess: Gluon does not

@@ -24,6 +24,14 @@ Measured (notes v11): the look-ahead of the next block's S / dP (with two Q/dO s
 late), dV issued before dS is computed, and dQ issued before dK all gained nothing; the dQ reduce by
 element atomics from registers was 1.6x slower than TMA; a third stage does not fit shared memory at d128.
 
+The transposed form (``ST``, ``WS_BWD_TUNING["st"]``, off until measured) computes ``S^T = K Q^T`` and, after
+the softmax, ``dP^T = V dO^T``: P^T and dS^T are then dV's and dK's A operands in registers (FA3's register-A
+form), so no P buffer, 16 KB less shared memory read per warpgroup and block at d128, and room for a third
+Q/dO stage; each block's ``lse * log2 e`` and delta (16 values a consumer thread in this orientation) come
+through per-stage shared vectors the loader fills (a second arrival on ``q_ready``), read just before use.
+Compiled for sm_90 its d128 inner loops hold no spill stores (the shipped form's causal loop has 15 spill
+operations).
+
 Not deterministic (reduce order): the launcher takes this kernel only when deterministic algorithms are off.
 Scope as the forward's (``launch_ws.ws_bwd_config``): dense bf16/fp16, ``D`` 64 or 128, no extras, causal
 only with ``sq <= sk``. Memory safety: Q, dO, K, V are read through TMA descriptors over
@@ -93,12 +101,15 @@ if AVAILABLE:
         return n0, m_lo, num_m - m_lo
 
     @gluon.jit
-    def _bwd_loader(args, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    def _bwd_loader(args, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, ST: gl.constexpr):
         """Producer (one warp; its own subset of the kernel's values): per tile, K and V of its key block once
         the consumers released the last tile's, then Q and dO of every (head of the group, query block) into
-        the stage ring (its counter runs on across tiles)."""
+        the stage ring (its counter runs on across tiles). ``ST``: also each block's ``lse * log2 e`` and delta
+        into the stage's shared vectors (the transposed form needs 16 of each per consumer thread: read from
+        shared memory at their use, they stay out of the registers), then a second arrival on ``q_ready``."""
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, do_ready,
-         empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units) = args
+         empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, lse_smem, delta_smem, lse_ptr, delta_ptr, slb,
+         slh) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -128,6 +139,14 @@ if AVAILABLE:
                     db = do_ready.index(s)
                     mbarrier.expect(db, do_desc.block_type.nbytes)
                     _tma_load(do_desc, [b * sq + m0, h * D], db, do_bufs.index(s))
+                    if ST:
+                        # rows past sq (the next batch's) get lse = +inf: P = dS = 0 there
+                        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
+                        off = b.to(gl.int64) * slb + h * slh + rows
+                        lse = gl.load(lse_ptr + off, mask=rows < sq, other=float("inf")) * 1.4426950408889634
+                        lse_smem.index(s).store(lse)
+                        delta_smem.index(s).store(gl.load(delta_ptr + off, mask=rows < sq, other=0.0))
+                        mbarrier.arrive(qb, count=1)
                 it += GROUP * cnt
                 tile_i += 1
 
@@ -153,7 +172,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_step_st(q_s, do_s, k_rows, v_rows, ds_s, k_dq, q_ready, do_ready, ds_ready, ph, ds_ph, dk, dv,
-                     lse_ptrs, delta_ptrs, in_q, masked, m0, n_lo, sq, sk, qk_scale, sm_scale, WG: gl.constexpr,
+                     lse_s, delta_s, masked, m0, n_lo, sq, sk, qk_scale, sm_scale, WG: gl.constexpr,
                      CAUSAL: gl.constexpr, st_layout: gl.constexpr, a_layout: gl.constexpr,
                      dq_layout: gl.constexpr):
         """One query block of the transposed form (``WS_BWD_TUNING["st"]``): ``S^T = K Q^T``, P^T in registers
@@ -163,14 +182,13 @@ if AVAILABLE:
         COLS: gl.constexpr = 64
         BLOCK_M: gl.constexpr = q_s.type.shape[0]
         DQ_N: gl.constexpr = k_dq.type.shape[1]
-        LOG2E: gl.constexpr = 1.4426950408889634
         dtype: gl.constexpr = q_s.dtype
+        vec_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
         mbarrier.wait(q_ready, ph)
         s = warpgroup_mma(k_rows, q_s.permute((1, 0)), gl.zeros([COLS, BLOCK_M], gl.float32, st_layout),
                           use_acc=False, is_async=True)
-        # rows past sq get lse = +inf: P = dS = 0 there
-        lse = gl.load(lse_ptrs, mask=in_q, other=float("inf")) * LOG2E
         s = warpgroup_mma_wait(0, deps=(s,))
+        lse = lse_s.load(vec_layout)  # lse * log2 e, +inf past sq (the loader's)
         if masked:
             s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL, True)
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
@@ -179,8 +197,8 @@ if AVAILABLE:
         dv = warpgroup_mma(p_a, do_s, dv, is_async=True)
         dp = warpgroup_mma(v_rows, do_s.permute((1, 0)), gl.zeros([COLS, BLOCK_M], gl.float32, st_layout),
                            use_acc=False, is_async=True)
-        delta = gl.load(delta_ptrs, mask=in_q, other=0.0)
         dp, dv, p_a = warpgroup_mma_wait(0, deps=(dp, dv, p_a))
+        delta = delta_s.load(vec_layout)
         ds = (p * (dp - gl.expand_dims(delta, 0)) * sm_scale).to(dtype)
         ds_s.slice(WG * COLS, COLS).store(ds)
         fence_async_shared()
@@ -203,7 +221,7 @@ if AVAILABLE:
         operands in registers (no P in shared memory; dS^T is stored for dQ only)."""
         (dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
          empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP,
-         BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale) = args
+         BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale, lse_smem, delta_smem) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -275,10 +293,9 @@ if AVAILABLE:
                         buf = i % 2
                         dq, dk, dv = _bwd_step_st(q_s, do_s, k_rows, v_rows, ds_bufs.index(buf), k_dq,
                                                   q_ready.index(st), do_ready.index(st), ds_ready.index(buf), ph,
-                                                  (i // 2) & 1, dk, dv, lse_base + h * slh + rows,
-                                                  delta_base + h * slh + rows, in_q, (mb < m_full) | tail, m0,
-                                                  n_lo, sq, sk, qk_scale, sm_scale, WG, CAUSAL, st_layout,
-                                                  a_layout, dq_layout)
+                                                  (i // 2) & 1, dk, dv, lse_smem.index(st), delta_smem.index(st),
+                                                  (mb < m_full) | tail, m0, n_lo, sq, sk, qk_scale, sm_scale, WG,
+                                                  CAUSAL, st_layout, a_layout, dq_layout)
                     else:
                         mbarrier.wait(q_ready.index(st), ph)
                         s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
@@ -364,12 +381,17 @@ if AVAILABLE:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
-        if ST:  # dS^T (keys, queries) only: P^T stays in registers
+        if ST:  # dS^T (keys, queries) only: P^T stays in registers; lse and delta per stage
             ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
             p_smem = ds_bufs  # unused
+            vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_sl)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_sl)
         else:
             p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
             ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+            lse_smem = p_smem  # unused
+            delta_smem = p_smem
         # fp32 staging tiles of the dQ reduce, one per consumer warpgroup
         dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_WG, BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -381,18 +403,19 @@ if AVAILABLE:
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(kv_empty, count=NUM_WG)
         for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_ready.index(i), count=2 if ST else 1)  # ST: the loader's lse/delta arrival too
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=NUM_WG)
         args = (dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready,
                 do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
-                B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale)
+                B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale, lse_smem, delta_smem)
         loader_args = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty, q_ready,
-                       do_ready, empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units)
+                       do_ready, empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, lse_smem, delta_smem, lse_ptr,
+                       delta_ptr, slb, slh)
         gl.warp_specialize([
             (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PERSISTENT, ST)),
             (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PERSISTENT, ST)),
-            (_bwd_loader, (loader_args, CAUSAL, PERSISTENT)),
+            (_bwd_loader, (loader_args, CAUSAL, PERSISTENT, ST)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

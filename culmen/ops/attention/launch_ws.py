@@ -194,7 +194,7 @@ def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, 
 # ------------------------------------------------------------------------------------------------ backward
 # head dim -> (BLOCK_M, STAGES) of the Gluon backward (kernels_ws_bwd): two consumer warpgroups of 64 keys each
 # (BLOCK_N 128), each adding half of every dQ tile's columns into the fp32 accumulator by one TMA bulk reduce.
-# Shared memory (d128: 213 KB at 2 stages) leaves no room for a third stage.
+# Shared memory (d128: 213 KB at 2 stages) leaves no room for a third stage, except in the transposed form.
 WS_BWD_TUNING: dict = {
     "on": True,
     "tiles": {64: (64, 2), 128: (64, 2)},
@@ -208,8 +208,10 @@ WS_BWD_TUNING: dict = {
     # The scores transposed (kernels_ws_bwd ``ST``): S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T feed dV's and
     # dK's GEMMs from registers (FA3's register-A form): 16 KB less shared memory read per warpgroup and block
     # (144 -> 128 KB at d128, where the loop sits near the shared-memory bandwidth, notes v11), no P buffer,
-    # and dV's GEMM issued before dP^T is waited for. lse and delta become per-column vectors (16 values a
-    # thread instead of 2). Written and compiled for sm_90 without a GPU (s13); off until measured.
+    # and room for a third Q/dO stage at d128 (231440 B of 232448 with tiles (64, 3)). lse and delta become
+    # per-column vectors (16 values a thread instead of 2), passed through shared memory by the loader. Compiled
+    # for sm_90 (s13): no spills in the d128 loops (shipped: 15 spill ops in the causal loop); written without
+    # a GPU, off until measured (scripts/s14-run1.sh).
     "st": False,
 }
 WS_BWD_REGS = (240, 24)
