@@ -146,6 +146,8 @@ if AVAILABLE:
                         lse = gl.load(lse_ptr + off, mask=rows < sq, other=float("inf")) * 1.4426950408889634
                         lse_smem.index(s).store(lse)
                         delta_smem.index(s).store(gl.load(delta_ptr + off, mask=rows < sq, other=0.0))
+                        # every lane's stores ordered before the one lane's (release) arrival
+                        gl.thread_barrier()
                         mbarrier.arrive(qb, count=1)
                 it += GROUP * cnt
                 tile_i += 1
