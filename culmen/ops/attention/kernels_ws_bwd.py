@@ -67,6 +67,8 @@ if AVAILABLE:
                                                   src.handle)
 
     _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+    # a barrier of the calling partition's threads: Triton 3.6 names it thread_barrier, later ones barrier
+    _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
     def _bwd_unit(u, NUM_N, B, HK, BH_GROUP, CAUSAL: gl.constexpr):
@@ -147,7 +149,7 @@ if AVAILABLE:
                         lse_smem.index(s).store(lse)
                         delta_smem.index(s).store(gl.load(delta_ptr + off, mask=rows < sq, other=0.0))
                         # every lane's stores ordered before the one lane's (release) arrival
-                        gl.thread_barrier()
+                        _partition_barrier()
                         mbarrier.arrive(qb, count=1)
                 it += GROUP * cnt
                 tile_i += 1
