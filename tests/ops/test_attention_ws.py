@@ -392,6 +392,13 @@ def test_ws_backward_matches_triton_backward(shape, persistent, l2_bytes, causal
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", persistent)
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "l2_bytes", l2_bytes)
     torch.manual_seed(3)
+    _gluon_vs_triton_grads(shape, causal, monkeypatch)
+
+
+def _gluon_vs_triton_grads(shape, causal, monkeypatch):
+    """Gradients of one bf16 call through the Gluon backward (as ``WS_BWD_TUNING`` stands) and through the
+    deterministic Triton backward on the same forward outputs, checked against each other; returns
+    ``(q, k, v, dout, gluon grads)``."""
     B, sq, sk, h, hk, d = shape
     q = torch.randn(B, sq, h, d, device="cuda", dtype=BF16, requires_grad=True)
     k = torch.randn(B, sk, hk, d, device="cuda", dtype=BF16, requires_grad=True)
@@ -399,7 +406,7 @@ def test_ws_backward_matches_triton_backward(shape, persistent, l2_bytes, causal
     out, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
     dout = torch.randn_like(out)
     plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal)
-    assert plan.ws_bwd is not None
+    assert plan.ws_bwd is not None and plan.ws_bwd[3] == launch_ws.WS_BWD_TUNING["st"]
     g_ws = _grads(out, dout, (q, k, v))
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "on", False)
     clear_plans()
@@ -408,6 +415,7 @@ def test_ws_backward_matches_triton_backward(shape, persistent, l2_bytes, causal
     for name, a, b in zip("qkv", g_ws, g_tr):
         scale = b.abs().max().item()
         torch.testing.assert_close(a, b, atol=2e-2 * scale, rtol=0, msg=f"d{name}")
+    return q, k, v, dout, g_ws
 
 
 @pytest.mark.gpu
@@ -420,25 +428,10 @@ def test_ws_backward_transposed_matches_triton_backward(shape, causal, stages, f
     against float64."""
     if not _hopper():
         pytest.skip("the Gluon backward runs on Hopper-class NVIDIA GPUs")
-    B, sq, sk, h, hk, d = shape
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "st", True)
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "tiles", {64: (64, stages), 128: (64, stages)})
     torch.manual_seed(5)
-    q = torch.randn(B, sq, h, d, device="cuda", dtype=BF16, requires_grad=True)
-    k = torch.randn(B, sk, hk, d, device="cuda", dtype=BF16, requires_grad=True)
-    v = torch.randn(B, sk, hk, d, device="cuda", dtype=BF16, requires_grad=True)
-    out, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
-    dout = torch.randn_like(out)
-    plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal)
-    assert plan.ws_bwd is not None and plan.ws_bwd[3] is True
-    g_ws = _grads(out, dout, (q, k, v))
-    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "on", False)
-    clear_plans()
-    out2, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
-    g_tr = _grads(out2, dout, (q, k, v))
-    for name, a, b in zip("qkv", g_ws, g_tr):
-        scale = b.abs().max().item()
-        torch.testing.assert_close(a, b, atol=2e-2 * scale, rtol=0, msg=f"d{name}")
+    q, k, v, dout, g_ws = _gluon_vs_triton_grads(shape, causal, monkeypatch)
     hi = _grads(plain(q, k, v, F64, causal=causal), dout, (q, k, v))
     lo = _grads(plain(q, k, v, BF16, causal=causal), dout, (q, k, v))
     for name, g, gh, gl_ in zip("qkv", g_ws, hi, lo):
