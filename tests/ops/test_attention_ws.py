@@ -432,7 +432,7 @@ def test_ws_backward_transposed_matches_triton_backward(shape, causal, stages, f
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "tiles", {64: (64, stages), 128: (64, stages)})
     torch.manual_seed(5)
     q, k, v, dout, g_ws = _gluon_vs_triton_grads(shape, causal, monkeypatch)
-    hi = _grads(plain(q, k, v, F64, causal=causal), dout, (q, k, v))
+    hi = _grads(plain(q, k, v, F64, causal=causal), dout.double(), (q, k, v))
     lo = _grads(plain(q, k, v, BF16, causal=causal), dout, (q, k, v))
     for name, g, gh, gl_ in zip("qkv", g_ws, hi, lo):
         assert_close_tolerance(g, gh, gl_, factor=3.0, name=f"d{name}")
