@@ -5,7 +5,8 @@ Loaded on first attribute access (importing this package imports nothing else):
 * :class:`DistributedFusedAdam` (``distributed_fused_adam``), :class:`DistributedFusedLAMB`
   (``distributed_fused_lamb``): optimizer state and gradients sharded over the data-parallel ranks;
 * :class:`FusedAdam`, :class:`FusedLAMB`, :class:`FusedSGD`: Apex's pre-``apex.optimizers`` API (``step``
-  taking ``grads``, ``output_params``, ``scale``, ``grad_norms``), on culmen's multi-tensor kernels.
+  taking ``grads``, ``output_params``, ``scale``, ``grad_norms``), on culmen's multi-tensor kernels;
+* :class:`FP16_Optimizer` (``fp16_optimizer``): their master-weight wrapper (flat fp32 masters, loss scaling).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _WHERE = {
     "FusedAdam": "fused_adam",
     "FusedLAMB": "fused_lamb",
     "FusedSGD": "fused_sgd",
+    "FP16_Optimizer": "fp16_optimizer",
 }
 
 __all__ = list(_WHERE)
