@@ -62,7 +62,8 @@ def compile_config(d: int, causal: bool, tile: tuple, fp8: bool = False):
 
 def compile_bwd_config(d: int, causal: bool, tile: tuple):
     """The backward kernel compiled for ``cuda:90`` at one config (bf16, persistent)."""
-    return _compile(launch_ws.ws_bwd_launch(torch.bfloat16, d, causal, tile, 1, torch.device("cpu"), True))
+    return _compile(launch_ws.ws_bwd_launch(torch.bfloat16, d, causal, tile, 1, torch.device("cpu"), True,
+                                            launch_ws.WS_BWD_TUNING["st"]))
 
 
 def usage(k) -> tuple[int, int]:

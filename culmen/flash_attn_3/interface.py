@@ -338,14 +338,10 @@ def _packed(x: Tensor, name: str, cu: Tensor | None, max_len: int | None, B: int
     return x.reshape(Bx * S, *x.shape[2:]), cu, S
 
 
-def _varlen_general(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, scale, causal, window, softcap,
-                    deterministic, return_lse, extra=None):
-    """Mixed padded/packed sides and ``seqused_*``: one culmen varlen call over ``2 * batch`` sequences
-    (each slot's used prefix, then its unused tail, see ``_split_cu``), tails masked out afterwards.
-    ``extra``: FA3's ``(attention_chunk, q_descale, k_descale, v_descale, qv)`` (descales repeated per half,
-    ``qv`` packed like ``q``)."""
-    q_padded = cu_q is None
-    B = q.shape[0] if q_padded else _check_cu("cu_seqlens_q", cu_q, None)
+def _split_sides(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k):
+    """Both sides packed (``_packed``), their boundaries and ``seqused_*`` checked (values too on CPU or with
+    value checks on) and clamped: ``(batch, q, k, v packed, cu_q, cu_k, max_q, max_k, used_q, used_k)``."""
+    B = q.shape[0] if cu_q is None else _check_cu("cu_seqlens_q", cu_q, None)
     qp, cu_q, max_q = _packed(q, "q", cu_q, max_q, B)
     kp, cu_k, max_k = _packed(k, "k", cu_k, max_k, B)
     vp, _, _ = _packed(v, "v", cu_k if k.dim() == 3 else None, max_k, B)
@@ -363,6 +359,18 @@ def _varlen_general(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, sca
                 raise ValueError(f"max_seqlen {mx} is smaller than the longest sequence of {name} ({max(lens)})")
     used_q = _used_bounds("seqused_q", cu_q, seqused_q, check)
     used_k = _used_bounds("seqused_k", cu_k, seqused_k, check)
+    return B, qp, kp, vp, cu_q, cu_k, max_q, max_k, used_q, used_k
+
+
+def _varlen_general(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, scale, causal, window, softcap,
+                    deterministic, return_lse, extra=None):
+    """Mixed padded/packed sides and ``seqused_*``: one culmen varlen call over ``2 * batch`` sequences
+    (each slot's used prefix, then its unused tail, see ``_split_cu``), tails masked out afterwards.
+    ``extra``: FA3's ``(attention_chunk, q_descale, k_descale, v_descale, qv)`` (descales repeated per half,
+    ``qv`` packed like ``q``)."""
+    q_padded = cu_q is None
+    B, qp, kp, vp, cu_q, cu_k, max_q, max_k, used_q, used_k = _split_sides(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                                            seqused_q, seqused_k)
     cu2_q, cu2_k = _split_cu(cu_q, used_q), _split_cu(cu_k, used_k)
     if extra is None:
         res = attention_varlen(qp, kp, vp, cu2_q, cu2_k, max_q, max_k, 0.0, scale, causal, window, softcap, None,

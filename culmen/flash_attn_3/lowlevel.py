@@ -15,22 +15,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from culmen.ops.attention.launch import AttnPlan
-from culmen.ops.common.plans import PlanCache
+from culmen.ops.attention.op import fa3_plan
 
 from .interface import (
-    _check_cu,
-    _check_used,
     _packed,
     _row_used,
     _split_cu,
-    _used_bounds,
+    _split_sides,
     flash_attn_func,
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
 )
 
-_BWD_PLANS = PlanCache("attention_fa3_lowlevel_bwd")
 _HEADDIMS = (64, 96, 128, 192, 256)
 
 
@@ -111,15 +107,7 @@ def _grad_buffer(name: str, buf: Tensor | None, like: Tensor) -> Tensor:
 def _plan_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap,
                    deterministic) -> tuple[Tensor, Tensor, Tensor]:
     """The attention plan's backward on the given ``out``/``lse`` (dense when ``cu_q`` is None)."""
-    varlen = cu_q is not None
-    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
-           varlen and (cu_q.shape, cu_k.shape), max_q, max_k, scale, causal, window, softcap, deterministic)
-    plan = _BWD_PLANS.get(key)
-    if plan is None:
-        plan = _BWD_PLANS.put(key, AttnPlan("varlen" if varlen else "dense", q, k, v, None, cu_q, cu_k, max_q,
-                                            max_k, softmax_scale=scale, causal=causal, window_size=window,
-                                            softcap=softcap, deterministic=deterministic, return_lse=True,
-                                            fa3=True))
+    plan = fa3_plan(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, deterministic, True)
     return plan.backward(dout, q, k, v, out, lse, None, None, cu_q, cu_k)
 
 
@@ -166,17 +154,9 @@ def _used_backward(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, m
     """Mixed padded/packed sides and ``seqused_*``: both sides packed, each slot split into its used prefix and
     unused tail (``_split_cu``, as the forward), the plan's backward over the ``2 * batch`` sequences, the
     tails' gradients zeroed, then back to the callers' shapes."""
-    B = q.shape[0] if cu_q is None else _check_cu("cu_seqlens_q", cu_q, None)
-    qp, cq, mq = _packed(q, "q", cu_q, max_q, B)
-    kp, ck, mk = _packed(k, "k", cu_k, max_k, B)
-    vp, _, _ = _packed(v, "v", cu_k if k.dim() == 3 else None, max_k, B)
+    B, qp, kp, vp, cq, ck, mq, mk, uq, uk = _split_sides(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k)
     dop, _, _ = _packed(dout, "dout", cu_q, max_q, B)
     op, _, _ = _packed(out, "out", cu_q, max_q, B)
-    _check_used("seqused_q", used_q, B, q.device)
-    _check_used("seqused_k", used_k, B, q.device)
-    check = q.device.type == "cpu"
-    uq = _used_bounds("seqused_q", cq, used_q, check)
-    uk = _used_bounds("seqused_k", ck, used_k, check)
     # the plan reads packed lse (h, total_q): a padded q's (B, h, sq) is laid out that way first
     lp = lse if cu_q is not None else lse.permute(1, 0, 2).reshape(lse.shape[1], -1)
     gq, gk, gv = _plan_backward(dop, qp, kp, vp, op, lp.contiguous(), _split_cu(cq, uq), _split_cu(ck, uk), mq,

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from culmen.amp._amp_state import warn_deprecated_once
+from culmen.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 
 __all__ = ["FP16_Optimizer"]
 
@@ -75,26 +76,36 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
             group["params"] = [master]
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         self.cur_iter = 0
+        # the scale and its update rule are fp16_utils' scalers (Apex's contrib copy has the same rule)
+        self.loss_scaler: LossScaler | DynamicLossScaler
         if self.dynamic_loss_scale:
             args = dict(dynamic_loss_args or {})
             unknown = sorted(set(args) - set(_DYNAMIC_ARGS))
             if unknown:
                 raise ValueError(f"dynamic_loss_args takes {', '.join(_DYNAMIC_ARGS)}, got {unknown}")
-            self.cur_scale = float(args.get("init_scale", 2.0 ** 16))
-            self.scale_factor = float(args.get("scale_factor", 2.0))
-            self.scale_window = int(args.get("scale_window", 1000))
-            self.last_overflow_iter = -1
+            self.loss_scaler = DynamicLossScaler(float(args.get("init_scale", 2.0 ** 16)),
+                                                 float(args.get("scale_factor", 2.0)),
+                                                 int(args.get("scale_window", 1000)))
         else:
             if dynamic_loss_args is not None:
                 raise ValueError("dynamic_loss_args needs dynamic_loss_scale=True")
-            self.cur_scale = float(static_loss_scale)
+            self.loss_scaler = LossScaler(float(static_loss_scale))
 
     # ---------------------------------------------------------------------------------------------- steps
 
     @property
     def loss_scale(self) -> float:
         """The current loss scale."""
-        return self.cur_scale
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        """The current loss scale (Apex's attribute name)."""
+        return self.loss_scaler.cur_scale
+
+    @cur_scale.setter
+    def cur_scale(self, value: float) -> None:
+        self.loss_scaler.cur_scale = float(value)
 
     def backward(self, loss: Tensor) -> None:
         """``(loss.float() * loss_scale).backward()``."""
@@ -145,12 +156,7 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
             kind = "dynamic" if self.dynamic_loss_scale else "static"
             print(f"\nGrad overflow on iteration {self.cur_iter}; skipping the step ({kind} loss scale "
                   f"{self.cur_scale})")
-        if self.dynamic_loss_scale:
-            if overflow:
-                self.cur_scale = max(self.cur_scale / self.scale_factor, 1.0)
-                self.last_overflow_iter = self.cur_iter
-            elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                self.cur_scale *= self.scale_factor
+        self.loss_scaler.update_scale(overflow)
         self.cur_iter += 1
 
     # ------------------------------------------------------------------------------------------ the state
@@ -177,8 +183,9 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         """The scaler's state, ``optimizer_state_dict`` and the flat masters (``fp32_groups_flat``)."""
         sd = {"dynamic_loss_scale": self.dynamic_loss_scale, "cur_scale": self.cur_scale, "cur_iter": self.cur_iter}
         if self.dynamic_loss_scale:
-            sd.update(last_overflow_iter=self.last_overflow_iter, scale_factor=self.scale_factor,
-                      scale_window=self.scale_window)
+            sc = self.loss_scaler
+            sd.update(last_overflow_iter=sc.last_overflow_iter, scale_factor=sc.scale_factor,
+                      scale_window=sc.scale_window)
         sd["optimizer_state_dict"] = self.optimizer.state_dict()
         sd["fp32_groups_flat"] = self.fp32_groups_flat
         return sd
@@ -192,12 +199,14 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
                              f"({[tuple(m.shape) for m in masters]} vs "
                              f"{[tuple(m.shape) for m in self.fp32_groups_flat]})")
         self.dynamic_loss_scale = bool(state_dict["dynamic_loss_scale"])
-        self.cur_scale = float(state_dict["cur_scale"])
         self.cur_iter = int(state_dict["cur_iter"])
         if self.dynamic_loss_scale:
-            self.last_overflow_iter = int(state_dict["last_overflow_iter"])
-            self.scale_factor = float(state_dict["scale_factor"])
-            self.scale_window = int(state_dict["scale_window"])
+            self.loss_scaler = DynamicLossScaler(float(state_dict["cur_scale"]), float(state_dict["scale_factor"]),
+                                                 int(state_dict["scale_window"]))
+            self.loss_scaler.cur_iter = self.cur_iter
+            self.loss_scaler.last_overflow_iter = int(state_dict["last_overflow_iter"])
+        else:
+            self.loss_scaler = LossScaler(float(state_dict["cur_scale"]))
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         with torch.no_grad():
             for current, saved, flat in zip(self.fp32_groups_flat, masters, self.fp16_groups_flat):

@@ -116,6 +116,7 @@ if AVAILABLE:
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
         BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+        LOG2E: gl.constexpr = 1.4426950408889634
         it = 0
         tile_i = 0
         pid = gl.program_id(0)
@@ -145,7 +146,7 @@ if AVAILABLE:
                         # rows past sq (the next batch's) get lse = +inf: P = dS = 0 there
                         rows = m0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
                         off = b.to(gl.int64) * slb + h * slh + rows
-                        lse = gl.load(lse_ptr + off, mask=rows < sq, other=float("inf")) * 1.4426950408889634
+                        lse = gl.load(lse_ptr + off, mask=rows < sq, other=float("inf")) * LOG2E
                         lse_smem.index(s).store(lse)
                         delta_smem.index(s).store(gl.load(delta_ptr + off, mask=rows < sq, other=0.0))
                         # every lane's stores ordered before the one lane's (release) arrival
@@ -243,10 +244,7 @@ if AVAILABLE:
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        if ST:
-            vec_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-        else:
-            vec_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         LOG2E: gl.constexpr = 1.4426950408889634
         k_wg = k_smem.slice(WG * COLS, COLS).permute((1, 0))  # (D, 64): S = Q K^T's B operand
         v_wg = v_smem.slice(WG * COLS, COLS).permute((1, 0))
@@ -280,12 +278,12 @@ if AVAILABLE:
                     h = hk * GROUP + j // cnt
                     mb = m_lo + j % cnt
                     m0 = mb * BLOCK_M
-                    rows = m0 + gl.arange(0, BLOCK_M, layout=vec_layout)
-                    in_q = rows < sq
                     if not ST:
                         # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before
-                        # the waits so their latency hides under them (ST: 16 values a thread each, loaded in
-                        # _bwd_step_st under the GEMM before their use)
+                        # the waits so their latency hides under them (ST: the loader puts them in shared
+                        # memory, read in _bwd_step_st just before their use)
+                        rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+                        in_q = rows < sq
                         lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
                         delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
                     i = it + j

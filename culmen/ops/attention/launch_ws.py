@@ -233,23 +233,22 @@ def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: 
 
 
 def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device,
-                  persistent: bool) -> Launch:
-    """A ``Launch`` of ``_attn_bwd_ws_kernel`` for one config and grid; ``tile`` is ``(BLOCK_M, STAGES)`` or
-    ``ws_bwd_config``'s ``(BLOCK_M, STAGES, persistent, ST)`` (without ST, ``WS_BWD_TUNING["st"]``)."""
+                  persistent: bool, st: bool) -> Launch:
+    """A ``Launch`` of ``_attn_bwd_ws_kernel`` for one ``(BLOCK_M, STAGES)`` tile and grid; ``st``: the
+    transposed form (``WS_BWD_TUNING["st"]``)."""
     from triton.experimental.gluon import language as gl
 
     from culmen.ops.attention import kernels_ws_bwd
 
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    bm, stages = tile[:2]
+    bm, stages = tile
     creg, lreg = WS_BWD_REGS
-    st = bool(tile[3]) if len(tile) > 3 else bool(WS_BWD_TUNING["st"])
     meta = dict(CAUSAL=causal, HEAD_D=d, BLOCK_M=bm, STAGES=stages, NUM_WG=2, PERSISTENT=persistent,
                 CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
                 kv_layout=gl.NVMMASharedLayout.get_default_for([128, d], gdt),
                 ds_layout=gl.NVMMASharedLayout.get_default_for([128, bm] if st else [bm, 128], gdt),
-                dq_layout=gl.NVMMASharedLayout.get_default_for([bm, d // 2], gl.float32), ST=st)
+                dq_layout=gl.NVMMASharedLayout.get_default_for([bm, d // 2], gl.float32), ST=bool(st))
     return Launch(kernels_ws_bwd._attn_bwd_ws_kernel, (grid,), meta, 4, 1, device=device,
                   options={"maxnreg": (creg * 2 + lreg) // 3})
 
@@ -267,17 +266,17 @@ class WsBackward:
         sk, hk = int(k_shape[1]), int(k_shape[2])
         num_n = cdiv(sk, 128)
         grid = (cdiv(num_n, 2) if causal else num_n) * B * hk  # causal work units pair key blocks n, num_n-1-n
-        persistent = bool(tile[2]) if len(tile) > 2 else WS_BWD_TUNING["persistent"]
+        bm, stages, persistent, st = tile  # ws_bwd_config's tile and switches
         if persistent:
             grid = min(grid, num_programs_hint(torch.device(device)))
-        self.launch = ws_bwd_launch(dtype, d, causal, tile, grid, device, persistent)
+        self.launch = ws_bwd_launch(dtype, d, causal, (bm, stages), grid, device, persistent, st)
         # (batch, KV head) pairs per tile group: their Q, dO (bf16) and dQ accumulator (fp32) stay in L2
         group_bytes = (H // hk) * sq * d * 8
         bh_group = max(1, min(B * hk, WS_BWD_TUNING["l2_bytes"] // max(group_bytes, 1)))
         # row strides of q, k, v, dout; lse strides; sizes; scales (dk/dv strides come per call)
         self.ints = (row_strides, lse_strides,
                      (B, H, H // hk, bh_group, sq, sk, num_n, scale * LOG2E_F, scale))
-        self.acc_shape = (B, cdiv(sq, tile[0]) * tile[0], H, d)
+        self.acc_shape = (B, cdiv(sq, bm) * bm, H, d)
         self.sq = sq
 
     def __call__(self, stream, q, k, v, dout, lse, delta, dq, dk, dv) -> None:

@@ -427,6 +427,32 @@ def fa3_descales(q_descale, k_descale, v_descale, batch: int, nheads_k: int, dev
     return tuple(out)
 
 
+def fa3_plan(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+             max_seqlen_q: int | None, max_seqlen_k: int | None, softmax_scale: float | None, causal: bool,
+             window_size: tuple[int, int], softcap: float, deterministic: bool, return_lse: bool,
+             attention_chunk: int = 0, has_desc: bool = False, has_qv: bool = False) -> AttnPlan:
+    """The cached plan of an FA3-featured call (``attention_fa3``; also the backward FA3's low-level
+    ``_flash_attn_backward`` runs on given ``out``/``lse``): dense, or varlen when ``cu_seqlens_q`` is given."""
+    varlen = cu_seqlens_q is not None
+    try:
+        key = (has_qv, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device, varlen and (cu_seqlens_q.shape, cu_seqlens_q.device,
+                                                                   cu_seqlens_k.shape, cu_seqlens_k.device),
+               max_seqlen_q, max_seqlen_k, softmax_scale, causal, tuple(window_size), softcap, deterministic,
+               return_lse, attention_chunk, has_desc)
+        plan = FA3_PLANS.get(key)
+    except (AttributeError, TypeError):
+        key, plan = None, None
+    if plan is None:
+        plan = AttnPlan("varlen" if varlen else "dense", q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                        max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, deterministic=deterministic, return_lse=return_lse,
+                        attention_chunk=attention_chunk, descale=has_desc, fa3=True, qv=has_qv)
+        if key is not None:
+            FA3_PLANS.put(key, plan)
+    return plan
+
+
 def attention_fa3(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None = None,
                   cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
                   max_seqlen_k: int | None = None, softmax_scale: float | None = None, causal: bool = False,
@@ -460,25 +486,10 @@ def attention_fa3(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None =
     if has_desc and not fp8:
         raise ValueError(f"q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only, q is "
                          f"{getattr(q, 'dtype', type(q).__name__)}")
-    varlen = cu_seqlens_q is not None
     if qv is not None:
         check_qv(qv, q, v)
-    try:
-        key = (qv is not None, q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-               v.shape, v.stride(), v.dtype, v.device, varlen and (cu_seqlens_q.shape, cu_seqlens_q.device,
-                                                                   cu_seqlens_k.shape, cu_seqlens_k.device),
-               max_seqlen_q, max_seqlen_k, softmax_scale, causal, tuple(window_size), softcap, deterministic,
-               return_lse, attention_chunk, has_desc)
-        plan = FA3_PLANS.get(key)
-    except (AttributeError, TypeError):
-        key, plan = None, None
-    if plan is None:
-        plan = AttnPlan("varlen" if varlen else "dense", q, k, v, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                        max_seqlen_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                        softcap=softcap, deterministic=deterministic, return_lse=return_lse,
-                        attention_chunk=attention_chunk, descale=has_desc, fa3=True, qv=qv is not None)
-        if key is not None:
-            FA3_PLANS.put(key, plan)
+    plan = fa3_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                    window_size, softcap, deterministic, return_lse, attention_chunk, has_desc, qv is not None)
     if qv is not None:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or qv.requires_grad):
             return _AttnQVFn.apply(plan, q, k, v, qv, cu_seqlens_q, cu_seqlens_k)
