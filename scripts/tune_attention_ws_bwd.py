@@ -36,17 +36,18 @@ class _Tile:
 
     def __enter__(self):
         t = launch_ws.WS_BWD_TUNING
-        self.saved = (t["on"], dict(t["tiles"]), t["persistent"], t["st"])
+        self.saved = (t["on"], dict(t["tiles"]), t["persistent"], t["st"], dict(t["min_sk"]))
         t["on"] = self.tile is not None
         if self.tile is not None:  # (BLOCK_M, STAGES, PERSISTENT[, ST])
             t["tiles"] = {64: self.tile[:2], 128: self.tile[:2]}
+            t["min_sk"] = {}  # a tile row times the Gluon kernel even below the length where it ships
             t["persistent"] = bool(self.tile[2])
             t["st"] = len(self.tile) > 3 and bool(self.tile[3])
         clear_plans()
 
     def __exit__(self, *exc):
         t = launch_ws.WS_BWD_TUNING
-        t["on"], t["tiles"], t["persistent"], t["st"] = self.saved
+        t["on"], t["tiles"], t["persistent"], t["st"], t["min_sk"] = self.saved
         clear_plans()
 
 

@@ -18,16 +18,17 @@ from culmen.ops.backend import num_programs_hint
 from culmen.ops.common.launch import Launch, cdiv
 
 # (head dim, causal) -> (BLOCK_N, STAGES, consumer warpgroups, ping-pong); BLOCK_M is 64 per consumer warpgroup.
-# Swept on an H200 and an H100 (bench/notes/attention.md v10): d128 two ping-ponged warpgroups, causal three
-# over 64-key blocks (H100 s2k causal 331 vs 290 TFLOP/s); d64 three warpgroups (192 query rows) without mask,
-# two ping-ponged with the causal mask (three spill there).
+# Swept on an H200 and an H100 (bench/notes/attention.md v10, v15): d128 two ping-ponged warpgroups over 128-key
+# blocks, causal too since s14 (the kernel of v13 on: H100 ms 128x3x2p / 64x3x3p, s2k 0.343 / 0.386, s4k 0.575 /
+# 0.666, s8k 1.066 / 1.106; H200 the same order); d64 three warpgroups (192 query rows) without mask, two
+# ping-ponged with the causal mask (three spill there).
 WS_TUNING: dict = {
     "on": True,
     # one program per SM looping over tiles, heaviest first (else one program per tile): +3-15%
     "persistent": True,
     "l2_bytes": 20 << 20,
     "tiles": {(64, False): (128, 3, 3, False), (64, True): (128, 3, 2, True),
-              (128, False): (128, 3, 2, True), (128, True): (64, 3, 3, True),
+              (128, False): (128, 3, 2, True), (128, True): (128, 3, 2, True),
               # d256 without mask, two ping-ponged warpgroups over 64-key blocks (the one tile that fits in
               # shared memory and registers): H200 s13, ms Gluon / Triton, s2k 0.615 / 0.643, s4k 1.132 / 1.207
               # (cuDNN 0.438 / 0.839). Causal d256 stays on Triton (s4k 0.701 / 0.693).
@@ -202,17 +203,20 @@ WS_BWD_TUNING: dict = {
     "persistent": True,
     # the tiles in flight cover (batch, KV head) pairs whose Q, dO and dQ accumulator fit in this many bytes
     "l2_bytes": 20 << 20,
-    # shortest key sequence per head dim: below it the Triton backward is as fast or faster (d64: H100 s1k
-    # 1.67 vs 1.73 ms fwd+bwd, H200 s2k within 1-3% both ways; s4k-8k the Gluon kernel wins by 3-11%)
-    "min_sk": {64: 2048},
+    # shortest key sequence per head dim: below it the Triton backward is as fast or faster. d64 with the
+    # transposed form (H100 s14, backward ms Gluon / Triton): s1k full 1.181 / 1.186, causal 0.848 / 0.907; s4k
+    # full 3.577 / 4.115. Before it (s10): s1k 1.67 vs 1.73 ms fwd+bwd, s2k within 1-3% both ways.
+    "min_sk": {64: 1024},
     # The scores transposed (kernels_ws_bwd ``ST``): S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T feed dV's and
     # dK's GEMMs from registers (FA3's register-A form): 16 KB less shared memory read per warpgroup and block
-    # (144 -> 128 KB at d128, where the loop sits near the shared-memory bandwidth, notes v11), no P buffer,
-    # and room for a third Q/dO stage at d128 (231440 B of 232448 with tiles (64, 3)). lse and delta become
-    # per-column vectors (16 values a thread instead of 2), passed through shared memory by the loader. Compiled
-    # for sm_90 (s13): no spills in the d128 loops (shipped: 15 spill ops in the causal loop); written without
-    # a GPU, off until measured (scripts/s14-run1.sh).
-    "st": False,
+    # (144 -> 128 KB at d128, where the loop sits near the shared-memory bandwidth, notes v11), no P buffer, and
+    # no spills in the d128 loops (the other form: 15 spill ops in the causal loop). lse and delta become
+    # per-column vectors (16 values a thread instead of 2), passed through shared memory by the loader.
+    # H200 (s14, 16k tokens, backward ms, other form / transposed / transposed with 3 Q/dO stages, which fit only
+    # here): d128 s2k full 1.640 / 1.625 / 1.693, causal 1.077 / 1.027 / 1.023; s8k full 5.538 / 5.385 / 6.078,
+    # causal 3.099 / 2.988 / 3.229; d64 s2k full 2.140 / 1.925 / 1.974, causal 1.284 / 1.192 / 1.210; s8k full
+    # 7.497 / 6.805 / 7.042, causal 3.897 / 3.584 / 3.812 (bench/results/h200/2026-11-28-s14-tune-bwd-st.log).
+    "st": True,
 }
 WS_BWD_REGS = (240, 24)
 
