@@ -99,6 +99,7 @@ def main() -> None:
         configs = [(args[0] if len(args) == 4 else "", int(args[-3]), args[-2] == "1", (t[0], t[1], t[2], bool(t[3])))]
     else:
         configs = [("", d, c, t) for (d, c), t in sorted(launch_ws.WS_TUNING["tiles"].items())]
+        configs += [("", d, c, t) for (d, c), (_, t) in sorted(launch_ws.WS_TUNING["tiles_long"].items())]
         configs += [("fp8", d, c, t) for (d, c), t in sorted(launch_ws.WS_TUNING["tiles_fp8"].items())]
         configs += [("bwd", d, c, t) for d, t in sorted(launch_ws.WS_BWD_TUNING["tiles"].items())
                     for c in (False, True)]

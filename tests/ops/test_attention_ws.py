@@ -54,6 +54,17 @@ def test_eligible_calls_get_the_tuned_tile():
     assert _cfg(qkv[:, :, :8], qkv[:, :, 8:10], qkv[:, :, 10:]) is not None
 
 
+def test_long_keys_switch_the_tile(monkeypatch):
+    """``tiles_long``: from its key count on (not below), the causal call gets the long-sequence tile; calls
+    without the mask keep theirs."""
+    monkeypatch.setitem(launch_ws.WS_TUNING, "tiles_long", {(128, True): (1000, (64, 3, 3, True))})
+    short, at = _t(1, 999, 2, 128), _t(1, 1000, 2, 128)
+    assert _cfg(short, short, short, causal=True) == launch_ws.WS_TUNING["tiles"][(128, True)]
+    assert _cfg(at, at, at, causal=True) == (64, 3, 3, True)
+    assert _cfg(short[:, :10], at, at, causal=True) == (64, 3, 3, True)  # keys decide, not queries
+    assert _cfg(at, at, at) == launch_ws.WS_TUNING["tiles"][(128, False)]
+
+
 def test_small_calls_keep_the_triton_forward(monkeypatch):
     floor = {(64, True): 1 << 28, (64, False): 1 << 30}
     monkeypatch.setitem(launch_ws.WS_TUNING, "min_work", floor)
@@ -153,9 +164,11 @@ def test_backward_takes_the_forwards_calls(monkeypatch):
     q256 = _t(1, 300, 2, 256)
     assert _cfg(q256, q256, q256) is not None and _cfg(q256, q256, q256, causal=True) is None
     assert _bwd_cfg(q256, q256, q256) is None
-    # d64 below 2048 keys keeps the Triton backward (as fast there)
-    short = _t(1, 2047, 4, 64, F16)
+    # d64 below min_sk keys keeps the Triton backward (as fast there)
+    n = launch_ws.WS_BWD_TUNING["min_sk"][64]
+    short, at = _t(1, n - 1, 4, 64, F16), _t(1, n, 4, 64, F16)
     assert _bwd_cfg(short, short, short) is None
+    assert _bwd_cfg(at, at, at) is not None
     # whatever the forward refuses, the backward refuses too
     assert _bwd_cfg(q, k, k, extras=True) is None
     assert _bwd_cfg(_t(2, 65, 4, 64), _t(2, 64, 4, 64), _t(2, 64, 4, 64), causal=True) is None
@@ -176,9 +189,9 @@ def test_q_buffers_double_only_where_they_fit(monkeypatch):
 
 
 def test_transposed_backward_compiles_for_sm90_in_shared_memory():
-    """``WS_BWD_TUNING["st"]``: the backward's transposed form compiles for sm_90 at d64 and d128, causal or
-    not, with two and with three Q/dO stages (three fit only because P stays in registers), with its register
-    A operands and the loader's lse/delta vectors."""
+    """``WS_BWD_TUNING["st"]`` (shipped): the backward's transposed form compiles for sm_90 at d64 and d128,
+    causal or not, with two and with three Q/dO stages (three fit only because P stays in registers; measured
+    slower, kept as a tuning option), with its register A operands and the loader's lse/delta vectors."""
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ws_regs.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, script, "--st"], capture_output=True, text=True, env=env, timeout=900)
@@ -205,7 +218,7 @@ def test_kernels_compile_for_sm90_with_bounded_spills(q_double):
     fwd = [ln for ln in res.stdout.splitlines() if ln.startswith("d=")]
     fp8 = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("fp8 d=")]
     bwd = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("bwd d=")]
-    assert len(fwd) == len(launch_ws.WS_TUNING["tiles"]), res.stdout
+    assert len(fwd) == len(launch_ws.WS_TUNING["tiles"]) + len(launch_ws.WS_TUNING["tiles_long"]), res.stdout
     assert len(fp8) == len(launch_ws.WS_TUNING["tiles_fp8"]), res.stdout
     assert len(bwd) == 2 * len(launch_ws.WS_BWD_TUNING["tiles"]), res.stdout
     fwd += fp8
@@ -216,8 +229,9 @@ def test_kernels_compile_for_sm90_with_bounded_spills(q_double):
         assert f["ptx"] == ("setmaxnreg,wgmma,tma,tma_reduce" if ln in bwd else "setmaxnreg,wgmma,tma"), ln
         assert int(f["shared"]) <= 232448, ln  # Hopper's 227 KiB of shared memory per block
         # a forward consumer spilling in its key loop ran 2x slower; the shipped tiles spill at most 72 bytes.
-        # The backward's d128 consumers run at the 240-register cap (two 64x128 fp32 accumulators) and reload
-        # a few loop-invariant scalars per iteration (184 bytes under Triton 3.6, 312 under 3.9).
+        # The backward's d128 consumers run at the 240-register cap (two 64x128 fp32 accumulators); the shipped
+        # transposed form keeps 144-184 bytes of stack under Triton 3.9 and no spill ops in its d128 loops
+        # under 3.6 (the other form reloaded loop-invariant scalars: 184 / 312 bytes).
         assert 0 <= int(f["stack"]) <= (512 if ln in bwd else 256), ln
 
 
@@ -330,6 +344,8 @@ def test_ws_q_double_equals_single(case, fp8, fresh_plans, monkeypatch):
     else:
         run = lambda: flash_attn(q, k, v, 0.0, causal=causal)[:2]  # noqa: E731
         plan_kw = {}
+    # the d128 causal case runs a tile with room for two Q buffers (the shipped 128x3x2p has none)
+    monkeypatch.setitem(launch_ws.WS_TUNING, "tiles", {**launch_ws.WS_TUNING["tiles"], (128, True): (64, 3, 3, True)})
     runs = []
     for double in (False, True):
         monkeypatch.setitem(launch_ws.WS_TUNING, "q_double", double)

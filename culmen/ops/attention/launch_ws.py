@@ -33,6 +33,9 @@ WS_TUNING: dict = {
               # shared memory and registers): H200 s13, ms Gluon / Triton, s2k 0.615 / 0.643, s4k 1.132 / 1.207
               # (cuDNN 0.438 / 0.839). Causal d256 stays on Triton (s4k 0.701 / 0.693).
               (256, False): (64, 2, 2, True)},
+    # (head dim, causal) -> (keys, tile): from that many keys on, this tile instead of ``tiles``'. d128 causal
+    # (H100 s14, ms 128x3x2p / 64x3x3p): s8k 1.045 / 1.118, s16k 2.365 / 2.125 (cuDNN 0.970 / 1.905); 12k splits it.
+    "tiles_long": {(128, True): (12288, (64, 3, 3, True))},
     # float8_e4m3fn Q/K/V (bf16 output, V through the transposed copy). H100, 16k tokens, s8k, TFLOP/s against
     # the Triton FP8 forward: d128 full 847-863 vs 731 (3 warpgroups; 2 ping-ponged 781), causal 677-681 vs
     # 637; d64 full 587 vs 446, causal 461 vs 422 (bench/results/h100/2026-11-28-s11-fp8-*.log)
@@ -90,6 +93,9 @@ def ws_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool
     tile = WS_TUNING["tiles_fp8" if fp8 else "tiles"].get((int(d), bool(causal)))
     if tile is None or k.shape[-1] != d or v.shape[-1] != d:
         return None
+    long = None if fp8 else WS_TUNING["tiles_long"].get((int(d), bool(causal)))
+    if long is not None and k.shape[1] >= long[0]:
+        tile = long[1]
     if causal and q.shape[1] > k.shape[1]:
         return None
     if min_work and not fp8 and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] < WS_TUNING["min_work"].get(
