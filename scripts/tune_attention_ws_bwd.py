@@ -1,6 +1,6 @@
 """Check and time the warp-specialized Gluon attention backward against culmen's Triton backward and SDPA.
 
-    python3 scripts/tune_attention_ws_bwd.py [--d 64,128] [--seqlen 2048,8192] [--tiles "64,2,0 64,2,1 64,3,1,1"]
+    python3 scripts/tune_attention_ws_bwd.py [--d 64,128] [--seqlen 2048,8192] [--tiles "64,2,0 64,2,1 64,3,1"]
                                              [--check-only] [--gqa 1]
 
 Correctness first (odd shapes, GQA, causal with sq < sk, a strided q): dQ, dK, dV of ``flash_attn_func``'s
@@ -36,18 +36,17 @@ class _Tile:
 
     def __enter__(self):
         t = launch_ws.WS_BWD_TUNING
-        self.saved = (t["on"], dict(t["tiles"]), t["persistent"], t["st"], dict(t["min_sk"]))
+        self.saved = (t["on"], dict(t["tiles"]), t["persistent"], dict(t["min_sk"]))
         t["on"] = self.tile is not None
-        if self.tile is not None:  # (BLOCK_M, STAGES, PERSISTENT[, ST])
+        if self.tile is not None:  # (BLOCK_M, STAGES, PERSISTENT)
             t["tiles"] = {64: self.tile[:2], 128: self.tile[:2]}
             t["min_sk"] = {}  # a tile row times the Gluon kernel even below the length where it ships
             t["persistent"] = bool(self.tile[2])
-            t["st"] = len(self.tile) > 3 and bool(self.tile[3])
         clear_plans()
 
     def __exit__(self, *exc):
         t = launch_ws.WS_BWD_TUNING
-        t["on"], t["tiles"], t["persistent"], t["st"], t["min_sk"] = self.saved
+        t["on"], t["tiles"], t["persistent"], t["min_sk"] = self.saved
         clear_plans()
 
 
@@ -160,7 +159,7 @@ def main() -> None:
     ap.add_argument("--d", default="64,128")
     ap.add_argument("--seqlen", default="2048,8192")
     ap.add_argument("--tiles", default="64,2,1 64,2,0",
-                    help="BLOCK_M,STAGES,PERSISTENT[,ST] ... (ST 1: the transposed form, WS_BWD_TUNING['st'])")
+                    help="BLOCK_M,STAGES,PERSISTENT ...")
     ap.add_argument("--check-d", default=None, help="head dims of the check (default: --d)")
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--check-only", action="store_true")

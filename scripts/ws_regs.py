@@ -4,12 +4,12 @@
     python scripts/ws_regs.py 128 1 128,3,2,1      # forward: d, causal, BLOCK_N,STAGES,warpgroups,pingpong
     python scripts/ws_regs.py fp8 128 1 128,3,2,1  # the FP8 forward (float8 Q/K/V with descales)
     python scripts/ws_regs.py bwd 128 1 64,2       # backward: d, causal, BLOCK_M,STAGES
-    python scripts/ws_regs.py --st                 # the backward's transposed form, 2 and 3 stages
+    python scripts/ws_regs.py --bwd-stages         # the backward with 2 and 3 Q/dO stages
 
 One line per config: ``[fp8 |bwd ]d=.. causal=.. tile=.. shared=<bytes> regs=<maxnreg> stack=<bytes> ptx=..``. The
 stack is the register spill of the hottest partition (ptxas counts the whole kernel): the tuned tiles keep it
 small, and a consumer warpgroup that spills in its loop runs up to 2x slower (bench/notes/attention.md v10; the
-backward reloads a few loop-invariant scalars per iteration at d128 causal). Needs Triton's bundled ptxas and
+backward keeps no spill ops in its d128 loops under Triton 3.6). Needs Triton's bundled ptxas and
 cuobjdump only; run with the device's Triton on the path (``PYTHONPATH=DIR``) to see what it compiles.
 """
 
@@ -62,8 +62,7 @@ def compile_config(d: int, causal: bool, tile: tuple, fp8: bool = False):
 
 def compile_bwd_config(d: int, causal: bool, tile: tuple):
     """The backward kernel compiled for ``cuda:90`` at one config (bf16, persistent)."""
-    return _compile(launch_ws.ws_bwd_launch(torch.bfloat16, d, causal, tile, 1, torch.device("cpu"), True,
-                                            launch_ws.WS_BWD_TUNING["st"]))
+    return _compile(launch_ws.ws_bwd_launch(torch.bfloat16, d, causal, tile, 1, torch.device("cpu"), True))
 
 
 def usage(k) -> tuple[int, int]:
@@ -85,11 +84,10 @@ def main() -> None:
     if "--q-double" in args:  # the forward with WS_TUNING["q_double"] (two Q buffers where they fit)
         args.remove("--q-double")
         launch_ws.WS_TUNING["q_double"] = True
-    st = "--st" in args
-    if st:  # the backward's transposed form (WS_BWD_TUNING["st"]) with two and three Q/dO stages
-        args.remove("--st")
-        launch_ws.WS_BWD_TUNING["st"] = True
-    if st and not args:
+    stages = "--bwd-stages" in args
+    if stages:  # the backward with two and three Q/dO stages (three fit at d128: P stays in registers)
+        args.remove("--bwd-stages")
+    if stages and not args:
         configs = [("bwd", d, c, (64, stages)) for d in sorted(launch_ws.WS_BWD_TUNING["tiles"])
                    for c in (False, True) for stages in (2, 3)]
     elif len(args) == 4 and args[0] == "bwd":

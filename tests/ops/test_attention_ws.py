@@ -149,17 +149,15 @@ def _bwd_cfg(q, k, v, causal=False, extras=False):
 
 def test_backward_takes_the_forwards_calls(monkeypatch):
     q, k = _t(2, 100, 8, 128), _t(2, 100, 2, 128)
-    switches = (launch_ws.WS_BWD_TUNING["persistent"], launch_ws.WS_BWD_TUNING["st"])
-    assert _bwd_cfg(q, k, k) == (*launch_ws.WS_BWD_TUNING["tiles"][128], *switches)
-    assert _bwd_cfg(q, k, k, causal=True) == (*launch_ws.WS_BWD_TUNING["tiles"][128], *switches)
+    persistent = launch_ws.WS_BWD_TUNING["persistent"]
+    assert _bwd_cfg(q, k, k) == (*launch_ws.WS_BWD_TUNING["tiles"][128], persistent)
+    assert _bwd_cfg(q, k, k, causal=True) == (*launch_ws.WS_BWD_TUNING["tiles"][128], persistent)
     q64 = _t(1, 2048, 4, 64, F16)
-    assert _bwd_cfg(q64, q64, q64) == (*launch_ws.WS_BWD_TUNING["tiles"][64], *switches)
-    # the switches as they are when the forward plans the call travel with the tile
-    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "st", not switches[1])
-    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", not switches[0])
-    assert _bwd_cfg(q, k, k)[2:] == (not switches[0], not switches[1])
-    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "st", switches[1])
-    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", switches[0])
+    assert _bwd_cfg(q64, q64, q64) == (*launch_ws.WS_BWD_TUNING["tiles"][64], persistent)
+    # the switch as it is when the forward plans the call travels with the tile
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", not persistent)
+    assert _bwd_cfg(q, k, k)[2] == (not persistent)
+    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "persistent", persistent)
     # d256: the Gluon forward without the causal mask, never the Gluon backward
     q256 = _t(1, 300, 2, 256)
     assert _cfg(q256, q256, q256) is not None and _cfg(q256, q256, q256, causal=True) is None
@@ -188,13 +186,14 @@ def test_q_buffers_double_only_where_they_fit(monkeypatch):
     assert launch_ws.q_buffers(128, (128, 3, 3, False), fp8=True) == 2  # one byte an element, P tiles included
 
 
-def test_transposed_backward_compiles_for_sm90_in_shared_memory():
-    """``WS_BWD_TUNING["st"]`` (shipped): the backward's transposed form compiles for sm_90 at d64 and d128,
-    causal or not, with two and with three Q/dO stages (three fit only because P stays in registers; measured
-    slower, kept as a tuning option), with its register A operands and the loader's lse/delta vectors."""
+def test_backward_compiles_for_sm90_with_two_and_three_stages():
+    """The backward compiles for sm_90 at d64 and d128, causal or not, with two and with three Q/dO stages
+    (three fit at d128 only because P stays in registers; measured slower, kept as a tuning option), with its
+    register A operands and the loader's lse/delta vectors."""
     script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "ws_regs.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, script, "--st"], capture_output=True, text=True, env=env, timeout=900)
+    res = subprocess.run([sys.executable, script, "--bwd-stages"], capture_output=True, text=True, env=env,
+                         timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     bwd = [ln[4:] for ln in res.stdout.splitlines() if ln.startswith("bwd d=")]
     assert len(bwd) == 4 * len(launch_ws.WS_BWD_TUNING["tiles"]), res.stdout
@@ -229,9 +228,8 @@ def test_kernels_compile_for_sm90_with_bounded_spills(q_double):
         assert f["ptx"] == ("setmaxnreg,wgmma,tma,tma_reduce" if ln in bwd else "setmaxnreg,wgmma,tma"), ln
         assert int(f["shared"]) <= 232448, ln  # Hopper's 227 KiB of shared memory per block
         # a forward consumer spilling in its key loop ran 2x slower; the shipped tiles spill at most 72 bytes.
-        # The backward's d128 consumers run at the 240-register cap (two 64x128 fp32 accumulators); the shipped
-        # transposed form keeps 144-184 bytes of stack under Triton 3.9 and no spill ops in its d128 loops
-        # under 3.6 (the other form reloaded loop-invariant scalars: 184 / 312 bytes).
+        # The backward's d128 consumers run at the 240-register cap (two 64x128 fp32 accumulators): 144-184
+        # bytes of stack under Triton 3.9, no spill ops in the d128 loops under 3.6.
         assert 0 <= int(f["stack"]) <= (512 if ln in bwd else 256), ln
 
 
@@ -422,7 +420,7 @@ def _gluon_vs_triton_grads(shape, causal, monkeypatch):
     out, _, _ = flash_attn(q, k, v, 0.0, causal=causal)
     dout = torch.randn_like(out)
     plan = attn_launch.AttnPlan("dense", q, k, v, None, causal=causal)
-    assert plan.ws_bwd is not None and plan.ws_bwd[3] == launch_ws.WS_BWD_TUNING["st"]
+    assert plan.ws_bwd is not None
     g_ws = _grads(out, dout, (q, k, v))
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "on", False)
     clear_plans()
@@ -438,13 +436,12 @@ def _gluon_vs_triton_grads(shape, causal, monkeypatch):
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(5, 1000, 1100, 6, 3, 128), (2, 2000, 2100, 4, 2, 64), (1, 129, 300, 2, 1, 128)])
-def test_ws_backward_transposed_matches_triton_backward(shape, causal, stages, fresh_plans, monkeypatch):
-    """``WS_BWD_TUNING["st"]`` (S^T and dP^T, P^T and dS^T as register operands; three Q/dO stages fit then at
-    d128) against the deterministic Triton backward on the same forward outputs, and within flash_attn's rule
+def test_ws_backward_stages_within_flash_attn_rule(shape, causal, stages, fresh_plans, monkeypatch):
+    """The Gluon backward with two and three Q/dO stages (three fit at d128 because P^T stays in registers)
+    against the deterministic Triton backward on the same forward outputs, and within flash_attn's rule
     against float64."""
     if not _hopper():
         pytest.skip("the Gluon backward runs on Hopper-class NVIDIA GPUs")
-    monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "st", True)
     monkeypatch.setitem(launch_ws.WS_BWD_TUNING, "tiles", {64: (64, stages), 128: (64, stages)})
     torch.manual_seed(5)
     q, k, v, dout, g_ws = _gluon_vs_triton_grads(shape, causal, monkeypatch)

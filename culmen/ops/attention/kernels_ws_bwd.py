@@ -5,32 +5,29 @@ Why: the Triton backward recomputes ``Q K^T`` and ``dO V^T`` in a second (dQ) ke
 against FA2/FA3's 5, because every 5-matmul variant was slower while one warpgroup ran its GEMMs and softmax
 back to back (``bench/notes/attention.md`` v3, v6, v8). Here a tile is a block of 128 keys of one (batch, KV
 head); a one-warp TMA loader streams Q and dO blocks of 64 rows, of every query head of the group, into a
-stage ring, and each of two consumer warpgroups, for its 64 keys, runs
+stage ring (with each block's ``lse * log2 e`` and delta in per-stage shared vectors), and each of two
+consumer warpgroups, for its 64 keys, runs the scores transposed:
 
-    S = Q K^T,  dP = dO V^T               (both issued at once; the softmax of S runs under dP)
-    P = exp2(S * scale * log2 e - lse * log2 e),  dS = P (dP - delta) * scale   (P, dS to shared memory)
-    dV += P^T dO,  dK += dS^T Q           (fp32 accumulators in registers across the tile)
-    dQ[:, half] = dS K[:, half]           (dS of both warpgroups, shared through shared memory)
+    S^T = K Q^T,  P^T = exp2(S^T * scale * log2 e - lse * log2 e)      (registers)
+    dV += P^T dO                           (P^T as the register A operand)
+    dP^T = V dO^T,  dS^T = P^T (dP^T - delta) * scale   (issued after the softmax: S^T, dP^T never both live)
+    dK += dS^T Q                           (dS^T as the register A operand)
+    dQ[:, half] = dS K[:, half]            (dS^T of both warpgroups, shared through shared memory)
 
 and adds its half of the dQ columns into an fp32 accumulator with one TMA bulk reduce-add (Triton 3.6's
 Gluon has the op without a wrapper: ``_tma_reduce_add_36``), FA3's layout (its hdim-128 tile is the same).
-The dS buffer is double-buffered and guarded by one mbarrier per buffer that both warpgroups arrive on after
+The dS^T buffer is double-buffered and guarded by one mbarrier per buffer that both warpgroups arrive on after
 their store (a warpgroup that passed block ``i + 1``'s barrier knows the other finished block ``i - 1``'s
 dQ, the buffer's last reader). Persistent: one program per SM walks work units; a causal unit pairs key
 blocks ``n`` and ``num_n - 1 - n`` (even work per unit), and units run grouped by (batch, KV head) so the
 ones in flight share a few heads' Q, dO and dQ accumulator in L2.
 
-Measured (notes v11): the look-ahead of the next block's S / dP (with two Q/dO stages: the loads came too
-late), dV issued before dS is computed, and dQ issued before dK all gained nothing; the dQ reduce by
-element atomics from registers was 1.6x slower than TMA; a third stage does not fit shared memory at d128.
-
-The transposed form (``ST``, ``WS_BWD_TUNING["st"]``, off until measured) computes ``S^T = K Q^T`` and, after
-the softmax, ``dP^T = V dO^T``: P^T and dS^T are then dV's and dK's A operands in registers (FA3's register-A
-form), so no P buffer, 16 KB less shared memory read per warpgroup and block at d128, and room for a third
-Q/dO stage; each block's ``lse * log2 e`` and delta (16 values a consumer thread in this orientation) come
-through per-stage shared vectors the loader fills (a second arrival on ``q_ready``), read just before use.
-Compiled for sm_90 its d128 inner loops hold no spill stores (the shipped form's causal loop has 15 spill
-operations).
+Measured (notes v11, v15): the untransposed form (``S = Q K^T``, P and dS through shared memory as the
+operands of dV and dK) read 16 KB more shared memory per warpgroup and block at d128, near the bandwidth
+limit, and spilled in its causal loop; the transposed form is 1-5% faster at d128 and 7-10% at d64 (s14,
+H100 and H200) and replaced it. Before that: the look-ahead of the next block's S / dP, dV issued before dS
+is computed, and dQ issued before dK gained nothing; the dQ reduce by element atomics from registers was
+1.6x slower than TMA; a third Q/dO stage (it fits at d128 since P stays in registers) is slower than two.
 
 Not deterministic (reduce order): the launcher takes this kernel only when deterministic algorithms are off.
 Scope as the forward's (``launch_ws.ws_bwd_config``): dense bf16/fp16, ``D`` 64 or 128, no extras, causal
@@ -103,12 +100,12 @@ if AVAILABLE:
         return n0, m_lo, num_m - m_lo
 
     @gluon.jit
-    def _bwd_loader(args, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, ST: gl.constexpr):
+    def _bwd_loader(args, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
         """Producer (one warp; its own subset of the kernel's values): per tile, K and V of its key block once
         the consumers released the last tile's, then Q and dO of every (head of the group, query block) into
-        the stage ring (its counter runs on across tiles). ``ST``: also each block's ``lse * log2 e`` and delta
-        into the stage's shared vectors (the transposed form needs 16 of each per consumer thread: read from
-        shared memory at their use, they stay out of the registers), then a second arrival on ``q_ready``."""
+        the stage ring (its counter runs on across tiles), with each block's ``lse * log2 e`` and delta into
+        the stage's shared vectors (the transposed scores need 16 of each per consumer thread: read from shared
+        memory at their use, they stay out of the registers) and a second arrival on ``q_ready``."""
         (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty, q_ready, do_ready,
          empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, lse_smem, delta_smem, lse_ptr, delta_ptr, slb,
          slh) = args
@@ -142,45 +139,37 @@ if AVAILABLE:
                     db = do_ready.index(s)
                     mbarrier.expect(db, do_desc.block_type.nbytes)
                     _tma_load(do_desc, [b * sq + m0, h * D], db, do_bufs.index(s))
-                    if ST:
-                        # rows past sq (the next batch's) get lse = +inf: P = dS = 0 there
-                        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
-                        off = b.to(gl.int64) * slb + h * slh + rows
-                        lse = gl.load(lse_ptr + off, mask=rows < sq, other=float("inf")) * LOG2E
-                        lse_smem.index(s).store(lse)
-                        delta_smem.index(s).store(gl.load(delta_ptr + off, mask=rows < sq, other=0.0))
-                        # every lane's stores ordered before the one lane's (release) arrival
-                        _partition_barrier()
-                        mbarrier.arrive(qb, count=1)
+                    # rows past sq (the next batch's) get lse = +inf: P = dS = 0 there
+                    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
+                    off = b.to(gl.int64) * slb + h * slh + rows
+                    lse = gl.load(lse_ptr + off, mask=rows < sq, other=float("inf")) * LOG2E
+                    lse_smem.index(s).store(lse)
+                    delta_smem.index(s).store(gl.load(delta_ptr + off, mask=rows < sq, other=0.0))
+                    # every lane's stores ordered before the one lane's (release) arrival
+                    _partition_barrier()
+                    mbarrier.arrive(qb, count=1)
                 it += GROUP * cnt
                 tile_i += 1
 
     @gluon.jit
-    def _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL: gl.constexpr, ST: gl.constexpr):
+    def _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL: gl.constexpr):
         """``-inf`` where key ``n_lo + k`` is past ``sk`` or (causal) after query ``m0 + q``'s diagonal; ``s`` is
-        ``(queries, keys)``, or ``(keys, queries)`` when ``ST``."""
+        ``(keys, queries)``."""
         rows = gl.arange(0, s.type.shape[0], layout=gl.SliceLayout(1, s.type.layout))
         cols = gl.arange(0, s.type.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        if ST:
-            n = gl.expand_dims(n_lo + rows, 1)
-            if CAUSAL:
-                keep = (n < sk) & (n <= gl.expand_dims(m0 + cols + (sk - sq), 0))
-            else:
-                keep = (n < sk) & gl.expand_dims(cols >= 0, 0)
+        n = gl.expand_dims(n_lo + rows, 1)
+        if CAUSAL:
+            keep = (n < sk) & (n <= gl.expand_dims(m0 + cols + (sk - sq), 0))
         else:
-            n = gl.expand_dims(n_lo + cols, 0)
-            if CAUSAL:
-                keep = (n < sk) & (n <= gl.expand_dims(m0 + rows + (sk - sq), 1))
-            else:
-                keep = (n < sk) & gl.expand_dims(rows >= 0, 1)
+            keep = (n < sk) & gl.expand_dims(cols >= 0, 0)
         return gl.where(keep, s, float("-inf"))
 
     @gluon.jit
-    def _bwd_step_st(q_s, do_s, k_rows, v_rows, ds_s, k_dq, q_ready, do_ready, ds_ready, ph, ds_ph, dk, dv,
+    def _bwd_step(q_s, do_s, k_rows, v_rows, ds_s, k_dq, q_ready, do_ready, ds_ready, ph, ds_ph, dk, dv,
                      lse_s, delta_s, masked, m0, n_lo, sq, sk, qk_scale, sm_scale, WG: gl.constexpr,
                      CAUSAL: gl.constexpr, st_layout: gl.constexpr, a_layout: gl.constexpr,
                      dq_layout: gl.constexpr):
-        """One query block of the transposed form (``WS_BWD_TUNING["st"]``): ``S^T = K Q^T``, P^T in registers
+        """One query block: ``S^T = K Q^T``, P^T in registers
         as dV's A operand, then ``dP^T = V dO^T`` (issued after the softmax, so S^T and dP^T are never live
         together), dS^T in registers as dK's A operand and in shared memory (``ds_s``, keys by queries) for
         ``dQ = dS K``. Returns this block's dQ columns of this warpgroup and the updated dK, dV."""
@@ -195,7 +184,7 @@ if AVAILABLE:
         s = warpgroup_mma_wait(0, deps=(s,))
         lse = lse_s.load(vec_layout)  # lse * log2 e, +inf past sq (the loader's)
         if masked:
-            s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL, True)
+            s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL)
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 0))
         p_a = gl.convert_layout(p.to(dtype), a_layout)
         mbarrier.wait(do_ready, ph)
@@ -219,14 +208,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _bwd_consumer(args, WG: gl.constexpr, CAUSAL: gl.constexpr, NUM_WG: gl.constexpr,
-                      PERSISTENT: gl.constexpr, ST: gl.constexpr):
+                      PERSISTENT: gl.constexpr):
         """Consumer warpgroup ``WG``: per tile, keys ``n0 + 64 * WG ..`` of its block against every query block of
-        every head of the group; dK and dV stay in registers and are stored at the end of the tile. ``ST``: the
-        scores transposed (``S^T = K Q^T``, ``dP^T = V dO^T``), so ``P^T`` and ``dS^T`` are dV's and dK's A
-        operands in registers (no P in shared memory; dS^T is stored for dQ only)."""
-        (dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
-         empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh, B, HK, GROUP,
-         BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale, lse_smem, delta_smem) = args
+        every head of the group (``_bwd_step``); dK and dV stay in registers and are stored at the end of the
+        tile."""
+        (dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready, empty,
+         ds_ready, dk_ptr, dv_ptr, dkb, dkn, dkh, dvb, dvn, dvh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units,
+         qk_scale, sm_scale, lse_smem, delta_smem) = args
         BLOCK_N: gl.constexpr = k_smem.type.shape[0]
         D: gl.constexpr = k_smem.type.shape[1]
         NS: gl.constexpr = q_bufs.type.shape[0]
@@ -234,20 +222,14 @@ if AVAILABLE:
         dtype: gl.constexpr = k_smem.dtype
         COLS: gl.constexpr = 64
         DQ_N: gl.constexpr = D // NUM_WG
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, COLS, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, D, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_N, 16])
-        # ST: S^T / dP^T are (64 keys, BLOCK_M queries); a query's lse and delta run along the columns
+        # S^T / dP^T are (64 keys, BLOCK_M queries); a query's lse and delta run along the columns
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        LOG2E: gl.constexpr = 1.4426950408889634
-        k_wg = k_smem.slice(WG * COLS, COLS).permute((1, 0))  # (D, 64): S = Q K^T's B operand
-        v_wg = v_smem.slice(WG * COLS, COLS).permute((1, 0))
         k_rows = k_smem.slice(WG * COLS, COLS)  # (64, D): S^T = K Q^T's A operand
         v_rows = v_smem.slice(WG * COLS, COLS)
         k_dq = k_smem.slice(WG * DQ_N, DQ_N, dim=1)  # dQ's columns of this warpgroup: dS K[:, cols]'s B
@@ -271,62 +253,22 @@ if AVAILABLE:
                 tail = n_lo + COLS > sk
                 dk = gl.zeros([COLS, D], gl.float32, acc_layout)
                 dv = gl.zeros([COLS, D], gl.float32, acc_layout)
-                lse_base = lse_ptr + b.to(gl.int64) * slb
-                delta_base = delta_ptr + b.to(gl.int64) * slb
                 mbarrier.wait(kv_ready, tile_i & 1)
                 for j in range(GROUP * cnt):
                     h = hk * GROUP + j // cnt
                     mb = m_lo + j % cnt
                     m0 = mb * BLOCK_M
-                    if not ST:
-                        # rows past sq (the next batch's Q / dO) get lse = +inf: P = dS = 0 there. Loaded before
-                        # the waits so their latency hides under them (ST: the loader puts them in shared
-                        # memory, read in _bwd_step_st just before their use)
-                        rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-                        in_q = rows < sq
-                        lse = gl.load(lse_base + h * slh + rows, mask=in_q, other=float("inf")) * LOG2E
-                        delta = gl.load(delta_base + h * slh + rows, mask=in_q, other=0.0)
                     i = it + j
                     st = i % NS
                     ph = (i // NS) & 1
                     q_s = q_bufs.index(st)
                     do_s = do_bufs.index(st)
-                    if ST:
-                        buf = i % 2
-                        dq, dk, dv = _bwd_step_st(q_s, do_s, k_rows, v_rows, ds_bufs.index(buf), k_dq,
-                                                  q_ready.index(st), do_ready.index(st), ds_ready.index(buf), ph,
-                                                  (i // 2) & 1, dk, dv, lse_smem.index(st), delta_smem.index(st),
-                                                  (mb < m_full) | tail, m0, n_lo, sq, sk, qk_scale, sm_scale, WG,
-                                                  CAUSAL, st_layout, a_layout, dq_layout)
-                    else:
-                        mbarrier.wait(q_ready.index(st), ph)
-                        s = warpgroup_mma(q_s, k_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                                          use_acc=False, is_async=True)
-                        mbarrier.wait(do_ready.index(st), ph)
-                        dp = warpgroup_mma(do_s, v_wg, gl.zeros([BLOCK_M, COLS], gl.float32, s_layout),
-                                           use_acc=False, is_async=True)
-                        s = warpgroup_mma_wait(1, deps=(s,))
-                        if (mb < m_full) | tail:
-                            s = _bwd_mask(s, m0, n_lo, sq, sk, CAUSAL, False)
-                        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
-                        p_smem.slice(WG * COLS, COLS, dim=1).store(p.to(dtype))
-                        dp = warpgroup_mma_wait(0, deps=(dp,))
-                        ds = (p * (dp - gl.expand_dims(delta, 1)) * sm_scale).to(dtype)
-                        buf = i % 2
-                        ds_s = ds_bufs.index(buf)
-                        ds_s.slice(WG * COLS, COLS, dim=1).store(ds)
-                        fence_async_shared()
-                        # (the arrive is one thread after a barrier of this warpgroup: P and dS are stored by then)
-                        mbarrier.arrive(ds_ready.index(buf), count=1)
-                        dv = warpgroup_mma(p_smem.slice(WG * COLS, COLS, dim=1).permute((1, 0)), do_s, dv,
-                                           is_async=True)
-                        dk = warpgroup_mma(ds_s.slice(WG * COLS, COLS, dim=1).permute((1, 0)), q_s, dk,
-                                           is_async=True)
-                        # dQ = dS K needs every warpgroup's dS of this block
-                        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-                        dq = warpgroup_mma(ds_s, k_dq, gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout),
-                                           use_acc=False, is_async=True)
-                        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+                    buf = i % 2
+                    dq, dk, dv = _bwd_step(q_s, do_s, k_rows, v_rows, ds_bufs.index(buf), k_dq, q_ready.index(st),
+                                           do_ready.index(st), ds_ready.index(buf), ph, (i // 2) & 1, dk, dv,
+                                           lse_smem.index(st), delta_smem.index(st), (mb < m_full) | tail, m0,
+                                           n_lo, sq, sk, qk_scale, sm_scale, WG, CAUSAL, st_layout, a_layout,
+                                           dq_layout)
                     mbarrier.arrive(empty.index(st), count=1)
                     tma.store_wait(0)  # the last reduce has read the staging tile
                     dq_stage.store(dq)
@@ -357,7 +299,7 @@ if AVAILABLE:
                             STAGES: gl.constexpr, NUM_WG: gl.constexpr, PERSISTENT: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                             q_layout: gl.constexpr, kv_layout: gl.constexpr, ds_layout: gl.constexpr,
-                            dq_layout: gl.constexpr, ST: gl.constexpr = False):
+                            dq_layout: gl.constexpr):
         """Tiles are ``(key block of 64 * NUM_WG, batch, KV head)``: one per program, or (``PERSISTENT``) one
         program per SM walking ``t = pid, pid + grid, ..``. Q, dO ``(B, sq, H, D)`` and K, V ``(B, sk, HK, D)``
         are read through 2-D TMA descriptors over ``(B * s, heads * D)`` with row strides
@@ -383,17 +325,11 @@ if AVAILABLE:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
         q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
         do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
-        if ST:  # dS^T (keys, queries) only: P^T stays in registers; lse and delta per stage
-            ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-            p_smem = ds_bufs  # unused
-            vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-            lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_sl)
-            delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_sl)
-        else:
-            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
-            ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
-            lse_smem = p_smem  # unused
-            delta_smem = p_smem
+        # dS^T (keys, queries) for dQ (P^T stays in registers); lse and delta per stage
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_sl)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_sl)
         # fp32 staging tiles of the dQ reduce, one per consumer warpgroup
         dq_bufs = gl.allocate_shared_memory(gl.float32, [NUM_WG, BLOCK_M, HEAD_D // NUM_WG], dq_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -405,19 +341,19 @@ if AVAILABLE:
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(kv_empty, count=NUM_WG)
         for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=2 if ST else 1)  # ST: the loader's lse/delta arrival too
+            mbarrier.init(q_ready.index(i), count=2)  # the TMA's bytes and the loader's lse/delta arrival
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=NUM_WG)
-        args = (dq_desc, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready,
-                do_ready, empty, ds_ready, dk_ptr, dv_ptr, lse_ptr, delta_ptr, dkb, dkn, dkh, dvb, dvn, dvh, slb, slh,
-                B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, qk_scale, sm_scale, lse_smem, delta_smem)
+        args = (dq_desc, k_smem, v_smem, q_bufs, do_bufs, ds_bufs, dq_bufs, kv_ready, kv_empty, q_ready, do_ready,
+                empty, ds_ready, dk_ptr, dv_ptr, dkb, dkn, dkh, dvb, dvn, dvh, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N,
+                n_units, qk_scale, sm_scale, lse_smem, delta_smem)
         loader_args = (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_ready, kv_empty, q_ready,
                        do_ready, empty, B, HK, GROUP, BH_GROUP, sq, sk, NUM_N, n_units, lse_smem, delta_smem, lse_ptr,
                        delta_ptr, slb, slh)
         gl.warp_specialize([
-            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PERSISTENT, ST)),
-            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PERSISTENT, ST)),
-            (_bwd_loader, (loader_args, CAUSAL, PERSISTENT, ST)),
+            (_bwd_consumer, (args, 0, CAUSAL, NUM_WG, PERSISTENT)),
+            (_bwd_consumer, (args, 1, CAUSAL, NUM_WG, PERSISTENT)),
+            (_bwd_loader, (loader_args, CAUSAL, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

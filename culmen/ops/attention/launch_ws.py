@@ -201,7 +201,13 @@ def ws_forward(q, k, v, out, lse, scale_log2: float, causal: bool, tile: tuple, 
 # ------------------------------------------------------------------------------------------------ backward
 # head dim -> (BLOCK_M, STAGES) of the Gluon backward (kernels_ws_bwd): two consumer warpgroups of 64 keys each
 # (BLOCK_N 128), each adding half of every dQ tile's columns into the fp32 accumulator by one TMA bulk reduce.
-# Shared memory (d128: 213 KB at 2 stages) leaves no room for a third stage, except in the transposed form.
+# The scores are transposed (S^T = K Q^T, dP^T = V dO^T), so P^T and dS^T feed dV's and dK's GEMMs from
+# registers (FA3's register-A form). Against the untransposed form it replaced (P and dS through shared memory),
+# H200 s14, 16k tokens, backward ms, untransposed / transposed / transposed with 3 Q/dO stages (fits at d128
+# only without the P buffer): d128 s2k full 1.640 / 1.625 / 1.693, causal 1.077 / 1.027 / 1.023; s8k full
+# 5.538 / 5.385 / 6.078, causal 3.099 / 2.988 / 3.229; d64 s2k full 2.140 / 1.925 / 1.974, causal 1.284 / 1.192 /
+# 1.210; s8k full 7.497 / 6.805 / 7.042, causal 3.897 / 3.584 / 3.812 (H100: the same order, 0-10%;
+# bench/results/h{100,200}/2026-11-28-s14-tune-bwd-st.log).
 WS_BWD_TUNING: dict = {
     "on": True,
     "tiles": {64: (64, 2), 128: (64, 2)},
@@ -213,22 +219,12 @@ WS_BWD_TUNING: dict = {
     # transposed form (H100 s14, backward ms Gluon / Triton): s1k full 1.181 / 1.186, causal 0.848 / 0.907; s4k
     # full 3.577 / 4.115. Before it (s10): s1k 1.67 vs 1.73 ms fwd+bwd, s2k within 1-3% both ways.
     "min_sk": {64: 1024},
-    # The scores transposed (kernels_ws_bwd ``ST``): S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T feed dV's and
-    # dK's GEMMs from registers (FA3's register-A form): 16 KB less shared memory read per warpgroup and block
-    # (144 -> 128 KB at d128, where the loop sits near the shared-memory bandwidth, notes v11), no P buffer, and
-    # no spills in the d128 loops (the other form: 15 spill ops in the causal loop). lse and delta become
-    # per-column vectors (16 values a thread instead of 2), passed through shared memory by the loader.
-    # H200 (s14, 16k tokens, backward ms, other form / transposed / transposed with 3 Q/dO stages, which fit only
-    # here): d128 s2k full 1.640 / 1.625 / 1.693, causal 1.077 / 1.027 / 1.023; s8k full 5.538 / 5.385 / 6.078,
-    # causal 3.099 / 2.988 / 3.229; d64 s2k full 2.140 / 1.925 / 1.974, causal 1.284 / 1.192 / 1.210; s8k full
-    # 7.497 / 6.805 / 7.042, causal 3.897 / 3.584 / 3.812 (bench/results/h200/2026-11-28-s14-tune-bwd-st.log).
-    "st": True,
 }
 WS_BWD_REGS = (240, 24)
 
 
 def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: bool) -> tuple | None:
-    """``(BLOCK_M, STAGES, persistent, ST)`` when the Gluon backward takes this dense call (the forward's
+    """``(BLOCK_M, STAGES, persistent)`` when the Gluon backward takes this dense call (the forward's
     conditions, ``ws_config``), else ``None``. The caller also needs dout TMA-readable and non-deterministic
     mode."""
     if not WS_BWD_TUNING["on"] or ws_config(q, k, v, causal=causal, extras=extras, on_gpu=on_gpu,
@@ -238,14 +234,13 @@ def ws_bwd_config(q, k, v, *, causal: bool, extras: bool, on_gpu: bool, hopper: 
     if k.shape[1] < WS_BWD_TUNING["min_sk"].get(d, 0):
         return None
     tile = WS_BWD_TUNING["tiles"].get(d)
-    # the switches are read here, when the forward plans the call, so its backward runs what was asked then
-    return None if tile is None else (*tile[:2], bool(WS_BWD_TUNING["persistent"]), bool(WS_BWD_TUNING["st"]))
+    # the switch is read here, when the forward plans the call, so its backward runs what was asked then
+    return None if tile is None else (*tile[:2], bool(WS_BWD_TUNING["persistent"]))
 
 
 def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: int, device,
-                  persistent: bool, st: bool) -> Launch:
-    """A ``Launch`` of ``_attn_bwd_ws_kernel`` for one ``(BLOCK_M, STAGES)`` tile and grid; ``st``: the
-    transposed form (``WS_BWD_TUNING["st"]``)."""
+                  persistent: bool) -> Launch:
+    """A ``Launch`` of ``_attn_bwd_ws_kernel`` for one ``(BLOCK_M, STAGES)`` tile and grid."""
     from triton.experimental.gluon import language as gl
 
     from culmen.ops.attention import kernels_ws_bwd
@@ -257,8 +252,8 @@ def ws_bwd_launch(dtype: torch.dtype, d: int, causal: bool, tile: tuple, grid: i
                 CONSUMER_REGS=creg, LOADER_REGS=lreg,
                 q_layout=gl.NVMMASharedLayout.get_default_for([bm, d], gdt),
                 kv_layout=gl.NVMMASharedLayout.get_default_for([128, d], gdt),
-                ds_layout=gl.NVMMASharedLayout.get_default_for([128, bm] if st else [bm, 128], gdt),
-                dq_layout=gl.NVMMASharedLayout.get_default_for([bm, d // 2], gl.float32), ST=bool(st))
+                ds_layout=gl.NVMMASharedLayout.get_default_for([128, bm], gdt),  # dS^T: keys by queries
+                dq_layout=gl.NVMMASharedLayout.get_default_for([bm, d // 2], gl.float32))
     return Launch(kernels_ws_bwd._attn_bwd_ws_kernel, (grid,), meta, 4, 1, device=device,
                   options={"maxnreg": (creg * 2 + lreg) // 3})
 
@@ -276,10 +271,10 @@ class WsBackward:
         sk, hk = int(k_shape[1]), int(k_shape[2])
         num_n = cdiv(sk, 128)
         grid = (cdiv(num_n, 2) if causal else num_n) * B * hk  # causal work units pair key blocks n, num_n-1-n
-        bm, stages, persistent, st = tile  # ws_bwd_config's tile and switches
+        bm, stages, persistent = tile  # ws_bwd_config's tile and switch
         if persistent:
             grid = min(grid, num_programs_hint(torch.device(device)))
-        self.launch = ws_bwd_launch(dtype, d, causal, (bm, stages), grid, device, persistent, st)
+        self.launch = ws_bwd_launch(dtype, d, causal, (bm, stages), grid, device, persistent)
         # (batch, KV head) pairs per tile group: their Q, dO (bf16) and dQ accumulator (fp32) stay in L2
         group_bytes = (H // hk) * sq * d * 8
         bh_group = max(1, min(B * hk, WS_BWD_TUNING["l2_bytes"] // max(group_bytes, 1)))
