@@ -87,21 +87,22 @@ def _flash_attn_forward(
                                    attention_chunk, softcap, num_splits, pack_gqa, False, sm_margin,
                                    return_attn_probs=True)
     if out_ is not None:
-        if not isinstance(out_, Tensor) or out_.shape != out.shape or out_.dtype != out.dtype:
-            raise ValueError(f"out_ must be a {out.dtype} tensor of shape {tuple(out.shape)}, got "
-                             f"{getattr(out_, 'dtype', type(out_).__name__)} {tuple(getattr(out_, 'shape', ()))}")
-        out = out_.copy_(out)
+        out = _check_like("out_", out_, out).copy_(out)
     empty = torch.empty(0, dtype=torch.float32, device=q.device)
     return out, lse, empty, empty
 
 
-def _grad_buffer(name: str, buf: Tensor | None, like: Tensor) -> Tensor:
-    if buf is None:
-        return torch.empty_like(like)
+def _check_like(name: str, buf, like: Tensor) -> Tensor:
+    """``buf``, a caller's output buffer, checked to be a tensor of ``like``'s shape and dtype."""
     if not isinstance(buf, Tensor) or buf.shape != like.shape or buf.dtype != like.dtype:
         raise ValueError(f"{name} must be a {like.dtype} tensor of shape {tuple(like.shape)}, got "
                          f"{getattr(buf, 'dtype', type(buf).__name__)} {tuple(getattr(buf, 'shape', ()))}")
     return buf
+
+
+def _grad_buffer(name: str, buf: Tensor | None, like: Tensor) -> Tensor:
+    """A gradient buffer: the caller's (checked) or a new one like ``like``."""
+    return torch.empty_like(like) if buf is None else _check_like(name, buf, like)
 
 
 def _plan_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap,

@@ -36,7 +36,39 @@ __all__ = ["FP16_Optimizer"]
 _LOW = (torch.float16, torch.bfloat16)
 
 
-class FP16_Optimizer:  # noqa: N801 - Apex's name
+class _WrapsOptimizer:
+    """The wrapped ``self.optimizer``'s ``state`` and ``param_groups`` as the wrapper's own (settable; e.g. to
+    change the learning rate); pickling refused, as Apex's wrappers do: they are saved through ``state_dict()``.
+    Shared by this module's and ``apex.contrib.optimizers``' ``FP16_Optimizer``."""
+
+    optimizer: torch.optim.Optimizer
+
+    def __getstate__(self) -> None:
+        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
+
+    def __setstate__(self, state: Any) -> None:
+        raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's ``state`` (settable)."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's ``param_groups`` (settable; e.g. to change the learning rate)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.optimizer.param_groups = value
+
+
+class FP16_Optimizer(_WrapsOptimizer):  # noqa: N801 - Apex's name
     """Master-weight wrapper of ``init_optimizer`` (see the module docstring).
 
     Args:
@@ -108,12 +140,6 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         """Print ``msg`` when ``verbose``."""
         if self.verbose:
             print(msg)
-
-    def __getstate__(self) -> None:
-        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
-
-    def __setstate__(self, state: Any) -> None:
-        raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
 
     def zero_grad(self, set_grads_to_None: bool = False) -> None:  # noqa: N803 - Apex's name
         """Zero (or set to None) the grads of the masters, the fp32 params and the 16-bit model params."""
@@ -239,21 +265,3 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         self.loss_scaler._loss_scale = value
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's ``state`` (settable)."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The wrapped optimizer's ``param_groups`` (settable; e.g. to change the learning rate)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict]) -> None:
-        self.optimizer.param_groups = value

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from culmen.amp._amp_state import warn_deprecated_once
+from culmen.fp16_utils.fp16_optimizer import _WrapsOptimizer
 from culmen.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 
 __all__ = ["FP16_Optimizer"]
@@ -26,7 +27,7 @@ __all__ = ["FP16_Optimizer"]
 _DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window")
 
 
-class FP16_Optimizer:  # noqa: N801 - Apex's name
+class FP16_Optimizer(_WrapsOptimizer):  # noqa: N801 - Apex's name
     """Flat fp32 masters and loss scaling around a contrib fused optimizer.
 
     Args:
@@ -121,12 +122,6 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
                     p.grad.detach_()
                     p.grad.zero_()
 
-    @staticmethod
-    def _grad_norm(flat: Tensor) -> float:
-        """The 2-norm of a flat (scaled) gradient in fp32, or -1 when it is inf or nan."""
-        norm = float(torch.linalg.vector_norm(flat, 2, dtype=torch.float32))
-        return norm if math.isfinite(norm) else -1.0
-
     def step(self, closure: Any = None) -> Any:
         """Unscale, update the flat masters through the wrapped optimizer, write the model parameters; skipped
         (and a dynamic scale shrinks) when any group's gradient overflowed. Returns ``closure()``'s loss."""
@@ -134,15 +129,17 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads, norms = [], []
+        grads = []
         for gi, group in enumerate(self.fp16_groups):
             missing = [i for i, p in enumerate(group) if p.grad is None]
             if missing:
                 raise RuntimeError(f"FP16_Optimizer.step: parameters {missing} of group {gi} have no gradient "
                                    "(call backward first)")
-            flat = _flatten_dense_tensors([p.grad for p in group])
-            grads.append(flat)
-            norms.append(self._grad_norm(flat))
+            grads.append(_flatten_dense_tensors([p.grad for p in group]))
+        # every group's fp32 2-norm of its scaled gradient in one host read; inf or nan is an overflow (-1)
+        dev = grads[0].device
+        norms = torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32).to(dev) for g in grads]).tolist()
+        norms = [n if math.isfinite(n) else -1.0 for n in norms]
         if any(n < 0 for n in norms):
             self._update_scale(True)
             return loss
@@ -161,23 +158,7 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
 
     # ------------------------------------------------------------------------------------------ the state
 
-    @property
-    def state(self):
-        """The wrapped optimizer's ``state``."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value) -> None:
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self):
-        """The wrapped optimizer's ``param_groups`` (one flat fp32 master each)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value) -> None:
-        self.optimizer.param_groups = value
+    # ``state`` / ``param_groups`` (one flat fp32 master each) are the wrapped optimizer's (``_WrapsOptimizer``)
 
     def state_dict(self) -> dict:
         """The scaler's state, ``optimizer_state_dict`` and the flat masters (``fp32_groups_flat``)."""
@@ -212,9 +193,3 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
             for current, saved, flat in zip(self.fp32_groups_flat, masters, self.fp16_groups_flat):
                 current.copy_(saved)
                 flat.copy_(current)
-
-    def __getstate__(self):
-        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
-
-    def __setstate__(self, state):
-        raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
